@@ -1,0 +1,27 @@
+"""OpenPopTorch: the PopTorch API on modern PyTorch.
+
+This module only re-exports the public API; each name lives in its own module.
+"""
+# ruff: noqa: F401
+# --- foundation: enums and errors ---------------------------------------------
+from .enums import (AnchorMode, AutoStage, CommGroupType, ConnectionType, DataLoaderMode,
+                    HalfFloatCastingBehavior, Liveness, MatMulSerializationMode,
+                    MeanReductionStrategy, MultiConvPlanType, OutputMode, OverlapMode,
+                    ReductionType, SharingStrategy, SyncPattern, VariableRetrievalMode)
+from .errors import (ConfigFileError, Error, RecoverableError, UnrecoverableError,
+                     createPoptorchError)
+from . import enums
+
+# --- foundation: options, logging, devices (issue 2) -----------------------------
+
+# --- data (issue 4) ---------------------------------------------------------------
+
+# --- annotations and execution strategies (issue 6) -------------------------------
+
+# --- ops (identity_loss, custom ops, ...) -----------------------------------------
+
+# --- optimizers (issue 5) ----------------------------------------------------------
+
+# --- executor (issue 3) -----------------------------------------------------------
+
+__version__ = "3.4.0"

@@ -1,0 +1,1 @@
+"""Runtime of the executor: batching, device loop, weight sync, schedules."""
