@@ -1,0 +1,199 @@
+"""Which torch device plays each IPU.
+
+* With NVIDIA GPUs (``torch.cuda.is_available()``), IPU *k* is ``cuda:(first + k)``,
+  where ``first`` is ``Options.useIpuId`` (default 0).
+* Without one, or with ``Options.useIpuModel(True)`` / ``POPTORCH_IPU_MODEL=1``, IPUs
+  are virtual devices on the CPU: every IPU is ``torch.device("cpu")``.
+
+A program that explicitly demands an accelerator (``useIpuModel(False)``, or
+``useIpuId(n)`` with no GPU ``n``) gets a :py:class:`poptorch.Error`, never a silent
+fallback to the CPU.
+
+A model needing more IPUs than there are GPUs from ``first`` on shares them: IPU *k*
+runs on the ``k``-th of those GPUs modulo their number (logged at INFO).
+
+``POPTORCH_WAIT_FOR_IPU=1`` waits, polling, until the GPUs are free. A GPU is judged
+*busy* when less than half of its memory is free, not counting memory this process's
+caching allocator reserved (``torch.cuda.mem_get_info``). GPUs, unlike IPUs, can be
+shared, so without the variable a busy GPU is used anyway with a warning.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from . import _logging
+from .errors import Error
+
+__all__ = ["acquire_devices", "ipu_device", "ipuHardwareIsAvailable", "ipuHardwareVersion",
+           "uses_ipu_model", "round_num_ipus"]
+
+BUSY_FREE_FRACTION = 0.5
+"""A GPU with less than this fraction of its memory free (ours excluded) is busy."""
+WAIT_POLL_SECONDS = 1.0
+"""How often ``POPTORCH_WAIT_FOR_IPU`` checks again for free GPUs."""
+WAIT_LOG_SECONDS = 60.0
+"""How often a waiting process says that it is still waiting."""
+
+
+def _env_flag(name: str) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    return value not in ("", "0", "false", "no", "off")
+
+
+def _gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:
+    """True if at least ``num_ipus`` accelerators (NVIDIA GPUs) are present.
+
+    Like upstream, this does not check whether they are in use.
+    """
+    return _gpu_count() >= num_ipus
+
+
+def ipuHardwareVersion() -> int:
+    """The accelerator's version: the CUDA compute capability of GPU 0 as
+    ``major * 10 + minor`` (e.g. 80 for an A100, 90 for an H100); -1 without one."""
+    if _gpu_count() == 0:
+        return -1
+    major, minor = torch.cuda.get_device_capability(0)
+    return major * 10 + minor
+
+
+def uses_ipu_model(options: Any = None) -> bool:
+    """True if IPUs are virtual CPU devices for ``options``.
+
+    Precedence: ``useIpuModel`` if called, then ``POPTORCH_IPU_MODEL``, then "no GPU".
+    Raises :py:class:`poptorch.Error` if ``useIpuModel(False)`` demands absent hardware.
+    """
+    if options is not None and options.exists("use_model"):
+        if options.use_model:
+            return True
+        if _gpu_count() == 0:
+            raise Error("useIpuModel(False) demands accelerator hardware, but no NVIDIA GPU "
+                        "is available (torch.cuda.is_available() is False). Remove the "
+                        "call, or call useIpuModel(True) to run on virtual CPU IPUs.")
+        return False
+    if _env_flag("POPTORCH_IPU_MODEL"):
+        return True
+    return _gpu_count() == 0
+
+
+def _model_requested(options: Any) -> bool:
+    """True if the IPU Model was asked for (``useIpuModel(True)`` or the env var)."""
+    if options is not None and options.exists("use_model"):
+        return bool(options.use_model)
+    return _env_flag("POPTORCH_IPU_MODEL")
+
+
+def _first_gpu(options: Any) -> int:
+    count = _gpu_count()
+    if options is not None and options.exists("ipu_id"):
+        ipu_id = options.ipu_id
+        if ipu_id >= count:
+            raise Error(f"useIpuId({ipu_id}) demands GPU cuda:{ipu_id}, but only {count} "
+                        f"NVIDIA GPU(s) are available. Use an id below {count}"
+                        f"{'' if count else ' (there is none)'}, or remove the call.")
+        return ipu_id
+    return 0
+
+
+def ipu_device(ipu_id: int, options: Any = None) -> torch.device:
+    """The torch device that plays IPU ``ipu_id`` under ``options``."""
+    if isinstance(ipu_id, bool) or not isinstance(ipu_id, int) or ipu_id < 0:
+        raise Error(f"IPU ids are integers >= 0, got {ipu_id!r}.")
+    if uses_ipu_model(options):
+        explicit_id = options is not None and options.exists("ipu_id")
+        if explicit_id and _gpu_count() == 0 and not _model_requested(options):
+            _first_gpu(options)  # raises: useIpuId demands a GPU that is not there
+        if explicit_id:
+            _logging.info_once(("ipu id ignored", options.ipu_id),
+                               "useIpuId(%d) is ignored: the IPU Model (virtual CPU IPUs) "
+                               "was requested.", options.ipu_id)
+        return torch.device("cpu")
+    first = _first_gpu(options)
+    usable = _gpu_count() - first
+    return torch.device("cuda", first + ipu_id % usable)
+
+
+def round_num_ipus(num_ipus: int, auto_round: bool) -> int:
+    """Apply the power-of-two rule: ``num_ipus`` itself if it is a power of two, else the
+    next power of two if ``auto_round``, else a :py:class:`poptorch.Error`."""
+    if num_ipus < 1:
+        raise Error(f"A model needs at least one IPU, got {num_ipus}.")
+    if num_ipus & (num_ipus - 1) == 0:
+        return num_ipus
+    rounded = 1 << (num_ipus - 1).bit_length()
+    if not auto_round:
+        raise Error(f"The model needs {num_ipus} IPUs, which is not a power of 2. Change "
+                    f"the annotations (or the replication factor) to use a power of 2, or "
+                    f"call opts.autoRoundNumIPUs(True) to reserve {rounded} IPUs.")
+    return rounded
+
+
+def _gpu_is_busy(index: int) -> bool:
+    free, total = torch.cuda.mem_get_info(index)
+    ours = torch.cuda.memory_reserved(index)
+    return (free + ours) < BUSY_FREE_FRACTION * total
+
+
+def _wait_until_free(indices: list[int]) -> None:
+    busy = [i for i in indices if _gpu_is_busy(i)]
+    if not busy:
+        return
+    if not _env_flag("POPTORCH_WAIT_FOR_IPU"):
+        _logging.log_once(logging.WARNING, ("busy gpus", tuple(busy)),
+                          "GPU(s) %s have less than %d%% of their memory free: another "
+                          "process is using them. Running anyway (set "
+                          "POPTORCH_WAIT_FOR_IPU=1 to wait until they are free).",
+                          ", ".join(f"cuda:{i}" for i in busy),
+                          int(BUSY_FREE_FRACTION * 100))
+        return
+    start = last_log = time.monotonic()
+    _logging.logger.info("Waiting for GPU(s) %s to become free (POPTORCH_WAIT_FOR_IPU=1).",
+                         ", ".join(f"cuda:{i}" for i in busy))
+    while busy:
+        time.sleep(WAIT_POLL_SECONDS)
+        busy = [i for i in busy if _gpu_is_busy(i)]
+        now = time.monotonic()
+        if busy and now - last_log >= WAIT_LOG_SECONDS:
+            last_log = now
+            _logging.logger.info("Still waiting for GPU(s) %s after %.0f s.",
+                                 ", ".join(f"cuda:{i}" for i in busy), now - start)
+
+
+def acquire_devices(options: Any, num_ipus: int) -> list[torch.device]:
+    """The devices playing IPUs ``0 .. n-1`` for a model needing ``num_ipus`` IPUs.
+
+    ``n`` is ``num_ipus`` after the power-of-two rule (``autoRoundNumIPUs`` rounds up;
+    the extra IPUs are reserved but idle). Applies ``useIpuModel`` /
+    ``POPTORCH_IPU_MODEL``, ``useIpuId`` and ``POPTORCH_WAIT_FOR_IPU`` and logs the
+    devices once at INFO.
+    """
+    if isinstance(num_ipus, bool) or not isinstance(num_ipus, int):
+        raise Error(f"num_ipus must be an integer, got {num_ipus!r}.")
+    auto_round = bool(options.auto_round_num_ipus) if options is not None else False
+    count = round_num_ipus(num_ipus, auto_round)
+    devices = [ipu_device(k, options) for k in range(count)]
+    if devices[0].type == "cuda":
+        indices = sorted({d.index for d in devices})
+        _wait_until_free(indices)
+        if len(indices) < count:
+            _logging.info_once(("shared gpus", count, tuple(indices)),
+                               "%d IPUs share %d GPU(s): IPU k runs on %s.", count,
+                               len(indices), _describe(devices))
+    _logging.info_once(("devices", tuple(str(d) for d in devices)),
+                       "Running on %s.", _describe(devices))
+    return devices
+
+
+def _describe(devices: list[torch.device]) -> str:
+    if all(d.type == "cpu" for d in devices):
+        return f"{len(devices)} virtual IPU(s) on the CPU"
+    return ", ".join(f"IPU{k}={d}" for k, d in enumerate(devices))

@@ -1,0 +1,209 @@
+"""PopTorch's logger: ``poptorch.logger``, ``setLogLevel`` and ``POPTORCH_LOG_LEVEL``.
+
+Messages go to the ``poptorch::python`` logger. When the application has not configured
+Python logging, they are printed on stderr as ``[poptorch] LEVEL: message``; when it has
+(the root logger has handlers), they only propagate to the application's handlers, so
+nothing is printed twice.
+
+Levels are PopTorch's: OFF, ERR, WARN, INFO (the default), DEBUG, TRACE and TRACE_ALL.
+``Options.logDir`` adds a log file and ``Options.maxRepeatLogs`` limits repeated lines;
+both take effect when a model is compiled with those options (see
+:py:func:`apply_options`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from typing import Any
+
+__all__ = ["logger", "setLogLevel", "info_once", "log_once", "apply_options",
+           "TRACE", "TRACE_ALL", "LOG_FILE_NAME"]
+
+TRACE = 5
+TRACE_ALL = 1
+logging.addLevelName(TRACE, "TRACE")
+logging.addLevelName(TRACE_ALL, "TRACE_ALL")
+_OFF = logging.CRITICAL + 10
+
+_LEVELS = {
+    "OFF": _OFF,
+    "ERR": logging.ERROR,
+    "ERROR": logging.ERROR,
+    "WARN": logging.WARNING,
+    "WARNING": logging.WARNING,
+    "INFO": logging.INFO,
+    "DEBUG": logging.DEBUG,
+    "TRACE": TRACE,
+    "TRACE_ALL": TRACE_ALL,
+}
+_DOCUMENTED_LEVELS = "OFF, ERR, WARN, INFO, DEBUG, TRACE, TRACE_ALL"
+
+LOG_FILE_NAME = "poptorch.log"
+"""Name of the file written in ``Options.logDir(dir)``."""
+
+logger = logging.getLogger("poptorch::python")
+
+
+class _StderrUnlessConfigured(logging.StreamHandler):
+    """Prints on stderr only while the application has no logging handlers of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property
+    def stream(self):  # resolved at every write so that redirected stderr is honoured
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger().handlers:
+            return  # the record propagates to the application's handlers instead
+        super().emit(record)
+
+
+class _RepeatFilter(logging.Filter):
+    """Suppresses a message repeated more than ``max_repeats`` times in a row, then
+    reports how many were suppressed when a different message arrives."""
+
+    def __init__(self, max_repeats: int | None) -> None:
+        super().__init__()
+        self.max_repeats = max_repeats
+        self._last: tuple[int, str] | None = None
+        self._count = 0
+        self._suppressed = 0
+        self._lock = threading.RLock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "_poptorch_summary", False):
+            return True
+        with self._lock:
+            key = (record.levelno, record.getMessage())
+            if key == self._last:
+                self._count += 1
+                if self.max_repeats is not None and self._count > self.max_repeats:
+                    self._suppressed += 1
+                    return False
+                return True
+            self._flush_summary()
+            self._last, self._count = key, 1
+            return True
+
+    def _flush_summary(self) -> None:
+        if self._suppressed and self._last is not None:
+            summary = logger.makeRecord(
+                logger.name, self._last[0], __file__, 0,
+                "... last message repeated %d more times (suppressed, see "
+                "Options.maxRepeatLogs)", (self._suppressed,), None)
+            summary._poptorch_summary = True
+            self._suppressed = 0
+            logger.handle(summary)
+
+
+_stderr_handler = _StderrUnlessConfigured()
+_stderr_handler.setFormatter(logging.Formatter("[poptorch] %(levelname)s: %(message)s"))
+logger.addHandler(_stderr_handler)
+_repeat_filter = _RepeatFilter(4)
+logger.addFilter(_repeat_filter)
+_file_handler: logging.FileHandler | None = None
+_once_keys: set = set()
+_once_lock = threading.Lock()
+
+
+def _parse_level(level: Any, source: str) -> int:
+    if isinstance(level, bool):
+        raise ValueError(f"{source}: invalid log level {level!r}; use one of "
+                         f"{_DOCUMENTED_LEVELS} or a logging level number.")
+    if isinstance(level, int):
+        if level < 0:
+            raise ValueError(f"{source}: log level must be >= 0, got {level}.")
+        return level
+    if isinstance(level, str):
+        name = level.strip().upper()
+        if name in _LEVELS:
+            return _LEVELS[name]
+        if name.isdigit():
+            return int(name)
+    raise ValueError(f"{source}: unknown log level {level!r}; use one of "
+                     f"{_DOCUMENTED_LEVELS} (any case) or a logging level number.")
+
+
+def setLogLevel(level: str | int) -> None:
+    """Set how much PopTorch logs.
+
+    Args:
+        level: OFF, ERR, WARN, INFO, DEBUG, TRACE or TRACE_ALL (any case), or a
+            ``logging`` level number such as ``logging.DEBUG``.
+    """
+    logger.setLevel(_parse_level(level, "setLogLevel"))
+
+
+def log_once(level: int, key: Any, msg: str, *args: Any) -> bool:
+    """Log ``msg`` at ``level`` only the first time ``key`` is seen in this process.
+
+    Returns True if the message was logged (or would have been, given the level).
+    """
+    with _once_lock:
+        if key in _once_keys:
+            return False
+        _once_keys.add(key)
+    logger.log(level, msg, *args)
+    return True
+
+
+def info_once(key: Any, msg: str, *args: Any) -> bool:
+    """Log ``msg`` at INFO only the first time ``key`` is seen in this process."""
+    return log_once(logging.INFO, key, msg, *args)
+
+
+def set_max_repeat_logs(max_lines: int | None) -> None:
+    """Suppress a message repeated more than ``max_lines`` times in a row (None: never)."""
+    _repeat_filter.max_repeats = max_lines
+
+
+def set_log_dir(log_dir: str | None) -> str | None:
+    """Also write every log record to ``<log_dir>/poptorch.log`` (None: stop).
+
+    Returns the path of the log file.
+    """
+    global _file_handler
+    if _file_handler is not None:
+        logger.removeHandler(_file_handler)
+        _file_handler.close()
+        _file_handler = None
+    if log_dir is None:
+        return None
+    os.makedirs(log_dir, exist_ok=True)
+    path = os.path.join(log_dir, LOG_FILE_NAME)
+    _file_handler = logging.FileHandler(path)
+    _file_handler.setFormatter(logging.Formatter(
+        "%(asctime)s [poptorch] %(levelname)s: %(message)s"))
+    logger.addHandler(_file_handler)
+    return path
+
+
+def apply_options(options: Any) -> None:
+    """Apply the logging options of ``options`` (``maxRepeatLogs``, ``logDir``).
+
+    Called when a model is compiled with ``options``. The log file is only opened when
+    ``logDir`` was called explicitly, so that programs do not litter the working
+    directory with log files by default.
+    """
+    set_max_repeat_logs(options.max_repeat_logs)
+    if options._log_dir_set:
+        set_log_dir(options.log_dir)
+
+
+def _read_env_level() -> None:
+    value = os.environ.get("POPTORCH_LOG_LEVEL")
+    if value is None:
+        logger.setLevel(logging.INFO)
+        return
+    logger.setLevel(_parse_level(value, "POPTORCH_LOG_LEVEL environment variable"))
+
+
+_read_env_level()
