@@ -13,6 +13,10 @@ from .errors import (ConfigFileError, Error, RecoverableError, UnrecoverableErro
 from . import enums
 
 # --- foundation: options, logging, devices (issue 2) -----------------------------
+from ._logging import logger, setLogLevel
+from ._devices import ipuHardwareIsAvailable, ipuHardwareVersion
+from .options import Attribute, BlockId, Options, TensorLocationSettings
+from . import options, poptorch_core
 
 # --- data (issue 4) ---------------------------------------------------------------
 
