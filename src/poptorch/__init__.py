@@ -25,6 +25,7 @@ from . import options, poptorch_core
 # --- ops (identity_loss, custom ops, ...) -----------------------------------------
 
 # --- optimizers (issue 5) ----------------------------------------------------------
+from . import optim
 
 # --- executor (issue 3) -----------------------------------------------------------
 
