@@ -23,6 +23,16 @@ from . import options, poptorch_core
 # --- annotations and execution strategies (issue 6) -------------------------------
 
 # --- ops (identity_loss, custom ops, ...) -----------------------------------------
+from .ops import (CPU, MultiConv, NameScope, accessAttributes, attributes_lists, cond,
+                  ctc_beam_search_decoder, custom_op, dynamic_slice, dynamic_update,
+                  for_loop, fps, getIpuTensorId, identity_loss, ipu_print_tensor, nearest,
+                  nop, serializedMatMul, set_available_memory, set_overlap_for_input,
+                  set_overlap_for_output)
+from ._ops_printing import module_repr, print
+from ._hooks import poptorchAtExit, registerPostCompileHook, registerPreCompileHook
+from ._argparsers import (ICustomArgParser, registerCustomArgParser,
+                          registerGeometricCustomArgParsers)
+from . import ops, profiling
 
 # --- optimizers (issue 5) ----------------------------------------------------------
 from . import optim
