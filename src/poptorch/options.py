@@ -23,7 +23,9 @@ from . import enums
 from ._options_base import (OptionsDict, check_bool, check_enum, check_int, check_str)
 from .errors import ConfigFileError, Error
 
-__all__ = ["Options", "TensorLocationSettings", "Attribute", "BlockId", "ConfigFileError"]
+__all__ = ["Options", "TensorLocationSettings", "Attribute", "BlockId", "ConfigFileError",
+           "Stage", "Phase", "PipelinedExecution", "ShardedExecution",
+           "SerialPhasedExecution", "ParallelPhasedExecution"]
 
 BlockId = str
 """Identifier of a block (the ``user_id`` of :py:class:`poptorch.Block`)."""
@@ -69,16 +71,18 @@ class _JitOptions(OptionsDict):
         return self
 
     @property
-    def backend(self) -> "_BackendSetting":
-        """The compiler backend: ``"eager"``, ``"inductor"`` or None (automatic).
+    def backend(self) -> "_BackendName | _AutoBackend":
+        """The compiler backend: ``"eager"``, ``"inductor"`` or automatic.
 
-        Reads as the chosen backend (``opts.Jit.backend == "eager"``); call it to choose
-        one (``opts.Jit.backend("inductor")``). When not chosen explicitly, the
-        ``POPTORCH_BACKEND`` environment variable decides; otherwise the value is None
-        and the executor picks inductor on GPUs and eager on the CPU. Use
-        :py:attr:`backend_name` to read the value as a plain ``str`` or None.
+        Reads as the chosen backend name (a ``str``: ``opts.Jit.backend == "eager"``);
+        call it to choose one (``opts.Jit.backend("inductor")``, ``None`` for
+        automatic). When not chosen explicitly, the ``POPTORCH_BACKEND`` environment
+        variable decides; otherwise it is automatic: falsy and ``== None`` (but not
+        ``is None``), and the executor picks inductor on GPUs and eager on the CPU. Use
+        :py:attr:`backend_name` to read a plain ``str`` or ``None``.
         """
-        return _BackendSetting(self)
+        name = self.backend_name
+        return _AutoBackend(self) if name is None else _BackendName(name, self)
 
     @property
     def backend_name(self) -> str | None:
@@ -109,37 +113,42 @@ class _JitOptions(OptionsDict):
         return {"Jit.trace_model": True} if self._values["trace_model"] else {}
 
 
-class _BackendSetting:
-    """``opts.Jit.backend``: compares like the chosen backend name, call it to choose."""
+class _BackendName(str):
+    """``opts.Jit.backend`` once a backend is chosen: the name itself (a real ``str``),
+    callable to choose another one."""
+
+    def __new__(cls, name: str, jit: _JitOptions) -> "_BackendName":
+        obj = super().__new__(cls, name)
+        obj._jit = jit
+        return obj
+
+    def __call__(self, name: str | None) -> _JitOptions:
+        return self._jit._set_backend(name)
+
+
+class _AutoBackend:
+    """``opts.Jit.backend`` while no backend is chosen: falsy and equal to None,
+    callable to choose one."""
 
     __slots__ = ("_jit",)
 
     def __init__(self, jit: _JitOptions) -> None:
         self._jit = jit
 
-    @property
-    def name(self) -> str | None:
-        return self._jit.backend_name
-
     def __call__(self, name: str | None) -> _JitOptions:
         return self._jit._set_backend(name)
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, _BackendSetting):
-            return self.name == other.name
-        return self.name == other
+        return other is None or isinstance(other, _AutoBackend)
 
     def __hash__(self) -> int:
-        return hash(self.name)
+        return hash(None)
 
     def __bool__(self) -> bool:
-        return self.name is not None
-
-    def __str__(self) -> str:
-        return str(self.name)
+        return False
 
     def __repr__(self) -> str:
-        return repr(self.name)
+        return "None"
 
 
 # --------------------------------------------------------------------------------------
@@ -1087,3 +1096,9 @@ def current_attributes() -> dict[str, Any]:
         merged.update(attributes)
     return merged
 
+
+
+# Upstream defines the execution strategies in this module; programs import them from
+# here too (``poptorch.options.PipelinedExecution``), so re-export the same objects.
+from .annotations import (ParallelPhasedExecution, Phase,  # noqa: E402  pylint: disable=wrong-import-position
+                          PipelinedExecution, SerialPhasedExecution, ShardedExecution, Stage)
