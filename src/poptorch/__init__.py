@@ -19,6 +19,7 @@ from .options import Attribute, BlockId, Options, TensorLocationSettings
 from . import options, poptorch_core
 
 # --- data (issue 4) ---------------------------------------------------------------
+from .data import AsynchronousDataAccessor, DataLoader
 
 # --- annotations and execution strategies (issue 6) -------------------------------
 
