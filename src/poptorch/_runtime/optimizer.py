@@ -1,0 +1,75 @@
+"""The optimizer as the device program sees it.
+
+On the CPU the device shares the user's parameters, so the user's optimizer object *is*
+the device optimizer: its ``state_dict()`` shows the device state, as PopTorch's
+documentation promises. On an accelerator a copy of it is made over the device
+parameters. ``setOptimizer`` attaches a new optimizer and carries the device state
+(momentum, ...) over, unless the new optimizer brings state of its own.
+"""
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from ..errors import Error
+from .weights import WeightSync
+
+
+def default_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """PopTorch's default for a trainingModel without optimizer: SGD with lr=0.01."""
+    from ..optim import SGD
+    return SGD(model.parameters(), lr=0.01)
+
+
+def _check_params(optimizer: Any, user_model: torch.nn.Module) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise Error(f"The optimizer must be a torch.optim.Optimizer (or poptorch.optim), "
+                    f"not {type(optimizer).__name__}.")
+    owned = {id(p) for p in user_model.parameters()}
+    for i, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in owned:
+                raise Error(
+                    f"The optimizer's param_groups[{i}] holds a parameter of shape "
+                    f"{tuple(p.shape)} that is not a parameter of the wrapped model: build "
+                    "the optimizer from model.parameters() of the model you wrap.")
+
+
+def attach_optimizer(optimizer: Any, device_model: torch.nn.Module,
+                     user_model: torch.nn.Module, sync: WeightSync,
+                     previous: Any = None) -> torch.optim.Optimizer:
+    """Return the optimizer that steps the device parameters (see module docstring)."""
+    _check_params(optimizer, user_model)
+    carry_state = previous is not None and previous is not optimizer and not optimizer.state
+    if sync.shared:
+        if carry_state:
+            optimizer.state = previous.state
+        return optimizer
+    names = {id(p): n for n, p in user_model.named_parameters()}
+    device_params = dict(device_model.named_parameters())
+    mapping = {id(p): device_params[names[id(p)]] for p in user_model.parameters()}
+    device_opt = copy.copy(optimizer)
+    device_opt.param_groups = [dict(g, params=[mapping[id(p)] for p in g["params"]])
+                               for g in optimizer.param_groups]
+    if carry_state:
+        device_opt.state = previous.state
+    else:
+        device_opt.state = defaultdict(dict, {
+            mapping[id(p)]: {k: v.to(sync.device) if isinstance(v, torch.Tensor) else v
+                             for k, v in s.items()}
+            for p, s in optimizer.state.items()})
+    return device_opt
+
+
+def make_loss_scaler(optimizer: Any, options: Any, previous: Any = None) -> Any:
+    """A LossScaler when the optimizer scales the loss or automatic loss scaling is on;
+    None otherwise (the common case costs nothing)."""
+    automatic = bool(options.Training.automatic_loss_scaling)
+    scale = getattr(optimizer, "loss_scaling", None)
+    if not automatic and (scale is None or float(scale) == 1.0):
+        return None
+    from .loss_scaling import LossScaler
+    return LossScaler(optimizer, automatic)

@@ -1,0 +1,112 @@
+"""Weight synchronisation between the user's module (host) and the executor's copy.
+
+On the CPU ("IPU Model") the executor's copy shares every parameter and buffer with the
+user's module, so there is nothing to copy: trained values are visible at once.
+
+On an accelerator the executor's copy holds device tensors. After a call the host is
+stale; reading the user's module (an attribute, ``parameters()``, ``state_dict()``, ...)
+copies the device values back first, as PopTorch's implicit copy-to-host does.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Iterator
+
+import torch
+
+
+class WeightSync:
+    """Copies weights between a host module and its device copy when they differ."""
+
+    def __init__(self, host: torch.nn.Module, device_model: torch.nn.Module,
+                 device: torch.device) -> None:
+        self.shared = device.type == "cpu"
+        self.device = device
+        self.host_dirty = False
+        self._host = host
+        self._device_model = device_model
+        if not self.shared:
+            device_model.to(device)
+            _install_access_hook(host, self)
+
+    def _pairs(self, buffers: bool = True,
+               params: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        dev = dict(self._device_model.named_parameters()) if params else {}
+        if buffers:
+            dev.update(self._device_model.named_buffers())
+        host = dict(self._host.named_parameters()) if params else {}
+        if buffers:
+            host.update(self._host.named_buffers())
+        for name, tensor in dev.items():
+            if name in host:
+                yield host[name], tensor
+
+    def mark_device_newer(self) -> None:
+        """Called after every run on the device: the host copy is now stale."""
+        if not self.shared:
+            self.host_dirty = True
+
+    def to_host_if_needed(self) -> bool:
+        """Copy device values to the host if they are newer; True if a copy happened."""
+        if not self.host_dirty:
+            return False
+        self.host_dirty = False  # first: reading the host below must not recurse
+        with torch.no_grad():
+            for host_t, dev_t in self._pairs():
+                host_t.copy_(dev_t, non_blocking=False)
+        return True
+
+    def to_host(self) -> None:
+        """Copy device values to the host unconditionally."""
+        self.host_dirty = True
+        self.to_host_if_needed()
+
+    def to_device(self, params: bool = True, buffers: bool = True) -> None:
+        """Copy host values to the device (after the user changed them on the host)."""
+        with torch.no_grad():
+            for host_t, dev_t in self._pairs(buffers=buffers, params=params):
+                if host_t is not dev_t:
+                    dev_t.copy_(host_t)
+        if not params:
+            return
+        self.host_dirty = False
+
+
+_HOOKED_METHODS = ("parameters", "named_parameters", "buffers", "named_buffers",
+                   "state_dict", "__call__", "forward")
+
+
+def _install_access_hook(host: torch.nn.Module, sync: WeightSync) -> None:
+    """Make reads of ``host`` copy device weights back first (accelerator only)."""
+    syncs = host.__dict__.setdefault("_poptorch_weight_syncs", [])
+    syncs.append(weakref.ref(sync))
+    if getattr(type(host), "_poptorch_hooked", False):
+        return
+    base = type(host)
+
+    def refresh(module: torch.nn.Module) -> None:
+        for ref in module.__dict__.get("_poptorch_weight_syncs", ()):
+            s = ref()
+            if s is not None:
+                s.to_host_if_needed()
+
+    namespace = {"_poptorch_hooked": True}
+
+    def make(name):
+        original = getattr(base, name)
+
+        def method(self, *args, **kwargs):
+            refresh(self)
+            return original(self, *args, **kwargs)
+        method.__name__ = name
+        method.__doc__ = original.__doc__
+        return method
+
+    for name in _HOOKED_METHODS:
+        namespace[name] = make(name)
+
+    def __getattr__(self, name):
+        refresh(self)
+        return base.__getattr__(self, name)
+    namespace["__getattr__"] = __getattr__
+    host.__class__ = type(base.__name__, (base,), namespace)
