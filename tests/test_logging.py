@@ -1,0 +1,143 @@
+"""poptorch.logger, setLogLevel, POPTORCH_LOG_LEVEL, logDir, maxRepeatLogs, log-once."""
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+import poptorch
+from poptorch import _logging
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    level = poptorch.logger.level
+    yield
+    poptorch.logger.setLevel(level)
+    _logging.set_max_repeat_logs(4)
+    _logging.set_log_dir(None)
+
+
+def _messages(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "poptorch::python"]
+
+
+def test_logger_name_matches_upstream():
+    assert poptorch.logger is logging.getLogger("poptorch::python")
+
+
+@pytest.mark.parametrize("name,level", [
+    ("OFF", logging.CRITICAL + 10), ("ERR", logging.ERROR), ("err", logging.ERROR),
+    ("WARN", logging.WARNING), ("Info", logging.INFO), ("DEBUG", logging.DEBUG),
+    ("TRACE", 5), ("trace_all", 1), (logging.DEBUG, logging.DEBUG), (15, 15),
+    ("WARNING", logging.WARNING),
+])
+def test_set_log_level(name, level):
+    poptorch.setLogLevel(name)
+    assert poptorch.logger.level == level
+
+
+@pytest.mark.parametrize("bad", ["LOUD", "", None, -1, True, 2.5])
+def test_bad_log_level_raises(bad):
+    with pytest.raises(ValueError, match="OFF, ERR, WARN, INFO, DEBUG, TRACE, TRACE_ALL|>= 0"):
+        poptorch.setLogLevel(bad)
+
+
+def test_levels_filter_messages(caplog):
+    caplog.set_level(1, logger="poptorch::python")
+    poptorch.setLogLevel("WARN")
+    poptorch.logger.info("hidden info")
+    poptorch.logger.warning("shown warning")
+    poptorch.setLogLevel("TRACE")
+    poptorch.logger.log(_logging.TRACE, "shown trace")
+    poptorch.logger.log(_logging.TRACE_ALL, "hidden trace_all")
+    poptorch.setLogLevel("OFF")
+    poptorch.logger.error("hidden error")
+    assert _messages(caplog) == ["shown warning", "shown trace"]
+
+
+def test_env_var_read_at_import(monkeypatch):
+    monkeypatch.setenv("POPTORCH_LOG_LEVEL", "debug")
+    _logging._read_env_level()
+    assert poptorch.logger.level == logging.DEBUG
+    monkeypatch.delenv("POPTORCH_LOG_LEVEL")
+    _logging._read_env_level()
+    assert poptorch.logger.level == logging.INFO  # the documented default
+    monkeypatch.setenv("POPTORCH_LOG_LEVEL", "chatty")
+    with pytest.raises(ValueError, match="POPTORCH_LOG_LEVEL"):
+        _logging._read_env_level()
+
+
+def test_env_var_in_a_fresh_process():
+    env = dict(os.environ, POPTORCH_LOG_LEVEL="TRACE")
+    out = subprocess.run([sys.executable, "-c", "import poptorch; print(poptorch.logger.level)"],
+                         env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "5"
+
+
+def test_stderr_format_when_application_has_no_logging(monkeypatch, capsys):
+    monkeypatch.setattr(logging.root, "handlers", [])
+    poptorch.setLogLevel("INFO")
+    poptorch.logger.info("hello %d", 3)
+    assert capsys.readouterr().err == "[poptorch] INFO: hello 3\n"
+
+
+def test_no_duplicate_when_application_configured_logging(monkeypatch, capsys, caplog):
+    caplog.set_level(logging.INFO, logger="poptorch::python")
+    poptorch.setLogLevel("INFO")
+    poptorch.logger.info("once only")
+    assert "once only" not in capsys.readouterr().err  # root handlers print it instead
+    assert _messages(caplog) == ["once only"]
+
+
+def test_max_repeat_logs_suppresses_and_reports(caplog):
+    caplog.set_level(logging.INFO, logger="poptorch::python")
+    poptorch.setLogLevel("INFO")
+    opts = poptorch.Options().maxRepeatLogs(2)
+    opts._freeze()  # logging options take effect when a model is compiled with them
+    poptorch.logger.info("start")
+    for _ in range(5):
+        poptorch.logger.info("same")
+    poptorch.logger.info("different")
+    assert _messages(caplog) == [
+        "start", "same", "same",
+        "... last message repeated 3 more times (suppressed, see Options.maxRepeatLogs)",
+        "different"]
+
+
+def test_max_repeat_logs_none_shows_everything(caplog):
+    caplog.set_level(logging.INFO, logger="poptorch::python")
+    poptorch.setLogLevel("INFO")
+    _logging.set_max_repeat_logs(None)
+    poptorch.logger.info("start none")
+    for _ in range(6):
+        poptorch.logger.info("again")
+    assert _messages(caplog).count("again") == 6
+
+
+def test_log_dir_writes_a_log_file(tmp_path):
+    poptorch.setLogLevel("INFO")
+    log_dir = tmp_path / "logs"
+    opts = poptorch.Options().logDir(str(log_dir))
+    opts._freeze()
+    poptorch.logger.warning("into the file")
+    _logging.set_log_dir(None)  # closes the file
+    text = (log_dir / _logging.LOG_FILE_NAME).read_text()
+    assert "[poptorch] WARNING: into the file" in text
+
+
+def test_default_log_dir_writes_no_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    poptorch.Options()._freeze()
+    poptorch.logger.warning("not in a file")
+    assert not (tmp_path / _logging.LOG_FILE_NAME).exists()
+
+
+def test_info_once(caplog):
+    caplog.set_level(logging.INFO, logger="poptorch::python")
+    poptorch.setLogLevel("INFO")
+    assert _logging.info_once(("test_info_once", 1), "first %s", "time")
+    assert not _logging.info_once(("test_info_once", 1), "first %s", "time")
+    assert _logging.log_once(logging.WARNING, ("test_info_once", 2), "other")
+    assert _messages(caplog) == ["first time", "other"]
