@@ -153,6 +153,9 @@ class PipelinedExecution(_IExecutionStrategy):
         if len(args) == 1 and isinstance(args[0], list):
             args = tuple(args[0])
         self.auto_stage: Optional[AutoStage] = None
+        self.pipeline_schedule = "1F1B"
+        #: the schedule of the last step run with this strategy (a ScheduleRecord)
+        self.last_schedule = None
         self._stages: List[Stage] = []
         if not args:
             self.auto_stage = AutoStage.SameAsIpu
@@ -168,6 +171,17 @@ class PipelinedExecution(_IExecutionStrategy):
 
     def _explicit_stages(self) -> List[Stage]:
         return list(self._stages)
+
+    def setSchedule(self, schedule: str) -> "PipelinedExecution":
+        """Choose the pipeline schedule of training steps: ``"1F1B"`` (default: one
+        forward, one backward; fewer micro-batches in flight) or ``"GPipe"`` (all
+        forwards, then all backwards). Inference always runs forwards in order.
+        (An OpenPopTorch addition.)"""
+        names = {"1f1b": "1F1B", "gpipe": "GPipe"}
+        if not isinstance(schedule, str) or schedule.lower() not in names:
+            raise ValueError(f"Unknown pipeline schedule {schedule!r}: use '1F1B' or 'GPipe'.")
+        self.pipeline_schedule = names[schedule.lower()]
+        return self
 
     def __repr__(self) -> str:
         inside = repr(self.auto_stage) if self.auto_stage is not None else ", ".join(
@@ -194,6 +208,7 @@ class _IPhasedExecution(_IExecutionStrategy):
         if len(phases) == 1 and isinstance(phases[0], list):
             phases = tuple(phases[0])
         self._tensors_liveness = Liveness.AlwaysLive
+        self.last_schedule = None
         self._separate_backward_phase = False
         self._phases: List[Phase] = []
         for phase in phases:
