@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from ._optimizer_attributes import VariableAttributes
+from ._runtime.loss_scaling import PENDING_UNSCALE_ATTR
 from .errors import Error
 
 logger = logging.getLogger("poptorch")
@@ -64,9 +65,6 @@ class Optimizer:
         self._device_state_reader: Optional[Callable[[], Dict[str, Any]]] = None
         # Top-level state-dict entries added by others (e.g. the loss scaler).
         self._extra_state: Dict[str, Any] = {}
-        # Set by LossScaler.unscale_: the next step divides the gradients by it, in
-        # the accumulator dtype, so fp16 gradients scaled up do not underflow again.
-        self._grad_divisor: Optional[float] = None
 
     # --- construction helpers ---------------------------------------------------
     def _prepare(self, params: Any, passed: Dict[str, Any]) -> Tuple[List[Any], Dict[str, Any]]:
@@ -128,7 +126,6 @@ class Optimizer:
     def _gradients(self) -> Dict[torch.Tensor, torch.Tensor]:
         """Each parameter's gradient in the accumulator dtype, unscaled and clipped,
         returned in the compute dtype (float32, or wider if the parameter is)."""
-        divisor, self._grad_divisor = self._grad_divisor, None
         accum = getattr(self, "accum_type", torch.float32)
         grads: Dict[torch.Tensor, torch.Tensor] = {}
         for group in self.param_groups:
@@ -139,7 +136,10 @@ class Optimizer:
                     raise Error(f"{type(self).__name__} does not support sparse "
                                 f"gradients.")
                 g = p.grad.to(compute_dtype(p))
-                if divisor is not None and divisor != 1.0:
+                # LossScaler leaves low-precision gradients scaled (see
+                # _runtime/loss_scaling.py): divide them here, in the wider dtype.
+                divisor = getattr(p.grad, PENDING_UNSCALE_ATTR, None)
+                if divisor is not None:
                     g = g / divisor
                 grads[p] = g.to(accum).to(compute_dtype(p))
         max_norm = getattr(self, "max_grad_norm", float("inf"))
@@ -205,13 +205,15 @@ class Optimizer:
     # --- state tensors --------------------------------------------------------------
     @staticmethod
     def _store(state: Dict[str, Any], key: str, value: torch.Tensor,
-               dtype: torch.dtype) -> None:
-        """Keep ``value`` as optimizer state ``key`` in ``dtype``."""
+               dtype: torch.dtype) -> torch.Tensor:
+        """Keep ``value`` as optimizer state ``key`` in ``dtype``; return the stored
+        value in ``value``'s dtype (rounded through ``dtype``), which the update uses."""
         old = state.get(key)
         if old is not None and old.dtype == dtype and old.shape == value.shape:
             old.copy_(value)
         else:
             state[key] = value.detach().to(dtype=dtype, copy=True)
+        return value if dtype == value.dtype else state[key].to(value.dtype)
 
     @staticmethod
     def _next_step(state: Dict[str, Any]) -> float:

@@ -36,7 +36,7 @@ def sgd(p: torch.Tensor, g: torch.Tensor, group: Dict[str, Any], state: State, *
         else:
             buf = state_view(state, "momentum_buffer", p)
             buf.mul_(momentum).add_(g, alpha=(1 - dampening) * scale)
-        _store(state, "momentum_buffer", buf, p.dtype if combined else velocity_dtype)
+        buf = _store(state, "momentum_buffer", buf, p.dtype if combined else velocity_dtype)
         velocity = buf / scale if scale != 1.0 else buf
         g = g.add(velocity, alpha=momentum) if group["nesterov"] else velocity
     apply_to_param(p, lambda w: w.add_(g, alpha=-lr))
@@ -60,8 +60,8 @@ def adam(p: torch.Tensor, g: torch.Tensor, group: Dict[str, Any], state: State, 
     exp_avg_sq = state_view(state, "exp_avg_sq", p)
     exp_avg.lerp_(g, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    _store(state, "exp_avg", exp_avg, first_dtype)
-    _store(state, "exp_avg_sq", exp_avg_sq, second_dtype)
+    exp_avg = _store(state, "exp_avg", exp_avg, first_dtype)
+    exp_avg_sq = _store(state, "exp_avg_sq", exp_avg_sq, second_dtype)
     if bias_correction:
         step_size = lr / (1 - beta1 ** step)
         denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
@@ -83,11 +83,11 @@ def rmsprop(p: torch.Tensor, g: torch.Tensor, group: Dict[str, Any], state: Stat
         g = g.add(p, alpha=group["weight_decay"])
     square_avg = state_view(state, "square_avg", p, fill=1.0 if tf_variant else 0.0)
     square_avg.mul_(alpha).addcmul_(g, g, value=1 - alpha)
-    _store(state, "square_avg", square_avg, second_dtype)
+    square_avg = _store(state, "square_avg", square_avg, second_dtype)
     if group["centered"]:
         grad_avg = state_view(state, "grad_avg", p)
         grad_avg.lerp_(g, 1 - alpha)
-        _store(state, "grad_avg", grad_avg, first_dtype)
+        grad_avg = _store(state, "grad_avg", grad_avg, first_dtype)
         mean_square = square_avg.addcmul(grad_avg, grad_avg, value=-1)
     else:
         mean_square = square_avg
@@ -99,11 +99,11 @@ def rmsprop(p: torch.Tensor, g: torch.Tensor, group: Dict[str, Any], state: Stat
         buf = state_view(state, "momentum_buffer", p)
         if tf_variant:
             buf.mul_(momentum).addcdiv_(g, avg, value=lr)
-            _store(state, "momentum_buffer", buf, first_dtype)
+            buf = _store(state, "momentum_buffer", buf, first_dtype)
             apply_to_param(p, lambda w: w.sub_(buf))
         else:
             buf.mul_(momentum).addcdiv_(g, avg)
-            _store(state, "momentum_buffer", buf, first_dtype)
+            buf = _store(state, "momentum_buffer", buf, first_dtype)
             apply_to_param(p, lambda w: w.add_(buf, alpha=-lr))
     else:
         apply_to_param(p, lambda w: w.addcdiv_(g, avg, value=-lr))
@@ -122,8 +122,8 @@ def lamb(p: torch.Tensor, g: torch.Tensor, group: Dict[str, Any], state: State, 
     exp_avg_sq = state_view(state, "exp_avg_sq", p)
     exp_avg.mul_(beta1).add_(g, alpha=1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    _store(state, "exp_avg", exp_avg, first_dtype)
-    _store(state, "exp_avg_sq", exp_avg_sq, second_dtype)
+    exp_avg = _store(state, "exp_avg", exp_avg, first_dtype)
+    exp_avg_sq = _store(state, "exp_avg_sq", exp_avg_sq, second_dtype)
     if bias_correction:
         m_hat = exp_avg / (1 - beta1 ** step)
         v_hat = exp_avg_sq / (1 - beta2 ** step)
