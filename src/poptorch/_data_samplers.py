@@ -68,8 +68,9 @@ class CombinedBatchSampler(Sampler[list[int]]):
     into the indices of one combined batch, and gives each process its share of them.
 
     The micro-batches of a combined batch must have the same size (the model splits the
-    combined batch evenly); only the final combined batch of an epoch may differ, and it
-    is kept (incomplete) unless ``drop_last``.
+    combined batch evenly); only the final combined batch of an epoch may differ. It is
+    incomplete when it has fewer micro-batches or fewer rows than the first, and then
+    dropped if ``drop_last``.
     """
 
     def __init__(self, batch_sampler: Any, micro_batches: int, drop_last: bool,
@@ -86,21 +87,22 @@ class CombinedBatchSampler(Sampler[list[int]]):
             if len(groups[-1]) == self.micro_batches:
                 groups.append([])
             groups[-1].append(list(micro_batch))
-        if not groups[-1] or (self.drop_last and len(groups[-1]) < self.micro_batches):
-            groups.pop()
-        return groups
-
-    def __iter__(self) -> Iterator[list[int]]:
-        groups = self._groups()
-        for number, group in enumerate(groups):
-            sizes = {len(micro_batch) for micro_batch in group}
-            if len(sizes) > 1 and number != len(groups) - 1:
+        for group in groups[:-1]:
+            if len({len(micro_batch) for micro_batch in group}) > 1:
                 raise Error(
                     f"The batch_sampler gave micro-batches of sizes "
                     f"{[len(m) for m in group]} for one combined batch of "
                     f"{self.micro_batches} micro-batches (deviceIterations x "
                     "replicationFactor x gradientAccumulation); the model splits a "
                     "combined batch evenly, so they must all have the same size.")
+        last = groups[-1]
+        if not last or (self.drop_last and (len(last) < self.micro_batches
+                                            or _rows(last) < _rows(groups[0]))):
+            groups.pop()
+        return groups
+
+    def __iter__(self) -> Iterator[list[int]]:
+        groups = self._groups()
         if self.num_processes > 1:
             groups = partition(groups, self.process_id, self.num_processes,
                                pad=not self.drop_last)
@@ -108,9 +110,28 @@ class CombinedBatchSampler(Sampler[list[int]]):
             yield [index for micro_batch in group for index in micro_batch]
 
     def __len__(self) -> int:
-        full, rest = divmod(len(self.batch_sampler), self.micro_batches)
+        micro_batches = len(self.batch_sampler)
+        full, rest = divmod(micro_batches, self.micro_batches)
+        if rest == 0 and self.drop_last and self._last_micro_batch_is_short():
+            full -= 1
         total = full if self.drop_last or rest == 0 else full + 1
         if self.num_processes > 1:
             return (total // self.num_processes if self.drop_last
                     else math.ceil(total / self.num_processes))
         return total
+
+    def _last_micro_batch_is_short(self) -> bool:
+        """True when a torch-style batch sampler (``batch_size``, ``drop_last`` and
+        ``sampler`` attributes) ends with a smaller micro-batch."""
+        sampler = self.batch_sampler
+        size = getattr(sampler, "batch_size", None)
+        if getattr(sampler, "drop_last", True) or not isinstance(size, int):
+            return False
+        try:
+            return len(sampler.sampler) % size != 0
+        except (AttributeError, TypeError):
+            return False
+
+
+def _rows(group: list[list[int]]) -> int:
+    return sum(len(micro_batch) for micro_batch in group)
