@@ -544,3 +544,29 @@ def test_testing_allclose_on_nested_structures():
     assert not poptorch.testing.allclose(a, a[:2])
     nan = torch.tensor([float("nan"), 1.0])
     assert poptorch.testing.allclose(nan, nan.clone())
+
+
+def test_cond_captures_as_torch_cond_under_compile():
+    def model(flag, x, y):
+        return poptorch.cond(flag, lambda a: a * 2, [x], lambda a, b: a - b, [x, y])[0] + 1
+
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    x, y = torch.randn(3), torch.randn(3)
+    for flag in (True, False):
+        torch.testing.assert_close(compiled(torch.tensor(flag), x, y),
+                                   model(torch.tensor(flag), x, y))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_ops_keep_tensors_on_the_gpu():
+    x = torch.randn(6, 4, device="cuda")
+    sliced = poptorch.dynamic_slice(x, 0, torch.tensor(1, device="cuda"), 3, 1)
+    assert sliced.is_cuda
+    torch.testing.assert_close(sliced.cpu(), x.cpu()[1:4])
+    op = poptorch.CPU(lambda a: a * 2, "Double")
+    doubled = op(x)
+    assert doubled.is_cuda and op.inputs[0].device.type == "cpu"
+    torch.testing.assert_close(doubled, x * 2)
+    assert poptorch.fps(x, [0, 6], 0.5).is_cuda
+    assert poptorch.nearest(x, x[:3]).is_cuda

@@ -167,7 +167,7 @@ def serializedMatMul(lhs: torch.Tensor, rhs: torch.Tensor, mode: MatMulSerializa
         right = rhs.float() if wide else rhs  # its gradient accumulates over the slices
         parts = [torch.matmul(p.float() if wide else p, right)
                  for p in _split(lhs, -2, factor, "input channels (m)")]
-        return torch.cat(parts, dim=-2).to(torch.result_type(lhs, rhs))
+        return torch.cat(parts, dim=-2).to(torch.promote_types(lhs.dtype, rhs.dtype))
     if mode == MatMulSerializationMode.OutputChannels:
         parts = [torch.matmul(lhs, p) for p in _split(rhs, -1, factor, "output channels (p)")]
         return torch.cat(parts, dim=-1)
@@ -177,4 +177,4 @@ def serializedMatMul(lhs: torch.Tensor, rhs: torch.Tensor, mode: MatMulSerializa
     for a, b in zip(left, right):
         part = torch.matmul(a.float(), b.float()) if wide else torch.matmul(a, b)
         total = part if total is None else total + part
-    return total.to(torch.result_type(lhs, rhs))
+    return total.to(torch.promote_types(lhs.dtype, rhs.dtype))
