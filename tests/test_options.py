@@ -544,3 +544,24 @@ def test_from_json():
 def test_enum_aliases():
     assert poptorch.AnchorMode is poptorch.OutputMode
     assert enums.OutputMode.EveryN.value == 1
+
+
+def test_options_pickle_round_trip():
+    import pickle
+    opts = poptorch.Options().deviceIterations(3)
+    opts.Training.gradientAccumulation(2)
+    opts._Popart.set("a", 1)
+    opts.Jit.backend("eager")
+    opts._freeze()
+    restored = pickle.loads(pickle.dumps(opts))
+    assert restored.toDict() == opts.toDict()
+    assert restored.Jit.backend == "eager"
+    with pytest.raises(poptorch.Error, match="frozen"):
+        restored.deviceIterations(1)
+
+
+def test_poptorch_core_reexports_errors():
+    from poptorch import poptorch_core
+    assert poptorch_core.Error is poptorch.Error
+    assert poptorch_core.RecoverableError is poptorch.RecoverableError
+    assert poptorch_core.UnrecoverableError is poptorch.UnrecoverableError
