@@ -177,6 +177,21 @@ def test_serialized_matmul_keep_precision_sums_in_float32():
     torch.testing.assert_close(narrow, narrow_reference, rtol=0, atol=0)
 
 
+def test_serialized_matmul_keep_precision_accumulates_rhs_gradient_in_float32():
+    lhs, rhs = (torch.randn(64, 8) * 8).half(), (torch.randn(8, 4) * 8).half()
+    grad = (torch.randn(64, 4) * 8).half()
+    mode = poptorch.MatMulSerializationMode.InputChannels
+    grads = {}
+    for keep in (True, False):
+        right = rhs.clone().requires_grad_()
+        poptorch.serializedMatMul(lhs, right, mode, 4, keep_precision=keep).backward(grad)
+        grads[keep] = right.grad
+    reference = sum(a.float().t() @ g.float() for a, g in zip(lhs.split(16), grad.split(16)))
+    torch.testing.assert_close(grads[True], reference.half(), rtol=0, atol=0)
+    # half-precision accumulation really differs here, so the check above is meaningful
+    assert not torch.equal(grads[False], reference.half())
+
+
 def test_serialized_matmul_errors():
     a, b = torch.randn(6, 4), torch.randn(4, 5)
     with pytest.raises(poptorch.Error, match="must divide"):
