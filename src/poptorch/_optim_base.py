@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -248,6 +248,3 @@ def state_view(state: Dict[str, Any], key: str, like: torch.Tensor,
                                memory_format=torch.preserve_format)
     return value.to(compute_dtype(like), copy=True)
 
-
-def params_of(groups: Iterable[Dict[str, Any]]) -> List[torch.Tensor]:
-    return [p for g in groups for p in g["params"]]

@@ -21,7 +21,7 @@ import copy
 import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Tuple
+from typing import Any, Dict, Iterable, Tuple
 
 import torch
 
@@ -252,7 +252,3 @@ def _shown(value: Any) -> str:
         return f"{list(value)} (per param group)"
     return repr(value)
 
-
-def describe(optimizer: torch.optim.Optimizer) -> List[str]:
-    """Names of the constant attributes of ``optimizer`` (for logs and docs)."""
-    return sorted(n for n in attribute_values(optimizer) if is_constant(optimizer, n))
