@@ -565,3 +565,5 @@ def test_poptorch_core_reexports_errors():
     assert poptorch_core.Error is poptorch.Error
     assert poptorch_core.RecoverableError is poptorch.RecoverableError
     assert poptorch_core.UnrecoverableError is poptorch.UnrecoverableError
+    assert (poptorch_core.importPoptorchMetadataFromFile
+            is poptorch.importPoptorchMetadataFromFile)
