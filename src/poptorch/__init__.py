@@ -22,6 +22,10 @@ from . import options, poptorch_core
 from .data import AsynchronousDataAccessor, DataLoader
 
 # --- annotations and execution strategies (issue 6) -------------------------------
+from .annotations import (IPU, BeginBlock, Block, BlockFunction, BlockId,
+                          LegacyBeginBlockFn, ParallelPhasedExecution, Phase,
+                          PipelinedExecution, SerialPhasedExecution, ShardedExecution, Stage,
+                          recomputationCheckpoint, removeBlocks)
 
 # --- ops (identity_loss, custom ops, ...) -----------------------------------------
 from .ops import (CPU, MultiConv, NameScope, accessAttributes, attributes_lists, cond,
@@ -39,5 +43,8 @@ from . import ops, profiling
 from . import optim
 
 # --- executor (issue 3) -----------------------------------------------------------
+from ._factory import inferenceModel, trainingModel
+from ._runtime.export import importPoptorchMetadataFromFile, load
+from .executor import PoplarExecutor, isRunningOnIpu
 
 __version__ = "3.4.0"

@@ -60,6 +60,8 @@ def split_inputs(plan: BatchPlan, args: tuple, kwargs: dict) -> list[list[Microb
     f = plan.factor
     if f == 1:
         return [[(args, kwargs)]]
+    if not kwargs and all(isinstance(a, torch.Tensor) and a.dim() > 0 for a in args):
+        return _split_plain(plan, args)
     leaves, spec = pytree.tree_flatten((args, kwargs))
     chunks: list[Any] = []
     for index, leaf in enumerate(leaves):
@@ -79,6 +81,21 @@ def split_inputs(plan: BatchPlan, args: tuple, kwargs: dict) -> list[list[Microb
             step.append(pytree.tree_unflatten(mb, spec))
         out.append(step)
     return out
+
+
+def _split_plain(plan: BatchPlan, args: tuple) -> list[list[Microbatch]]:
+    """Fast path of :py:func:`split_inputs` for positional tensor arguments only."""
+    f = plan.factor
+    chunks = []
+    for index, arg in enumerate(args):
+        rows = arg.shape[0]
+        if rows % f or rows == 0:
+            raise _size_error(plan, f"args[{index}]", rows)
+        chunks.append(arg.split(rows // f))
+    per_step = plan.per_step
+    empty: dict = {}
+    micro = [(tuple(c[n] for c in chunks), empty) for n in range(f)]
+    return [micro[i * per_step:(i + 1) * per_step] for i in range(plan.device_iterations)]
 
 
 def check_inputs(plan: BatchPlan, args: tuple, kwargs: dict) -> None:

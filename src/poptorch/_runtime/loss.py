@@ -41,7 +41,7 @@ def find_loss(output: Any, marked: list) -> torch.Tensor:
                 "The loss returned by the training model does not depend on any trainable "
                 "parameter (it has no gradient): check that the model's parameters have "
                 "requires_grad=True and that the loss is computed from the model's output.")
-        return candidate.reshape(())
+        return candidate if candidate.dim() == 0 else candidate.reshape(())
     return _raise_no_loss(output)
 
 

@@ -150,6 +150,13 @@ class DeviceProgram:
             self.optimizer.step()
         return outputs
 
+    def _collect(self, collector: OutputCollector, i: int, outputs: list) -> None:
+        for n, out in enumerate(outputs):
+            if collector.wants(i, n):
+                collector.add(n, detach(out))
+        if self.anchors is not None:
+            self.anchors(i)
+
     def run(self, args: tuple, kwargs: dict) -> Any:
         """Run one call on inputs already on the device; return host outputs."""
         t_start = time.perf_counter()
@@ -161,22 +168,26 @@ class DeviceProgram:
         t_prev = t_start
         context.take_marked_losses()  # drop marks left by runs outside the executor
         with context.running_on_ipu(), self.rng:
-            for i, microbatches in enumerate(steps):
-                perf["input"].append(t_prev)
-                perf["input_complete"].append(time.perf_counter())
-                if self.training:
-                    outputs = self._train_step(microbatches)
-                else:
-                    with torch.no_grad():
-                        outputs = self.runner(microbatches, None)
-                    context.take_marked_losses()
-                for n, out in enumerate(outputs):
-                    if collector.wants(i, n):
-                        collector.add(n, detach(out))
-                if self.anchors is not None:
-                    self.anchors(i)
+            if self.training:
+                for i, microbatches in enumerate(steps):
+                    perf["input"].append(t_prev)
+                    perf["input_complete"].append(time.perf_counter())
+                    self._collect(collector, i, self._train_step(microbatches))
+                    t_prev = time.perf_counter()
+                    perf["output"].append(t_prev)
+            else:
+                # No update between inference iterations: one runner call takes all
+                # d * r micro-batches, so a pipeline stays full across iterations.
+                perf["input"].extend([t_prev] * len(steps))
+                perf["input_complete"].extend([time.perf_counter()] * len(steps))
+                with torch.no_grad():
+                    outputs = self.runner([mb for step in steps for mb in step], None)
+                context.take_marked_losses()
+                per = self.plan.per_step
+                for i in range(len(steps)):
+                    self._collect(collector, i, outputs[i * per:(i + 1) * per])
                 t_prev = time.perf_counter()
-                perf["output"].append(t_prev)
+                perf["output"].extend([t_prev] * len(steps))
         result = collector.result()
         if self.to_host is not None:
             result = self.to_host(result)
