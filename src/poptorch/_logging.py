@@ -49,9 +49,6 @@ logger = logging.getLogger("poptorch::python")
 class _StderrUnlessConfigured(logging.StreamHandler):
     """Prints on stderr only while the application has no logging handlers of its own."""
 
-    def __init__(self) -> None:
-        super().__init__()
-
     @property
     def stream(self):  # resolved at every write so that redirected stderr is honoured
         return sys.stderr
