@@ -41,7 +41,8 @@ _START_METHODS = {
     SharingStrategy.ForkServer: "forkserver",
 }
 _LIVENESS_CHECK_S = 0.5
-_JOIN_TIMEOUT_S = 5.0
+_POLITE_JOIN_S = 1.0   # a worker waiting on its queue stops at once
+_JOIN_TIMEOUT_S = 5.0  # after SIGTERM, which the worker turns into a clean exit
 
 # Finalizers of the live accessors. Our atexit hook is registered after multiprocessing's
 # own (imported above), so it runs first: multiprocessing joins non-daemonic children at
@@ -66,7 +67,7 @@ def _shutdown_worker(owner_pid: int, process, commands, results,
                 commands.put(("stop",))
             except (ValueError, OSError):
                 pass
-            process.join(_JOIN_TIMEOUT_S)
+            process.join(_POLITE_JOIN_S)
         if process.is_alive():
             process.terminate()
             process.join(_JOIN_TIMEOUT_S)
@@ -250,17 +251,26 @@ class AsynchronousDataAccessor:
             except queue.Empty:
                 if self._process.is_alive():
                     continue
+            except (OSError, EOFError) as error:
+                # Receiving a batch's shared memory needs the worker: it died mid-send.
+                self._process.join(_LIVENESS_CHECK_S)
+                if self._process.is_alive():
+                    raise Error("Lost the connection to the AsynchronousDataAccessor "
+                                f"worker process (pid {self._process.pid}): {error}") \
+                        from error
+                raise self._worker_died() from error
             try:  # it may have written its last words just before exiting
                 return self._results.get(timeout=_LIVENESS_CHECK_S)
-            except queue.Empty:
-                code = self._process.exitcode
-                self._in_epoch = False
-                self.terminate()
-                raise Error(
-                    f"The AsynchronousDataAccessor worker process (pid "
-                    f"{self._process.pid}) exited unexpectedly with exit code {code} "
-                    "(a negative code is the signal that killed it, e.g. -9 when the "
-                    "system ran out of memory).") from None
+            except (queue.Empty, OSError, EOFError):
+                raise self._worker_died() from None
+
+    def _worker_died(self) -> Error:
+        code = self._process.exitcode
+        self.terminate()
+        return Error(
+            f"The AsynchronousDataAccessor worker process (pid {self._process.pid}) "
+            f"exited unexpectedly with exit code {code} (a negative code is the signal "
+            "that killed it, e.g. -9 when the system ran out of memory).")
 
     def _compute_length(self, dataset: Iterable) -> int | None:
         try:
