@@ -22,6 +22,7 @@ from ._runtime.optimizer import attach_optimizer, default_optimizer, make_loss_s
 from ._runtime.program import DeviceProgram, RngScope
 from ._runtime.runner import SequentialRunner
 from ._runtime.weights import WeightSync
+from .enums import CommGroupType
 from .errors import Error
 from .options import Options
 
@@ -116,7 +117,8 @@ class PoplarExecutor:
                 f"An inferenceModel needs Training.gradientAccumulation(1), but the options "
                 f"have {g}: use a separate Options object for inference (for example "
                 "opts.clone() then opts.Training.gradientAccumulation(1)).")
-        return BatchPlan(opts.device_iterations, g, opts.replication_factor)
+        return BatchPlan(opts.device_iterations, g, opts.replication_factor,
+                         opts.input_group_size, CommGroupType(opts.input_cgt))
 
     def _compile(self, args: tuple, kwargs: dict) -> None:
         from tqdm import tqdm
@@ -137,11 +139,7 @@ class PoplarExecutor:
             bar.update()
         finally:
             bar.close()
-        opts._freeze()
-        ignored = opts._ignored_options()
-        if ignored:
-            logger.info("Options with no effect on this device (recorded only): %s",
-                        ", ".join(f"{k}={v!r}" for k, v in ignored.items()))
+        opts._freeze()  # also logs the options that have no effect here
         self.__dict__["_attached"] = True
         self.__dict__["_compile_seconds"] = time.perf_counter() - t0
         from ._runtime.export import _apply_pending_rng

@@ -4,6 +4,12 @@ An input's dimension 0 holds ``d * g * r * m`` rows (device iterations, gradient
 accumulation, replicas, micro-batch), read as ``[d][g][r][m]``: device iteration ``i``
 takes the ``i``-th contiguous ``1/d`` of the rows, accumulation step ``j`` the ``j``-th
 ``1/g`` of that, replica ``k`` the ``k``-th ``1/r`` of that.
+
+With ``Options.inputReplicaGrouping(G, type)`` the replicas of one input group receive
+the same micro-batch, so an input holds ``d * g * (r/G) * m`` rows read as
+``[d][g][r/G][m]``. Replica ``k`` reads input slot ``k // G`` (``Consecutive``: groups
+``[0..G-1], [G..2G-1], ...``) or ``k % (r/G)`` (``Orthogonal``: groups
+``{j, j + r/G, j + 2r/G, ...}``). Runners still see ``g * r`` micro-batches per step.
 """
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..enums import OutputMode
+from ..enums import CommGroupType, OutputMode
 from ..errors import Error
 
 Microbatch = tuple[tuple, dict]
@@ -21,10 +27,38 @@ Microbatch = tuple[tuple, dict]
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """The factors that shape one call: d, g, r."""
+    """The factors that shape one call: d, g, r, and the input replica grouping."""
     device_iterations: int
     gradient_accumulation: int
     replication_factor: int
+    input_group_size: int = 1
+    input_group_type: CommGroupType = CommGroupType.Consecutive
+
+    def __post_init__(self) -> None:
+        r, size = self.replication_factor, self.input_group_size
+        if size < 1 or r % size:
+            raise Error(
+                f"inputReplicaGrouping: input_group_size ({size}) must divide "
+                f"replicationFactor ({r}): choose a group size among "
+                f"{[n for n in range(1, r + 1) if r % n == 0]}.")
+        if self.input_group_type == CommGroupType.NoGrouping or r == 1:
+            object.__setattr__(self, "input_group_size", 1)  # every replica alone
+
+    @property
+    def input_slots(self) -> int:
+        """Distinct inputs per accumulation step: r / input_group_size."""
+        return self.replication_factor // self.input_group_size
+
+    @property
+    def input_factor(self) -> int:
+        """Micro-batches an input holds per call: d * g * r / input_group_size."""
+        return self.device_iterations * self.gradient_accumulation * self.input_slots
+
+    def input_slot(self, replica: int) -> int:
+        """Which of the ``input_slots`` inputs of an accumulation step ``replica`` reads."""
+        if self.input_group_type == CommGroupType.Orthogonal:
+            return replica % self.input_slots
+        return replica // self.input_group_size
 
     @property
     def per_step(self) -> int:
@@ -38,13 +72,16 @@ class BatchPlan:
 
 
 def _size_error(plan: BatchPlan, where: str, rows: int) -> Error:
-    f = plan.factor
+    f = plan.input_factor
     lower = (rows // f) * f
     suggestion = f"{lower} or {lower + f}" if lower else f"{f} (or a multiple of it)"
+    replicas = f"replicationFactor ({plan.replication_factor})"
+    if plan.input_group_size > 1:
+        replicas = (f"(replicationFactor ({plan.replication_factor}) / "
+                    f"inputReplicaGrouping size ({plan.input_group_size}))")
     return Error(
         f"Input {where} has batch size {rows}, which is not a multiple of "
-        f"deviceIterations ({plan.device_iterations}) x replicationFactor "
-        f"({plan.replication_factor}) x gradientAccumulation "
+        f"deviceIterations ({plan.device_iterations}) x {replicas} x gradientAccumulation "
         f"({plan.gradient_accumulation}) = {f}. Each call consumes {f} micro-batches: "
         f"pass a batch of {suggestion} rows (micro-batch size x {f}), or change the "
         "options. poptorch.DataLoader builds batches of the right size.")
@@ -57,11 +94,22 @@ def split_inputs(plan: BatchPlan, args: tuple, kwargs: dict) -> list[list[Microb
     numbers, 0-dim tensors) are given unchanged to every micro-batch. Raises
     :py:class:`poptorch.Error` before anything runs when a batch size does not fit.
     """
-    f = plan.factor
-    if f == 1:
+    if plan.factor == 1:
         return [[(args, kwargs)]]
-    if not kwargs and all(isinstance(a, torch.Tensor) and a.dim() > 0 for a in args):
-        return _split_plain(plan, args)
+    if plan.input_group_size == 1 and not kwargs and all(
+            isinstance(a, torch.Tensor) and a.dim() > 0 for a in args):
+        micro = _split_plain(plan, args)
+    else:
+        micro = _split_tree(plan, args, kwargs)
+    if plan.input_group_size > 1:
+        return _regroup(plan, micro)
+    per_step = plan.per_step
+    return [micro[i * per_step:(i + 1) * per_step] for i in range(plan.device_iterations)]
+
+
+def _split_tree(plan: BatchPlan, args: tuple, kwargs: dict) -> list[Microbatch]:
+    """The ``input_factor`` micro-batches of any input structure, in input order."""
+    f = plan.input_factor
     leaves, spec = pytree.tree_flatten((args, kwargs))
     chunks: list[Any] = []
     for index, leaf in enumerate(leaves):
@@ -72,30 +120,31 @@ def split_inputs(plan: BatchPlan, args: tuple, kwargs: dict) -> list[list[Microb
             chunks.append(leaf.split(rows // f))
         else:
             chunks.append(None)
-    per_step = plan.per_step
-    out: list[list[Microbatch]] = []
-    for i in range(plan.device_iterations):
-        step = []
-        for n in range(i * per_step, (i + 1) * per_step):
-            mb = [leaf if c is None else c[n] for leaf, c in zip(leaves, chunks)]
-            step.append(pytree.tree_unflatten(mb, spec))
-        out.append(step)
-    return out
+    return [pytree.tree_unflatten([leaf if c is None else c[n]
+                                   for leaf, c in zip(leaves, chunks)], spec)
+            for n in range(f)]
 
 
-def _split_plain(plan: BatchPlan, args: tuple) -> list[list[Microbatch]]:
-    """Fast path of :py:func:`split_inputs` for positional tensor arguments only."""
-    f = plan.factor
+def _split_plain(plan: BatchPlan, args: tuple) -> list[Microbatch]:
+    """Fast path of :py:func:`_split_tree` for positional tensor arguments only."""
+    f = plan.input_factor
     chunks = []
     for index, arg in enumerate(args):
         rows = arg.shape[0]
         if rows % f or rows == 0:
             raise _size_error(plan, f"args[{index}]", rows)
         chunks.append(arg.split(rows // f))
-    per_step = plan.per_step
     empty: dict = {}
-    micro = [(tuple(c[n] for c in chunks), empty) for n in range(f)]
-    return [micro[i * per_step:(i + 1) * per_step] for i in range(plan.device_iterations)]
+    return [(tuple(c[n] for c in chunks), empty) for n in range(f)]
+
+
+def _regroup(plan: BatchPlan, micro: list[Microbatch]) -> list[list[Microbatch]]:
+    """Give each replica the input of its group (input replica grouping, see module
+    docstring): ``[d * g * r/G]`` distinct micro-batches -> ``[d][g * r]``."""
+    slots = [plan.input_slot(k) for k in range(plan.replication_factor)]
+    n, g = plan.input_slots, plan.gradient_accumulation
+    return [[micro[(i * g + j) * n + s] for j in range(g) for s in slots]
+            for i in range(plan.device_iterations)]
 
 
 def check_inputs(plan: BatchPlan, args: tuple, kwargs: dict) -> None:

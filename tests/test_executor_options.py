@@ -1,0 +1,120 @@
+"""Executor options against plain-PyTorch references computed in each test."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import poptorch
+
+TOL = 1e-5
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x, target=None):
+        out = self.fc2(torch.relu(self.fc1(x)))
+        if target is None:
+            return out
+        return out, F.cross_entropy(out, target)
+
+
+class BNNet(nn.Module):
+    """A model with buffers (BatchNorm running statistics)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x, target=None):
+        out = self.bn(self.fc(x))
+        if target is None:
+            return out
+        return out, F.cross_entropy(out, target)
+
+
+def data(rows, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 6, generator=g), torch.randint(0, 3, (rows,), generator=g)
+
+
+def max_diff(a, b):
+    return max((p - q).abs().max().item() for p, q in zip(a, b))
+
+
+# ----------------------------------------------------------------- inputReplicaGrouping
+def group_slot(kind, k, r, size):
+    """Reference input slot of replica k (written independently of the library)."""
+    groups = r // size
+    if kind == poptorch.CommGroupType.Consecutive:
+        return k // size
+    return k % groups
+
+
+@pytest.mark.parametrize("kind", [poptorch.CommGroupType.Consecutive,
+                                  poptorch.CommGroupType.Orthogonal])
+@pytest.mark.parametrize("d,g,r,size", [(1, 1, 4, 2), (2, 3, 4, 2), (2, 1, 4, 4),
+                                        (1, 2, 2, 1)])
+def test_input_replica_grouping_training(kind, d, g, r, size):
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    opts = poptorch.Options().deviceIterations(d).replicationFactor(r)
+    opts.Training.gradientAccumulation(g)
+    opts.inputReplicaGrouping(size, kind)
+    opts.outputMode(poptorch.OutputMode.All)
+    pop = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    m, n = 2, r // size
+    x, y = data(d * g * n * m)
+    _, losses = pop(x, y)
+    xs, ys = x.split(m), y.split(m)
+    expected = []
+    for i in range(d):
+        ref_opt.zero_grad()
+        for j in range(g):
+            for k in range(r):  # every replica contributes, sharing its group's input
+                slot = (i * g + j) * n + group_slot(kind, k, r, size)
+                _, loss = ref(xs[slot], ys[slot])
+                (loss / (g * r)).backward()
+                expected.append(loss.detach())
+        ref_opt.step()
+    assert (losses.reshape(-1) - torch.stack(expected)).abs().max() <= TOL
+    assert max_diff(model.parameters(), ref.parameters()) <= TOL
+
+
+def test_input_replica_grouping_inference_outputs_per_replica():
+    model = MLP()
+    opts = poptorch.Options().deviceIterations(2).replicationFactor(4)
+    opts.inputReplicaGrouping(2, poptorch.CommGroupType.Orthogonal)
+    pop = poptorch.inferenceModel(model, opts)
+    x, _ = data(2 * 2 * 3)  # d * (r / G) * m rows
+    out = pop(x)
+    xs = x.split(3)
+    # Orthogonal, r=4, G=2: replicas 0, 2 read slot 0; replicas 1, 3 read slot 1.
+    expected = torch.cat([model(xs[i * 2 + k % 2]) for i in range(2) for k in range(4)])
+    assert out.shape == expected.shape
+    assert (out - expected).abs().max() <= TOL
+
+
+def test_input_replica_grouping_batch_size_error_names_the_group():
+    opts = poptorch.Options().deviceIterations(2).replicationFactor(4)
+    opts.inputReplicaGrouping(2, poptorch.CommGroupType.Consecutive)
+    pop = poptorch.inferenceModel(MLP(), opts)
+    with pytest.raises(poptorch.Error, match=r"inputReplicaGrouping size \(2\).*= 4"):
+        pop(torch.randn(6, 6))
+    assert pop(torch.randn(8, 6)).shape == (16, 3)  # 4 distinct inputs -> 8 replica rows
+
+
+def test_input_replica_grouping_size_must_divide_replicas():
+    opts = poptorch.Options().replicationFactor(4)
+    opts.inputReplicaGrouping(3, poptorch.CommGroupType.Consecutive)
+    pop = poptorch.inferenceModel(MLP(), opts)
+    with pytest.raises(poptorch.Error, match=r"must divide replicationFactor \(4\)"):
+        pop(torch.randn(4, 6))
