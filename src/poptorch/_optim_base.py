@@ -25,6 +25,7 @@ import torch
 
 from ._optimizer_attributes import VariableAttributes
 from ._runtime.loss_scaling import PENDING_UNSCALE_ATTR
+from ._runtime.precision import stochastic_round, stochastic_rounding_active
 from .errors import Error
 
 logger = logging.getLogger("poptorch")
@@ -230,13 +231,15 @@ def compute_dtype(p: torch.Tensor) -> torch.dtype:
 
 
 def apply_to_param(p: torch.Tensor, update: Callable[[torch.Tensor], None]) -> None:
-    """Run the in-place ``update`` on ``p`` in the compute dtype."""
+    """Run the in-place ``update`` on ``p`` in the compute dtype; a narrower ``p`` is
+    written back rounded to nearest, or stochastically under
+    ``Precision.enableStochasticRounding`` (see ``_runtime/precision.py``)."""
     if p.dtype == compute_dtype(p):
         update(p)
     else:
         wide = p.to(compute_dtype(p))
         update(wide)
-        p.copy_(wide)
+        p.copy_(stochastic_round(wide, p.dtype) if stochastic_rounding_active() else wide)
 
 
 def state_view(state: Dict[str, Any], key: str, like: torch.Tensor,
