@@ -118,3 +118,72 @@ def test_input_replica_grouping_size_must_divide_replicas():
     pop = poptorch.inferenceModel(MLP(), opts)
     with pytest.raises(poptorch.Error, match=r"must divide replicationFactor \(4\)"):
         pop(torch.randn(4, 6))
+
+
+# ----------------------------------------------------------------------------- anchors
+def test_anchored_gradients_and_weights_match_reference_loop():
+    torch.manual_seed(0)
+    d, g, m = 3, 2, 2
+    model = MLP()
+    ref = copy.deepcopy(model)
+    opts = poptorch.Options().deviceIterations(d)
+    opts.Training.gradientAccumulation(g)
+    opts.anchorTensor("grad_all", "Gradient___fc1.weight", poptorch.OutputMode.All)
+    opts.anchorTensor("weight", "fc1.weight")  # Default: the model's mode (Final)
+    opts.anchorTensor("bias_grad_sum", "Gradient___fc2.bias", poptorch.OutputMode.Sum)
+    opts.anchorTensor("every", "fc2.bias", poptorch.OutputMode.EveryN, 3)
+    pop = poptorch.trainingModel(model, opts,
+                                 torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for call in range(2):
+        x, y = data(d * g * m, seed=call)
+        pop(x, y)
+        xs, ys = x.split(m), y.split(m)
+        grads, bias_grads = [], []
+        for i in range(d):
+            ref_opt.zero_grad()
+            for n in range(i * g, (i + 1) * g):
+                (ref(xs[n], ys[n])[1] / g).backward()
+            grads.append(ref.fc1.weight.grad.clone())
+            bias_grads.append(ref.fc2.bias.grad.clone())
+            ref_opt.step()
+        assert pop.getAnchoredTensor("grad_all").shape == (d, 8, 6)
+        assert (pop.getAnchoredTensor("grad_all") - torch.stack(grads)).abs().max() <= TOL
+        assert (pop.getAnchoredTensor("weight") - ref.fc1.weight).abs().max() <= TOL
+        assert (pop.getAnchoredTensor("bias_grad_sum") - sum(bias_grads)).abs().max() <= TOL
+        every = pop.getAnchoredTensor("every")
+        assert every.shape == (1, 3) and (every[0] - ref.fc2.bias).abs().max() <= TOL
+
+
+def test_anchored_buffer_in_inference_follows_each_iteration():
+    class Counter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("count", torch.zeros(()))
+
+        def forward(self, x):
+            self.count += x.shape[0]
+            return x * 2
+
+    opts = poptorch.Options().deviceIterations(3)
+    opts.anchorTensor("count", "count")  # inference default: All
+    pop = poptorch.inferenceModel(Counter(), opts)
+    pop(torch.ones(6, 1))
+    reference, count = [], 0.0
+    for _ in range(3):  # plain loop: 3 iterations of 2 rows each
+        count += 2
+        reference.append(count)
+    assert pop.getAnchoredTensor("count").tolist() == reference
+
+
+def test_anchor_unknown_name_lists_valid_names():
+    opts = poptorch.Options().anchorTensor("x", "fc9.weight")
+    pop = poptorch.trainingModel(MLP(), opts)
+    x, y = data(2)
+    with pytest.raises(poptorch.Error, match=r"fc9\.weight.*Gradient___fc1\.weight"):
+        pop(x, y)
+    with pytest.raises(poptorch.Error, match="anchored as 'nope'"):
+        ok = poptorch.trainingModel(MLP(), poptorch.Options().anchorTensor("a", "fc1.bias"))
+        ok(x, y)
+        assert ok.getAnchoredTensor("a").shape == (8,)
+        ok.getAnchoredTensor("nope")

@@ -352,9 +352,8 @@ class PoplarExecutor:
         """Names of the tensors that can be anchored: parameters, their gradients
         (``Gradient___<name>``, training only) and buffers."""
         self._require_compiled("getTensorNames")
-        names = [n for n, _ in self._model.named_parameters()]
-        grads = [f"Gradient___{n}" for n in names] if self._training else []
-        return names + grads + [n for n, _ in self._model.named_buffers()]
+        from ._runtime.anchors import tensor_names
+        return tensor_names(self._model, self._training)
 
     def _anchor_recorder(self, plan: BatchPlan):
         from ._runtime.anchors import AnchorRecorder

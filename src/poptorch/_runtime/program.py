@@ -175,6 +175,17 @@ class DeviceProgram:
                     self._collect(collector, i, self._train_step(microbatches))
                     t_prev = time.perf_counter()
                     perf["output"].append(t_prev)
+            elif self.anchors is not None:
+                # Anchors read the model after each iteration: one runner call each.
+                for i, microbatches in enumerate(steps):
+                    perf["input"].append(t_prev)
+                    perf["input_complete"].append(time.perf_counter())
+                    with torch.no_grad():
+                        outputs = self.runner(microbatches, None)
+                    context.take_marked_losses()
+                    self._collect(collector, i, outputs)
+                    t_prev = time.perf_counter()
+                    perf["output"].append(t_prev)
             else:
                 # No update between inference iterations: one runner call takes all
                 # d * r micro-batches, so a pipeline stays full across iterations.
