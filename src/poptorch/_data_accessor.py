@@ -28,7 +28,7 @@ import torch.multiprocessing
 
 from ._data_tree import unflatten
 from ._data_worker import DatasetFile, WorkerConfig, run_worker
-from ._logging import logger
+from ._logging import info_once
 from .enums import SharingStrategy
 from .errors import Error
 
@@ -136,9 +136,10 @@ class AsynchronousDataAccessor:
             raise ValueError(f"sharing_strategy must be a poptorch.SharingStrategy; got "
                              f"{sharing_strategy!r}.") from None
         if miss_sleep_time_in_ms != 0.1:
-            logger.info("AsynchronousDataAccessor: miss_sleep_time_in_ms=%s is recorded "
-                        "but has no effect: the worker blocks until a buffer slot is "
-                        "freed instead of polling.", miss_sleep_time_in_ms)
+            info_once("async_miss_sleep_time",
+                      "AsynchronousDataAccessor: miss_sleep_time_in_ms=%s is recorded but "
+                      "has no effect: the worker blocks until a buffer slot is freed "
+                      "instead of polling.", miss_sleep_time_in_ms)
         self.rebatched_size = rebatched_size
         self.miss_sleep_time_in_ms = miss_sleep_time_in_ms
         self.load_indefinitely = load_indefinitely

@@ -16,7 +16,7 @@ import torch.utils.data
 
 from ._data_accessor import AsynchronousDataAccessor
 from ._data_samplers import CombinedBatchSampler, DistributedPartitionSampler
-from ._logging import logger
+from ._logging import info_once
 from .enums import DataLoaderMode
 from .errors import Error
 
@@ -32,6 +32,8 @@ class _SyncView:
 
     def __init__(self, loader: "DataLoader") -> None:
         self.loader = loader
+        self.dataset = loader.dataset
+        self.batch_size = loader.batch_size
         self.rebatched_drop_last = loader.rebatched_drop_last
 
     def __iter__(self):
@@ -171,9 +173,9 @@ class DataLoader(torch.utils.data.DataLoader):
                     if seed is not None and "generator" not in kwargs:
                         loader_args["generator"] = torch.Generator().manual_seed(seed)
             if rebatched_worker_size is not None and not rebatch:
-                logger.info("poptorch.DataLoader: rebatched_worker_size only applies to "
-                            "an IterableDataset in DataLoaderMode.AsyncRebatched; "
-                            "ignored here.")
+                info_once("dataloader_rebatched_worker_size",
+                          "poptorch.DataLoader: rebatched_worker_size only applies to an "
+                          "IterableDataset in DataLoaderMode.AsyncRebatched; ignored here.")
             if items is not None and drop_last and items < combined:
                 raise Error(_too_small_message(items, batch_size, factors,
                                                num_processes if distributed else 1))
