@@ -187,3 +187,78 @@ def test_anchor_unknown_name_lists_valid_names():
         ok(x, y)
         assert ok.getAnchoredTensor("a").shape == (8,)
         ok.getAnchoredTensor("nope")
+
+
+# ----------------------------------------------------------------------- synthetic data
+def test_synthetic_data_runs_on_device_zeros_not_host_inputs():
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    seen = []
+    model.fc1.register_forward_pre_hook(lambda mod, inp: seen.append(inp[0].data_ptr()))
+    d, m = 2, 3
+    opts = poptorch.Options().deviceIterations(d).enableSyntheticData(True)
+    opts.outputMode(poptorch.OutputMode.All)
+    pop = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        x = torch.full((d * m, 6), float("nan"))  # never read by the device program
+        y = torch.ones(d * m, dtype=torch.long)
+        _, losses = pop(x, y)
+        expected = []
+        for _ in range(d):  # reference: plain steps on zeros of the same shape/dtype
+            ref_opt.zero_grad()
+            _, loss = ref(torch.zeros(m, 6), torch.zeros(m, dtype=torch.long))
+            loss.backward()
+            ref_opt.step()
+            expected.append(loss.detach())
+        assert (losses - torch.stack(expected)).abs().max() <= TOL
+    assert max_diff(model.parameters(), ref.parameters()) <= TOL
+    assert len(set(seen)) == d  # the same device zeros are reused call after call
+
+
+# ---------------------------------------------------------------- updatableNamedBuffers
+class TwoBuffers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.register_buffer("a", torch.zeros(2))
+        self.register_buffer("b", torch.zeros(2))
+
+    def forward(self, x):
+        return self.fc(x) + self.a + self.b
+
+
+def test_weight_sync_copies_only_the_named_buffers():
+    from poptorch._runtime.weights import WeightSync
+    host = TwoBuffers()
+    device_copy = copy.deepcopy(host)  # separate tensors, as on an accelerator
+    sync = WeightSync(host, device_copy, torch.device("cpu"))
+    host.a.fill_(1.0)
+    host.b.fill_(2.0)
+    with torch.no_grad():
+        host.fc.weight.fill_(5.0)
+    sync.to_device(params=False, buffers=True, buffer_names={"a"})
+    assert device_copy.a.tolist() == [1.0, 1.0] and device_copy.b.tolist() == [0.0, 0.0]
+    assert not torch.equal(device_copy.fc.weight, host.fc.weight)
+    sync.to_device(params=False, buffers=True)
+    assert device_copy.b.tolist() == [2.0, 2.0]
+
+
+def test_copy_named_buffers_to_device_uses_updatable_names():
+    model = TwoBuffers()
+    opts = poptorch.Options().updatableNamedBuffers(["a"])
+    pop = poptorch.inferenceModel(model, opts)
+    x = torch.randn(1, 2)
+    pop(x)
+    calls = []
+    pop._weights.to_device = lambda **kw: calls.append(kw)
+    pop.copyNamedBuffersToDevice()
+    assert calls == [{"params": False, "buffers": True, "buffer_names": {"a"}}]
+
+
+def test_updatable_named_buffers_unknown_name():
+    pop = poptorch.inferenceModel(TwoBuffers(),
+                                  poptorch.Options().updatableNamedBuffers(["a", "c"]))
+    with pytest.raises(poptorch.Error, match=r"no buffer named 'c'; its buffers are: a, b"):
+        pop(torch.randn(1, 2))

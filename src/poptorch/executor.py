@@ -76,6 +76,7 @@ class PoplarExecutor:
         d["_device"] = None
         d["_rng_seed"] = None
         d["_constants"] = None
+        d["_synthetic"] = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -136,6 +137,9 @@ class PoplarExecutor:
             self._weights_and_optimizer(device)
             bar.update()
             self.__dict__["_program"] = self._build_program(plan, runner, device)
+            if opts.synthetic_data:
+                from ._runtime.synthetic import SyntheticInputs
+                self.__dict__["_synthetic"] = SyntheticInputs(self._device)
             bar.update()
         finally:
             bar.close()
@@ -163,6 +167,14 @@ class PoplarExecutor:
         return SequentialRunner(forward), device
 
     def _weights_and_optimizer(self, device: torch.device) -> None:
+        updatable = self._options.updatable_named_buffers
+        if updatable is not None:
+            known = [n for n, _ in self._model.named_buffers()]
+            unknown = [n for n in updatable if n not in known]
+            if unknown:
+                raise Error(f"updatableNamedBuffers: the model has no buffer named "
+                            f"{', '.join(map(repr, unknown))}; its buffers are: "
+                            f"{', '.join(known) or '(none)'}.")
         sync = WeightSync(self._user_model, self._model, device)
         self.__dict__["_weights"] = sync
         if self._training:
@@ -205,7 +217,9 @@ class PoplarExecutor:
         if not self._attached:
             self.attachToDevice()
         device = self._device
-        if device.type != "cpu":
+        if self._synthetic is not None:
+            args, kwargs = self._synthetic(args, kwargs)
+        elif device.type != "cpu":
             args, kwargs = _to_device((args, kwargs), device)
         try:
             result = self._program.run(args, kwargs)
@@ -232,9 +246,12 @@ class PoplarExecutor:
         self._weights.to_device()
 
     def copyNamedBuffersToDevice(self) -> None:
-        """Copy the user's model buffers (only) to the device."""
+        """Copy the user's model buffers (only) to the device: those named by
+        ``Options.updatableNamedBuffers``, or all of them when it is not set."""
         self._require_compiled("copyNamedBuffersToDevice")
-        self._weights.to_device(params=False, buffers=True)
+        names = self._options.updatable_named_buffers
+        self._weights.to_device(params=False, buffers=True,
+                                buffer_names=None if names is None else set(names))
 
     def load_state_dict(self, state_dict: dict, strict: bool = True):
         """Load a state dict into the wrapped model and synchronise the device."""

@@ -10,7 +10,7 @@ copies the device values back first, as PopTorch's implicit copy-to-host does.
 from __future__ import annotations
 
 import weakref
-from typing import Iterator
+from typing import Collection, Iterator
 
 import torch
 
@@ -29,11 +29,13 @@ class WeightSync:
             device_model.to(device)
             _install_access_hook(host, self)
 
-    def _pairs(self, buffers: bool = True,
-               params: bool = True) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _pairs(self, buffers: bool = True, params: bool = True,
+               buffer_names: Collection[str] | None = None
+               ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         dev = dict(self._device_model.named_parameters()) if params else {}
         if buffers:
-            dev.update(self._device_model.named_buffers())
+            dev.update((n, b) for n, b in self._device_model.named_buffers()
+                       if buffer_names is None or n in buffer_names)
         host = dict(self._host.named_parameters()) if params else {}
         if buffers:
             host.update(self._host.named_buffers())
@@ -61,10 +63,12 @@ class WeightSync:
         self.host_dirty = True
         self.to_host_if_needed()
 
-    def to_device(self, params: bool = True, buffers: bool = True) -> None:
-        """Copy host values to the device (after the user changed them on the host)."""
+    def to_device(self, params: bool = True, buffers: bool = True,
+                  buffer_names: Collection[str] | None = None) -> None:
+        """Copy host values to the device (after the user changed them on the host);
+        ``buffer_names`` limits the buffers copied (None: all)."""
         with torch.no_grad():
-            for host_t, dev_t in self._pairs(buffers=buffers, params=params):
+            for host_t, dev_t in self._pairs(buffers, params, buffer_names):
                 if host_t is not dev_t:
                     dev_t.copy_(host_t)
         if not params:
