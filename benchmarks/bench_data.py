@@ -16,8 +16,8 @@ combined batch takes about as long as one model step. Two kinds of model step:
   compete and the gain shrinks. Printed, not checked.
 
 Each loader is timed over ``steps`` batches after its first batch (worker start-up is
-excluded for every mode); each mode runs twice, interleaved, and the faster run counts. ``Sync + 1 torch worker`` (torch's own worker prefetching) is
-shown for comparison.
+excluded for every mode); each mode runs twice, interleaved, and the faster run counts.
+``Sync + 1 torch worker`` (torch's own worker prefetching) is shown for comparison.
 """
 from __future__ import annotations
 

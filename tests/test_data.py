@@ -4,6 +4,7 @@ partitions and errors, each checked against a plain torch.utils.data reference.
 The asynchronous modes are exercised here too (with the Fork sharing strategy, which
 starts quickly); process lifetime and error propagation are in test_data_async.py.
 """
+import collections
 import inspect
 import math
 
@@ -62,8 +63,11 @@ class ShardedRange(IterableDataset):
             yield torch.tensor([i, 10 * i])
 
 
+Sample = collections.namedtuple("Sample", ["image", "label"])
+
+
 class Structured(Dataset):
-    """Items with nested containers and non-tensor values."""
+    """Items with nested containers (dict, tuple, list, named tuple) and non-tensors."""
 
     def __len__(self):
         return 24
@@ -71,6 +75,7 @@ class Structured(Dataset):
     def __getitem__(self, i):
         return {"x": torch.full((2, 3), float(i)),
                 "pair": (torch.tensor(i), [torch.tensor([i, -i]), i]),
+                "sample": Sample(torch.ones(2) * i, torch.tensor(i % 3)),
                 "name": f"item{i}"}
 
 
@@ -194,11 +199,26 @@ def test_rebatching_uses_all_100_items_with_7_workers():
 
 
 def test_rebatched_drop_last_false_keeps_the_tail():
-    loader = make_loader(poptorch.Options(), ShardedRange(10), DataLoaderMode.AsyncRebatched,
-                         batch_size=4, num_workers=2, drop_last=False, rebatched_worker_size=1)
+    loader = make_loader(poptorch.Options(), ShardedRange(10),
+                         DataLoaderMode.AsyncRebatched, batch_size=4, num_workers=2,
+                         drop_last=False, rebatched_worker_size=1)
     batches = collect(loader)
     assert [len(b) for b in batches] == [4, 4, 2] and len(loader) == 3
     assert sorted(i for b in batches for i in b[:, 0].tolist()) == list(range(10))
+    loader.terminate()
+
+
+class Named(IterableDataset):
+    def __iter__(self):
+        for i in range(8):
+            yield {"x": torch.tensor(i), "name": str(i)}
+
+
+def test_rebatching_needs_tensor_values():
+    loader = make_loader(poptorch.Options(), Named(), DataLoaderMode.AsyncRebatched,
+                         batch_size=4, rebatched_worker_size=1)
+    with pytest.raises(poptorch.Error, match="every value of a batch to be a tensor"):
+        list(loader)
     loader.terminate()
 
 
@@ -291,6 +311,17 @@ def test_distributed_uneven_sizes_give_equal_batch_counts(processes):
             assert len(everything) - size < processes
 
 
+def test_distributed_shares_in_async_mode_match_sync():
+    for rank in (0, 1):
+        opts = make_options(device_iterations=2, seed=4, process=(rank, 2))
+        sync = poptorch.DataLoader(opts, index_dataset(24), batch_size=2, shuffle=True)
+        async_ = make_loader(opts, index_dataset(24), DataLoaderMode.Async, batch_size=2,
+                             shuffle=True)
+        for _ in range(2):  # the worker's copy of the sampler moves on to a new epoch too
+            assert flat_ids(collect(async_)) == flat_ids(collect(sync))
+        async_.terminate()
+
+
 def test_distributed_from_torchrun_environment(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     shares = []
@@ -342,7 +373,8 @@ def test_bad_arguments_raise_clear_errors():
 
 def test_signatures_match_the_reference():
     assert str(inspect.signature(poptorch.DataLoader.__init__)) == (
-        "(self, options: 'Any', dataset: 'torch.utils.data.Dataset', batch_size: 'int' = 1, "
+        "(self, options: 'Any', dataset: 'torch.utils.data.Dataset', "
+        "batch_size: 'int' = 1, "
         "shuffle: 'bool | None' = None, num_workers: 'int' = 0, drop_last: 'bool' = True, "
         "persistent_workers: 'bool | None' = None, auto_distributed_partitioning: 'bool' "
         "= True, mode: 'DataLoaderMode' = <DataLoaderMode.Sync: 0>, async_options: "

@@ -2,6 +2,7 @@
 error propagation and process lifetime (no child process or temporary file survives)."""
 import gc
 import glob
+import logging
 import multiprocessing
 import os
 import signal
@@ -122,6 +123,16 @@ def test_accessor_rebatched_size(drop_last):
     got = [b[0].clone() for b in accessor]
     assert len(accessor) == len(reference) == len(got)
     assert all(torch.equal(g, w[0]) for g, w in zip(got, reference))
+    accessor.terminate()
+
+
+def test_miss_sleep_time_is_recorded_and_logged_as_without_effect(caplog):
+    caplog.set_level(logging.INFO, logger="poptorch::python")
+    accessor = poptorch.AsynchronousDataAccessor([torch.zeros(2)], miss_sleep_time_in_ms=5,
+                                                 **FORK)
+    assert accessor.miss_sleep_time_in_ms == 5
+    assert "miss_sleep_time_in_ms=5" in caplog.text and "no effect" in caplog.text
+    assert [t.tolist() for t in accessor] == [[0.0, 0.0]]
     accessor.terminate()
 
 

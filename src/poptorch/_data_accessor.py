@@ -126,7 +126,8 @@ class AsynchronousDataAccessor:
                  rebatched_size: int | None = None) -> None:
         if not isinstance(dataset, Iterable):
             raise TypeError("AsynchronousDataAccessor needs an iterable data set (for "
-                            f"example a poptorch.DataLoader); got {type(dataset).__name__}.")
+                            "example a poptorch.DataLoader); got "
+                            f"{type(dataset).__name__}.")
         _check_positive_int("buffer_size", buffer_size)
         if rebatched_size is not None:
             _check_positive_int("rebatched_size", rebatched_size)
