@@ -332,7 +332,9 @@ def test_check_is_frozen():
 
 
 # -- ignored options -------------------------------------------------------------------
-def test_ignored_options_are_reported_and_logged_once(caplog):
+def test_ignored_options_are_reported_and_logged_once(caplog, monkeypatch):
+    # start from an empty "already logged" registry: other tests may have logged these
+    monkeypatch.setattr(poptorch._logging, "_once_keys", set())
     opts = poptorch.Options().connectionType(poptorch.ConnectionType.Never)
     opts.enableStableNorm(True).logCycleCount(True).useOfflineIpuTarget(2)
     opts.setAvailableMemoryProportion({"IPU0": 0.2}).disableModuleNamescope()
