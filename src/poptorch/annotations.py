@@ -276,6 +276,8 @@ def recomputationCheckpoint(*tensors) -> Union[torch.Tensor, tuple]:
     listener = _listener()
     if listener is not None:
         flat = listener.checkpoint(flat)
+    from ._runtime import recompute  # pylint: disable=import-outside-toplevel
+    flat = recompute.checkpoint(flat)
     if as_list:
         return type(tensors[0])(flat) if isinstance(tensors[0], tuple) else flat
     return flat[0] if len(flat) == 1 else tuple(flat)
