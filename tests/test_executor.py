@@ -107,8 +107,9 @@ def test_training_matches_reference_loop(kind, d, g, r):
         assert losses.shape == ref_losses.shape or (losses.dim() == 0 and ref_losses.numel() == 1)
         assert (losses.reshape(-1) - ref_losses).abs().max() <= TOL
     assert max_param_diff(model, ref) <= TOL
-    for b, rb in zip(model.buffers(), ref.buffers()):
-        assert (b.float() - rb.float()).abs().max() <= TOL
+    if r == 1:  # replicas hold their own buffers: see tests/test_executor_options.py
+        for b, rb in zip(model.buffers(), ref.buffers()):
+            assert (b.float() - rb.float()).abs().max() <= TOL
 
 
 @pytest.mark.parametrize("r", [1, 2])

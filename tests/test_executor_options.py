@@ -262,3 +262,94 @@ def test_updatable_named_buffers_unknown_name():
                                   poptorch.Options().updatableNamedBuffers(["a", "c"]))
     with pytest.raises(poptorch.Error, match=r"no buffer named 'c'; its buffers are: a, b"):
         pop(torch.randn(1, 2))
+
+
+# ---------------------------------------------------------------------- broadcastBuffers
+class RunningCenter(nn.Module):
+    """Subtracts a running mean of its inputs, kept in a buffer updated in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+        self.register_buffer("mean", torch.zeros(6))
+
+    def forward(self, x, target=None):
+        self.mean.mul_(0.5).add_(0.5 * x.mean(0))
+        out = self.fc(x - self.mean)
+        if target is None:
+            return out
+        return out, F.cross_entropy(out, target)
+
+
+def reference_replicated(ref, opt, x, y, d, g, r, broadcast, states):
+    """Plain loop over R simulated devices: replica k keeps its own buffer in states[k]."""
+    m = x.shape[0] // (d * g * r)
+    xs, ys = x.split(m), y.split(m)
+    outs = []
+    for i in range(d):
+        if opt is not None:
+            opt.zero_grad()
+        for j in range(g):
+            for k in range(r):
+                n = (i * g + j) * r + k
+                ref.mean.copy_(states[k])
+                if opt is None:
+                    with torch.no_grad():
+                        outs.append(ref(xs[n]))
+                else:
+                    out, loss = ref(xs[n], ys[n])
+                    (loss / (g * r)).backward()
+                    outs.append(loss.detach())
+                states[k] = ref.mean.clone()
+        if opt is not None:
+            opt.step()
+        if broadcast:
+            states[1:] = [states[0].clone() for _ in range(r - 1)]
+    return outs
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+@pytest.mark.parametrize("training", [True, False])
+def test_replicas_hold_their_own_buffers(broadcast, training):
+    torch.manual_seed(0)
+    d, g, r, m = 2, 2 if training else 1, 2, 3
+    model = RunningCenter()
+    ref = copy.deepcopy(model)
+    opts = poptorch.Options().deviceIterations(d).replicationFactor(r)
+    opts.broadcastBuffers(broadcast).outputMode(poptorch.OutputMode.All)
+    ref_opt = None
+    if training:
+        opts.Training.gradientAccumulation(g)
+        pop = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    else:
+        pop = poptorch.inferenceModel(model, opts)
+    states = [ref.mean.clone() for _ in range(r)]
+    for call in range(2):
+        x, y = data(d * g * r * m, seed=call)
+        result = pop(x, y) if training else pop(x)
+        expected = reference_replicated(ref, ref_opt, x, y, d, g, r, broadcast, states)
+        got = result[1] if training else result
+        assert (got - (torch.stack(expected) if training else torch.cat(expected))
+                ).abs().max() <= TOL
+    pop.copyWeightsToHost()
+    assert (model.mean - states[0]).abs().max() <= TOL  # the host sees replica 0
+    assert max_diff(model.parameters(), ref.parameters()) <= TOL
+    if not broadcast:
+        assert not torch.allclose(states[0], states[1])  # the replicas drifted apart
+
+
+def test_copy_weights_to_device_reaches_every_replica_buffer():
+    model = RunningCenter()
+    opts = poptorch.Options().replicationFactor(2).broadcastBuffers(False)
+    pop = poptorch.inferenceModel(model, opts)
+    x = torch.randn(4, 6)
+    pop(x)
+    model.mean.fill_(3.0)
+    pop.copyWeightsToDevice()
+    out = pop(x)
+    expected = []
+    for half in x.split(2):  # both replicas start again from the host's buffer
+        mean = 0.5 * torch.full((6,), 3.0) + 0.5 * half.mean(0)
+        expected.append(model.fc(half - mean))
+    assert (out - torch.cat(expected)).abs().max() <= TOL

@@ -14,13 +14,13 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import _devices, _hooks
-from ._logging import logger
+from ._logging import info_once, logger
 from ._runtime import context
 from ._runtime.batching import BatchPlan, resolve_output_mode, split_inputs
 from ._runtime.modelcopy import shallow_copy_module
 from ._runtime.optimizer import attach_optimizer, default_optimizer, make_loss_scaler
 from ._runtime.program import DeviceProgram, RngScope
-from ._runtime.runner import SequentialRunner
+from ._runtime.runner import ReplicaBuffers, ReplicatedBuffersRunner, SequentialRunner
 from ._runtime.weights import WeightSync
 from .enums import CommGroupType
 from .errors import Error
@@ -77,6 +77,7 @@ class PoplarExecutor:
         d["_rng_seed"] = None
         d["_constants"] = None
         d["_synthetic"] = None
+        d["_replica_buffers"] = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -135,6 +136,7 @@ class PoplarExecutor:
             runner, device = self._build_runner()
             bar.update()
             self._weights_and_optimizer(device)
+            runner = self._replicate_buffers(runner, plan)
             bar.update()
             self.__dict__["_program"] = self._build_program(plan, runner, device)
             if opts.synthetic_data:
@@ -165,6 +167,29 @@ class PoplarExecutor:
             forward = torch.compile(self._model)
         self.__dict__["_forward"] = forward
         return SequentialRunner(forward), device
+
+    def _replicate_buffers(self, runner, plan: BatchPlan):
+        """Give each simulated replica its own buffers (see ``ReplicaBuffers``); no work
+        without replicas or buffers."""
+        r = plan.replication_factor
+        if r == 1 or next(self._model.buffers(), None) is None:
+            return runner
+        if not isinstance(runner, SequentialRunner):
+            info_once(("shared-replica-buffers",),
+                      "Model-parallel execution with replicationFactor(%d): the replicas "
+                      "share one set of buffers (broadcastBuffers has no effect).", r)
+            return runner
+        buffers = ReplicaBuffers(self._model, r)
+        self.__dict__["_replica_buffers"] = buffers
+        return ReplicatedBuffersRunner(runner, buffers, r, plan.per_step,
+                                       bool(self._options.broadcast_buffers))
+
+    def _weights_to_device(self, **which) -> None:
+        """Host -> device copy; every replica then holds the host's buffers."""
+        self._weights.to_device(**which)
+        buffers = self.__dict__.get("_replica_buffers")
+        if buffers is not None and which.get("buffers", True):
+            buffers.broadcast()
 
     def _weights_and_optimizer(self, device: torch.device) -> None:
         updatable = self._options.updatable_named_buffers
@@ -243,21 +268,21 @@ class PoplarExecutor:
     def copyWeightsToDevice(self) -> None:
         """Copy the user's model weights (and buffers) to the device."""
         self._require_compiled("copyWeightsToDevice")
-        self._weights.to_device()
+        self._weights_to_device()
 
     def copyNamedBuffersToDevice(self) -> None:
         """Copy the user's model buffers (only) to the device: those named by
         ``Options.updatableNamedBuffers``, or all of them when it is not set."""
         self._require_compiled("copyNamedBuffersToDevice")
         names = self._options.updatable_named_buffers
-        self._weights.to_device(params=False, buffers=True,
+        self._weights_to_device(params=False, buffers=True,
                                 buffer_names=None if names is None else set(names))
 
     def load_state_dict(self, state_dict: dict, strict: bool = True):
         """Load a state dict into the wrapped model and synchronise the device."""
         result = self.model.load_state_dict(state_dict, strict)
         if self._weights is not None:
-            self._weights.to_device()
+            self._weights_to_device()
         return result
 
     # ------------------------------------------------------------------ optimizer
@@ -304,7 +329,7 @@ class PoplarExecutor:
         self._require_compiled("attachToDevice")
         if self._attached:
             raise Error("attachToDevice: the model is already attached to a device.")
-        self._weights.to_device()
+        self._weights_to_device()
         self.__dict__["_attached"] = True
         logger.debug("Attached to %s", self._device)
 
@@ -312,7 +337,7 @@ class PoplarExecutor:
         """Release the device and the compiled program; the next call compiles again."""
         if self._weights is not None:
             self._weights.to_host_if_needed()
-        for name in ("_program", "_weights", "_device"):
+        for name in ("_program", "_weights", "_device", "_replica_buffers", "_synthetic"):
             self.__dict__[name] = None
         self.__dict__["_attached"] = False
         self.__dict__["_compile_seconds"] = None
