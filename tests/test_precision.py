@@ -459,3 +459,29 @@ def test_e2e_training_stochastic_rounding_keeps_tiny_updates():
     model(torch.ones(1, 1, dtype=torch.float16))  # gradient 1 per weight: update lr
     expected = 1.0 - lr  # float32 reference of one SGD step
     assert abs(layer.weight.float().mean().item() - expected) < 0.05 * FP16_ULP_AT_ONE / 2
+
+
+def test_thread_context_applies_casting_in_worker_threads():
+    import threading
+    a, b = torch.randn(3), torch.randn(3).half()
+    results = {}
+    pol = policy(casting=Cast.FloatDowncastToHalf)
+
+    def worker(name, use_context):
+        if use_context:
+            with pol.thread_context():
+                results[name] = a + b
+        else:
+            results[name] = a + b
+
+    with pol:
+        threads = [threading.Thread(target=worker, args=("with", True)),
+                   threading.Thread(target=worker, args=("without", False))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert torch.equal(results["with"], a.half() + b)
+    assert results["without"].dtype == torch.float32  # modes are thread-local
+    with policy().thread_context():
+        assert (a + b).dtype == torch.float32

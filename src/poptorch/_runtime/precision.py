@@ -23,6 +23,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from typing import Any, Iterable, Mapping
 
@@ -355,6 +356,13 @@ class PrecisionPolicy:
         for ctx in reversed(self._entered.pop()):
             ctx.__exit__(*exc)
 
+    def thread_context(self) -> contextlib.AbstractContextManager:
+        """The thread-local part of the policy (the casting mode) for a worker thread
+        that runs part of the program (a pipeline stage): torch function modes do not
+        follow a call into other threads. A no-op context when casting is ``Default``."""
+        mode = _casting_mode(self.half_float_casting)
+        return mode if mode is not None else contextlib.nullcontext()
+
     # --- floating point exceptions --------------------------------------------------
     def check_step(self, outputs: Any, params: Any) -> None:
         """Raise :class:`poptorch.Error` if an output or a parameter holds inf or NaN.
@@ -364,7 +372,7 @@ class PrecisionPolicy:
         """
         if not self.checks_finite:
             return
-        leaves, spec = pytree.tree_flatten(outputs)
+        leaves, _ = pytree.tree_flatten(outputs)
         paths = _output_paths(outputs, len(leaves))
         checked = [(f"output {path}", t) for path, t in zip(paths, leaves)
                    if isinstance(t, torch.Tensor) and t.is_floating_point()]
@@ -372,12 +380,17 @@ class PrecisionPolicy:
                      if t.is_floating_point()]
         if not checked:
             return
-        finite = torch.stack([torch.isfinite(t).all().to("cpu", non_blocking=False)
-                              for _, t in checked])
-        if bool(finite.all()):
+        flags: dict = {}  # one stack and one host transfer per device
+        for i, (_, t) in enumerate(checked):
+            flags.setdefault(t.device, []).append((i, torch.isfinite(t).all()))
+        finite = [True] * len(checked)
+        for pairs in flags.values():
+            for (i, _), ok in zip(pairs, torch.stack([f for _, f in pairs]).tolist()):
+                finite[i] = ok
+        if all(finite):
             return
         bad = []
-        for (what, t), ok in zip(checked, finite.tolist()):
+        for (what, t), ok in zip(checked, finite):
             if not ok:
                 kinds = []
                 if bool(torch.isnan(t).any()):
