@@ -229,6 +229,8 @@ class _Segment:
                 continue
             ref = self.binding.get(leaf)
             if ref is not None:
+                if n in writes:
+                    self._check_not_external_view(leaf)
                 refs.append(_Internal(ref))
                 continue
             index = self._external(leaf)
@@ -246,6 +248,14 @@ class _Segment:
         outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         for j, t in enumerate(outputs):
             self.binding[t] = (i, j)
+
+    def _check_not_external_view(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage().data_ptr()
+        if any(t.untyped_storage().data_ptr() == storage for t in self.externals):
+            raise Error(
+                "An in-place update of a view of a tensor made before this recomputation "
+                "segment (before the last poptorch.recomputationCheckpoint) cannot be "
+                "recomputed. Update a copy instead (e.g. x = x.clone() before the update).")
 
     def _external(self, tensor: torch.Tensor) -> int:
         index = self.external_index.get(id(tensor))
