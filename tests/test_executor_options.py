@@ -353,3 +353,85 @@ def test_copy_weights_to_device_reaches_every_replica_buffer():
         mean = 0.5 * torch.full((6,), 3.0) + 0.5 * half.mean(0)
         expected.append(model.fc(half - mean))
     assert (out - torch.cat(expected)).abs().max() <= TOL
+
+
+# ------------------------------------------------------------------ precision policy
+def test_floating_point_exceptions_raise_after_a_step_with_inf():
+    class Blowup(nn.Module):
+        def forward(self, x):
+            return torch.log(x)  # log(0) = -inf, log(-1) = NaN
+
+    finite = torch.tensor([[1.0], [2.0]])
+    opts = poptorch.Options().deviceIterations(2)
+    opts.Precision.enableFloatingPointExceptions(True)
+    pop = poptorch.inferenceModel(Blowup(), opts)
+    assert torch.equal(pop(finite), torch.log(finite))
+    bad = torch.tensor([[1.0], [-1.0]])
+    assert not torch.isfinite(torch.log(bad)).all()  # reference: plain PyTorch overflows
+    with pytest.raises(poptorch.Error, match="Floating point exception"):
+        pop(bad)
+    # Without the option the same input runs and gives PyTorch's NaN.
+    plain = poptorch.inferenceModel(Blowup(), poptorch.Options().deviceIterations(2))
+    assert torch.isnan(plain(bad)[1]).all()
+
+
+def test_half_upcast_to_float_is_active_while_the_program_runs():
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 3))
+
+        def forward(self, x):
+            return torch.matmul(x, self.w)  # x is float16, w float32
+
+    model = Mixed()
+    x = torch.randn(2, 4).half()
+    with pytest.raises(RuntimeError):
+        model(x)  # plain PyTorch refuses mixed matmul
+    opts = poptorch.Options()
+    opts.Precision.halfFloatCasting(poptorch.HalfFloatCastingBehavior.HalfUpcastToFloat)
+    out = poptorch.inferenceModel(model, opts)(x)
+    assert (out - torch.matmul(x.float(), model.w)).abs().max() <= TOL
+
+
+# ---------------------------------------------------------------- profiling and caching
+def test_profiling_writes_one_trace_per_call(tmp_path):
+    import json
+    model = MLP()
+    opts = poptorch.Options().deviceIterations(2).enableProfiling(str(tmp_path))
+    opts.modelName("net")
+    pop = poptorch.inferenceModel(model, opts)
+    x, _ = data(4)
+    for _ in range(2):
+        assert (pop(x) - model(x)).abs().max() <= TOL
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["net.inference.call0.json", "net.inference.call1.json"]
+    events = json.loads((tmp_path / names[0]).read_text())["traceEvents"]
+    assert any("linear" in str(e.get("name", "")) for e in events)
+
+
+def test_executable_caching_with_eager_is_recorded_and_logged(tmp_path, caplog):
+    import logging
+    cache = tmp_path / "cache"
+    opts = poptorch.Options().enableExecutableCaching(str(cache))
+    opts.Jit.backend("eager")
+    model = MLP()
+    pop = poptorch.inferenceModel(model, opts)
+    x, _ = data(2)
+    with caplog.at_level(logging.INFO, logger="poptorch::python"):
+        assert (pop(x) - model(x)).abs().max() <= TOL
+    assert "nothing to cache" in caplog.text
+    assert opts.executable_cache_dir == str(cache) and not cache.exists()
+
+
+def test_executable_caching_fills_the_inductor_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "previous"))
+    torch._dynamo.reset()
+    cache = tmp_path / "cache"
+    opts = poptorch.Options().enableExecutableCaching(str(cache))
+    opts.Jit.backend("inductor")
+    model = MLP()
+    pop = poptorch.inferenceModel(model, opts)
+    x, _ = data(2)
+    assert (pop(x) - model(x)).abs().max() <= 1e-4
+    assert cache.is_dir() and any(cache.rglob("*")), "inductor wrote nothing to the cache"

@@ -20,6 +20,7 @@ from ._runtime.batching import BatchPlan, resolve_output_mode, split_inputs
 from ._runtime.modelcopy import shallow_copy_module
 from ._runtime.optimizer import attach_optimizer, default_optimizer, make_loss_scaler
 from ._runtime.program import DeviceProgram, RngScope
+from ._runtime.tracing import configure_executable_cache
 from ._runtime.runner import ReplicaBuffers, ReplicatedBuffersRunner, SequentialRunner
 from ._runtime.weights import WeightSync
 from .enums import CommGroupType
@@ -78,6 +79,7 @@ class PoplarExecutor:
         d["_constants"] = None
         d["_synthetic"] = None
         d["_replica_buffers"] = None
+        d["_precision"] = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -139,6 +141,7 @@ class PoplarExecutor:
             runner = self._replicate_buffers(runner, plan)
             bar.update()
             self.__dict__["_program"] = self._build_program(plan, runner, device)
+            self._install_program_extras(self._program)
             if opts.synthetic_data:
                 from ._runtime.synthetic import SyntheticInputs
                 self.__dict__["_synthetic"] = SyntheticInputs(self._device)
@@ -148,6 +151,7 @@ class PoplarExecutor:
         opts._freeze()  # also logs the options that have no effect here
         self.__dict__["_attached"] = True
         self.__dict__["_compile_seconds"] = time.perf_counter() - t0
+        logger.debug("Compiled %s in %.3f s", self._model_name(), self._compile_seconds)
         from ._runtime.export import _apply_pending_rng
         _apply_pending_rng(self)
         _hooks.run_post_compile_hooks()
@@ -155,14 +159,19 @@ class PoplarExecutor:
     def _build_runner(self):
         from ._runtime.placement import build_runner
         runner = build_runner(self._model, self._options, self._training)
+        cache_dir = self._options.executable_cache_dir
         if runner is not None:
             device = getattr(runner, "output_device", torch.device("cpu"))
             self.__dict__["_device"] = getattr(runner, "input_device", device)
+            if cache_dir is not None:
+                configure_executable_cache(cache_dir, _backend(self._options, device))
             return runner, device
         device = _devices.acquire_devices(self._options, 1)[0]
         self.__dict__["_device"] = device
         forward = self._model
         backend = _backend(self._options, device)
+        if cache_dir is not None:
+            configure_executable_cache(cache_dir, backend)
         if backend == "inductor":
             forward = torch.compile(self._model)
         self.__dict__["_forward"] = forward
@@ -227,6 +236,29 @@ class PoplarExecutor:
             from ._optimizer_attributes import snapshot_constants
             self.__dict__["_constants"] = snapshot_constants(self._optimizer)
         return program
+
+    def _model_name(self) -> str:
+        opts = self._options
+        name = opts.model_name if opts.exists("model_name") else type(self._user_model).__name__
+        return f"{name}.{'training' if self._training else 'inference'}"
+
+    def _install_program_extras(self, program: DeviceProgram) -> None:
+        """Precision policy and profiling: installed only when their options ask, so
+        that a call without them costs nothing more."""
+        from ._runtime.precision import PrecisionPolicy
+        opts = self._options
+        policy = PrecisionPolicy(opts, self._model, self._training, self._device)
+        self.__dict__["_precision"] = policy
+        policy.prepare_optimizer(self.__dict__.get("_device_optimizer"))
+        if policy.active:
+            program.wrappers.append(policy)
+        if policy.checks_finite:
+            program.finite_check = policy.check_step
+            program.named_params = list(self._model.named_parameters())
+        if opts.profile_dir is not None:
+            from ._runtime.tracing import CallProfiler
+            program.wrappers.insert(0, CallProfiler(opts.profile_dir, self._model_name(),
+                                                    self._device))
 
     def compile(self, *args, **kwargs) -> None:
         """Compile the model for these inputs without running it (no-op if compiled)."""
@@ -303,6 +335,7 @@ class PoplarExecutor:
                                         self._weights, previous=self._device_optimizer)
             self.__dict__["_device_optimizer"] = attached
             self._program.optimizer = attached
+            self._precision.prepare_optimizer(attached)
             self._program.set_scaler(make_loss_scaler(optimizer, self._options,
                                                       self._program.scaler))
         self.__dict__["_optimizer"] = optimizer

@@ -7,6 +7,7 @@ the output mode needs them.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable
 
@@ -107,6 +108,11 @@ class DeviceProgram:
         self.perf = PerfCounters()
         self.scaler = None
         self.last_compute_seconds = 0.0
+        # Context managers entered around the device loop of every call (profiling,
+        # precision), and the check run after every step; empty / None when unused.
+        self.wrappers: list = []
+        self.finite_check: Callable[[Any, Any], None] | None = None
+        self.named_params: list = []
         self._configure_reduction(options)
 
     def _configure_reduction(self, options: Any) -> None:
@@ -154,8 +160,46 @@ class DeviceProgram:
         for n, out in enumerate(outputs):
             if collector.wants(i, n):
                 collector.add(n, detach(out))
+        if self.finite_check is not None:
+            self.finite_check(outputs, self.named_params)
         if self.anchors is not None:
             self.anchors(i)
+
+    def _loop(self, steps: list, collector: OutputCollector, t_prev: float) -> float:
+        """The device iterations of one call; returns the time the last one ended."""
+        perf = self.perf.counters
+        if self.training:
+            for i, microbatches in enumerate(steps):
+                perf["input"].append(t_prev)
+                perf["input_complete"].append(time.perf_counter())
+                self._collect(collector, i, self._train_step(microbatches))
+                t_prev = time.perf_counter()
+                perf["output"].append(t_prev)
+        elif self.anchors is not None:
+            # Anchors read the model after each iteration: one runner call each.
+            for i, microbatches in enumerate(steps):
+                perf["input"].append(t_prev)
+                perf["input_complete"].append(time.perf_counter())
+                with torch.no_grad():
+                    outputs = self.runner(microbatches, None)
+                context.take_marked_losses()
+                self._collect(collector, i, outputs)
+                t_prev = time.perf_counter()
+                perf["output"].append(t_prev)
+        else:
+            # No update between inference iterations: one runner call takes all
+            # d * r micro-batches, so a pipeline stays full across iterations.
+            perf["input"].extend([t_prev] * len(steps))
+            perf["input_complete"].extend([time.perf_counter()] * len(steps))
+            with torch.no_grad():
+                outputs = self.runner([mb for step in steps for mb in step], None)
+            context.take_marked_losses()
+            per = self.plan.per_step
+            for i in range(len(steps)):
+                self._collect(collector, i, outputs[i * per:(i + 1) * per])
+            t_prev = time.perf_counter()
+            perf["output"].extend([t_prev] * len(steps))
+        return t_prev
 
     def run(self, args: tuple, kwargs: dict) -> Any:
         """Run one call on inputs already on the device; return host outputs."""
@@ -168,37 +212,13 @@ class DeviceProgram:
         t_prev = t_start
         context.take_marked_losses()  # drop marks left by runs outside the executor
         with context.running_on_ipu(), self.rng:
-            if self.training:
-                for i, microbatches in enumerate(steps):
-                    perf["input"].append(t_prev)
-                    perf["input_complete"].append(time.perf_counter())
-                    self._collect(collector, i, self._train_step(microbatches))
-                    t_prev = time.perf_counter()
-                    perf["output"].append(t_prev)
-            elif self.anchors is not None:
-                # Anchors read the model after each iteration: one runner call each.
-                for i, microbatches in enumerate(steps):
-                    perf["input"].append(t_prev)
-                    perf["input_complete"].append(time.perf_counter())
-                    with torch.no_grad():
-                        outputs = self.runner(microbatches, None)
-                    context.take_marked_losses()
-                    self._collect(collector, i, outputs)
-                    t_prev = time.perf_counter()
-                    perf["output"].append(t_prev)
+            if self.wrappers:
+                with contextlib.ExitStack() as stack:
+                    for wrapper in self.wrappers:
+                        stack.enter_context(wrapper)
+                    t_prev = self._loop(steps, collector, t_prev)
             else:
-                # No update between inference iterations: one runner call takes all
-                # d * r micro-batches, so a pipeline stays full across iterations.
-                perf["input"].extend([t_prev] * len(steps))
-                perf["input_complete"].extend([time.perf_counter()] * len(steps))
-                with torch.no_grad():
-                    outputs = self.runner([mb for step in steps for mb in step], None)
-                context.take_marked_losses()
-                per = self.plan.per_step
-                for i in range(len(steps)):
-                    self._collect(collector, i, outputs[i * per:(i + 1) * per])
-                t_prev = time.perf_counter()
-                perf["output"].extend([t_prev] * len(steps))
+                t_prev = self._loop(steps, collector, t_prev)
         result = collector.result()
         if self.to_host is not None:
             result = self.to_host(result)
