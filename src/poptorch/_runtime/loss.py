@@ -27,11 +27,12 @@ def find_loss(output: Any, marked: list) -> torch.Tensor:
     if marked:
         returned = {id(t) for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)}
         in_output = [t for t in marked if id(t) in returned]
-        if len(in_output) == 1:
-            return in_output[0]
-        if in_output:
-            return torch.stack([t.sum() for t in in_output]).sum()
-        return marked[-1]
+        chosen = in_output or marked[-1:]
+        # reduction='none' leaves a tensor: back-propagate a gradient of ones (its sum)
+        loss = chosen[0] if chosen[0].dim() == 0 else chosen[0].sum()
+        for extra in chosen[1:]:
+            loss = loss + extra.sum()
+        return loss
     candidate = output
     if isinstance(output, (tuple, list)) and output:
         candidate = output[-1]
