@@ -435,3 +435,57 @@ def test_executable_caching_fills_the_inductor_cache(tmp_path, monkeypatch):
     x, _ = data(2)
     assert (pop(x) - model(x)).abs().max() <= 1e-4
     assert cache.is_dir() and any(cache.rglob("*")), "inductor wrote nothing to the cache"
+
+
+# ------------------------------------------------------- optimizer state on accelerators
+def test_device_optimizer_sync_reads_back_and_sends_loaded_state():
+    from poptorch._runtime.optimizer import DeviceOptimizerSync
+    torch.manual_seed(0)
+    host = MLP()
+    device_model = copy.deepcopy(host)  # stands for the device copy of an accelerator
+    user = poptorch.optim.SGD(host.parameters(), lr=0.1, momentum=0.9)
+    device = poptorch.optim.SGD(device_model.parameters(), lr=0.1, momentum=0.9)
+    assert DeviceOptimizerSync.needed(user, device)
+    assert not DeviceOptimizerSync.needed(user, user)  # CPU: one shared optimizer
+    sync = DeviceOptimizerSync(user, device)
+    x, y = data(4)
+    sync.before_run()
+    device_model(x, y)[1].backward()
+    device.step()
+    sync.after_run()
+    ref_model = copy.deepcopy(host)
+    reference = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
+    ref_model(x, y)[1].backward()
+    reference.step()
+    got, want = user.state_dict()["state"], reference.state_dict()["state"]
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.allclose(got[k]["momentum_buffer"], want[k]["momentum_buffer"])
+    # A checkpoint loaded on the host reaches the device before the next run.
+    checkpoint = user.state_dict()
+    for s in checkpoint["state"].values():
+        s["momentum_buffer"] = torch.ones_like(s["momentum_buffer"])
+    user.load_state_dict(checkpoint)
+    assert user.ipu_state_is_dirty
+    sync.before_run()
+    assert not user.ipu_state_is_dirty
+    for p in device_model.parameters():
+        assert torch.equal(device.state[p]["momentum_buffer"], torch.ones_like(p))
+
+
+def test_set_optimizer_keeps_the_automatic_loss_scale():
+    from poptorch._runtime.loss_scaling import LossScaler
+    from poptorch._runtime.optimizer import make_loss_scaler
+    model = MLP()
+    opts = poptorch.Options()
+    opts.Training.setAutomaticLossScaling(True)
+    first = poptorch.optim.SGD(model.parameters(), lr=0.1, loss_scaling=8.0)
+    previous = make_loss_scaler(first, opts)
+    progressed = LossScaler(first, True)
+    progressed.load_state_dict(dict(previous.state_dict(), scale=2.0, good_steps=3))
+    second = poptorch.optim.SGD(model.parameters(), lr=0.05, loss_scaling=8.0)
+    carried = make_loss_scaler(second, opts, progressed)
+    assert carried.state_dict() == progressed.state_dict()
+    changed = poptorch.optim.SGD(model.parameters(), lr=0.05, loss_scaling=4.0)
+    fresh = make_loss_scaler(changed, opts, progressed)
+    assert fresh.state_dict() == LossScaler(changed, True).state_dict()

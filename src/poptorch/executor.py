@@ -18,7 +18,8 @@ from ._logging import info_once, logger
 from ._runtime import context
 from ._runtime.batching import BatchPlan, resolve_output_mode, split_inputs
 from ._runtime.modelcopy import shallow_copy_module
-from ._runtime.optimizer import attach_optimizer, default_optimizer, make_loss_scaler
+from ._runtime.optimizer import (DeviceOptimizerSync, attach_optimizer, default_optimizer,
+                                 make_loss_scaler)
 from ._runtime.program import DeviceProgram, RngScope
 from ._runtime.tracing import configure_executable_cache
 from ._runtime.runner import ReplicaBuffers, ReplicatedBuffersRunner, SequentialRunner
@@ -80,6 +81,7 @@ class PoplarExecutor:
         d["_synthetic"] = None
         d["_replica_buffers"] = None
         d["_precision"] = None
+        d["_optimizer_sync"] = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -215,6 +217,13 @@ class PoplarExecutor:
             attached = attach_optimizer(self._optimizer, self._model, self._user_model,
                                         sync)
             self.__dict__["_device_optimizer"] = attached
+            self._sync_optimizer(self._optimizer, attached)
+
+    def _sync_optimizer(self, user_optimizer: Any, device_optimizer: Any) -> None:
+        sync = None
+        if DeviceOptimizerSync.needed(user_optimizer, device_optimizer):
+            sync = DeviceOptimizerSync(user_optimizer, device_optimizer)
+        self.__dict__["_optimizer_sync"] = sync
 
     def _build_program(self, plan: BatchPlan, runner, device) -> DeviceProgram:
         opts = self._options
@@ -278,6 +287,9 @@ class PoplarExecutor:
             args, kwargs = self._synthetic(args, kwargs)
         elif device.type != "cpu":
             args, kwargs = _to_device((args, kwargs), device)
+        opt_sync = self._optimizer_sync
+        if opt_sync is not None:
+            opt_sync.before_run()
         try:
             result = self._program.run(args, kwargs)
         except BaseException:
@@ -285,6 +297,8 @@ class PoplarExecutor:
                 snapshot.restore()
             raise
         self._weights.mark_device_newer()
+        if opt_sync is not None:
+            opt_sync.after_run()
         return result
 
     # ------------------------------------------------------------------ weights
@@ -336,6 +350,7 @@ class PoplarExecutor:
             self.__dict__["_device_optimizer"] = attached
             self._program.optimizer = attached
             self._precision.prepare_optimizer(attached)
+            self._sync_optimizer(optimizer, attached)
             self._program.set_scaler(make_loss_scaler(optimizer, self._options,
                                                       self._program.scaler))
         self.__dict__["_optimizer"] = optimizer

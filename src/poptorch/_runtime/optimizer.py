@@ -52,6 +52,9 @@ def attach_optimizer(optimizer: Any, device_model: torch.nn.Module,
     device_params = dict(device_model.named_parameters())
     mapping = {id(p): device_params[names[id(p)]] for p in user_model.parameters()}
     device_opt = copy.copy(optimizer)
+    if hasattr(device_opt, "host_state_is_dirty"):  # poptorch.optim: the copy is the device
+        device_opt.host_state_is_dirty = device_opt.ipu_state_is_dirty = False
+        device_opt._device_state_reader = None
     device_opt.param_groups = [dict(g, params=[mapping[id(p)] for p in g["params"]])
                                for g in optimizer.param_groups]
     if carry_state:
@@ -72,4 +75,40 @@ def make_loss_scaler(optimizer: Any, options: Any, previous: Any = None) -> Any:
     if not automatic and (scale is None or float(scale) == 1.0):
         return None
     from .loss_scaling import LossScaler
-    return LossScaler(optimizer, automatic)
+    scaler = LossScaler(optimizer, automatic)
+    if automatic and previous is not None and getattr(previous, "automatic", False):
+        state = previous.state_dict()
+        if state["configured"] == scaler.state_dict()["configured"]:
+            scaler.load_state_dict(state)  # same setting: keep the scale reached so far
+    return scaler
+
+
+class DeviceOptimizerSync:
+    """Keeps a ``poptorch.optim`` optimizer's host view in step with its device copy
+    (accelerators only; on the CPU the user's optimizer is the device optimizer).
+
+    Before a run, state loaded into the user's optimizer (``ipu_state_is_dirty``) is sent
+    to the device; after a run, the user's ``state_dict()`` is told to read the device
+    state back (``host_state_is_dirty`` and ``_device_state_reader``).
+    """
+
+    def __init__(self, user_optimizer: Any, device_optimizer: Any) -> None:
+        self.user = user_optimizer
+        self.device = device_optimizer
+
+    @staticmethod
+    def needed(user_optimizer: Any, device_optimizer: Any) -> bool:
+        """Whether a sync is needed: a poptorch.optim optimizer with a device copy."""
+        return device_optimizer is not user_optimizer and \
+            hasattr(user_optimizer, "ipu_state_is_dirty")
+
+    def before_run(self) -> None:
+        user = self.user
+        if user.ipu_state_is_dirty:
+            self.device.load_state_dict(user.get_state_dict())
+            self.device.ipu_state_is_dirty = False
+            user.ipu_state_is_dirty = False
+
+    def after_run(self) -> None:
+        self.user.host_state_is_dirty = True
+        self.user._device_state_reader = self.device.state_dict
