@@ -546,3 +546,16 @@ def test_inductor_backend_matches_eager():
     ref_losses = reference_training(ref, torch.optim.SGD(ref.parameters(), lr=0.05), x, y, 2, 2, 1)
     assert abs(loss.item() - ref_losses[-1].item()) <= TOL
     assert max_param_diff(model, ref) <= TOL
+
+
+def test_optimizer_step_hooks_still_run():
+    """The device loop skips torch.optim's step wrapper only while it has nothing to do."""
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = []
+    opt.register_step_pre_hook(lambda *a: calls.append("pre"))
+    opt.register_step_post_hook(lambda *a: calls.append("post"))
+    pop = poptorch.trainingModel(model, poptorch.Options().deviceIterations(2), opt)
+    x, y = make_inputs(MLP, 4)
+    pop(x, y)
+    assert calls == ["pre", "post", "pre", "post"]

@@ -112,3 +112,29 @@ class DeviceOptimizerSync:
     def after_run(self) -> None:
         self.user.host_state_is_dirty = True
         self.user._device_state_reader = self.device.state_dict
+
+
+def fast_step(optimizer: torch.optim.Optimizer):
+    """``optimizer.step`` without torch.optim's per-call wrapper when it has nothing to do.
+
+    ``Optimizer.step`` is wrapped in a profiler range and a hook dispatcher that cost
+    about 10 microseconds per call, as much as the whole update of a small model. The
+    returned callable calls the unwrapped step while no step hook is registered and no
+    profiler is running, and the full ``optimizer.step()`` otherwise: same results.
+    """
+    from torch.autograd import profiler
+    from torch.optim import optimizer as torch_optimizer
+
+    wrapped = optimizer.step
+    inner = getattr(type(optimizer).step, "__wrapped__", None)
+    if inner is None:
+        return wrapped
+    global_pre = torch_optimizer._global_optimizer_pre_hooks
+    global_post = torch_optimizer._global_optimizer_post_hooks
+
+    def step() -> Any:
+        if (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+                or global_pre or global_post or profiler._is_profiler_enabled):
+            return wrapped()
+        return inner(optimizer)
+    return step

@@ -18,6 +18,7 @@ from ..errors import Error
 from . import context
 from .batching import BatchPlan, OutputCollector, split_inputs
 from .loss import find_loss
+from .optimizer import fast_step
 from .runner import StepRunner
 
 
@@ -101,7 +102,7 @@ class DeviceProgram:
         self.output_mode = output_mode
         self.output_return_period = output_return_period
         self.params = params
-        self.optimizer = optimizer
+        self.optimizer = optimizer  # a property: also picks the fast step function
         self.rng = rng
         self.to_host = to_host
         self.anchors = anchors
@@ -131,6 +132,16 @@ class DeviceProgram:
         self.divide_grads_by = n if mean and strategy == MeanReductionStrategy.Post else 1
         self.loss_multiplier = 1.0 / n if mean and self.divide_grads_by == 1 else 1.0
 
+    @property
+    def optimizer(self) -> Any:
+        """The optimizer that updates the device parameters."""
+        return self._optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: Any) -> None:
+        self._optimizer = optimizer
+        self._step = None if optimizer is None else fast_step(optimizer)
+
     def set_scaler(self, scaler: Any) -> None:
         """Install (or remove, with None) the loss scaler used by training steps."""
         self.scaler = scaler
@@ -153,7 +164,7 @@ class DeviceProgram:
             if grads:
                 torch._foreach_div_(grads, float(self.divide_grads_by))
         if self.scaler is None or self.scaler.unscale_(params):
-            self.optimizer.step()
+            self._step()
         return outputs
 
     def _collect(self, collector: OutputCollector, i: int, outputs: list) -> None:
