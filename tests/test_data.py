@@ -386,3 +386,16 @@ def test_signatures_match_the_reference():
         ("miss_sleep_time_in_ms", 0.1), ("load_indefinitely", True),
         ("early_preload", False), ("sharing_strategy", poptorch.SharingStrategy.ForkServer),
         ("rebatched_size", None)]
+
+
+def test_input_replica_grouping_shrinks_the_combined_batch():
+    """Replicas of one input group share a micro-batch: the loader's batches must be
+    exactly what the executor consumes (checked against the model's own batch rule)."""
+    opts = poptorch.Options().replicationFactor(4).deviceIterations(2)
+    opts.inputReplicaGrouping(2, poptorch.CommGroupType.Consecutive)
+    data = torch.utils.data.TensorDataset(torch.arange(64, dtype=torch.float32).unsqueeze(1))
+    loader = poptorch.DataLoader(opts, data, batch_size=3)
+    assert loader.combinedBatchSize == 3 * 2 * (4 // 2)
+    model = poptorch.inferenceModel(torch.nn.Linear(1, 1), opts)
+    (batch,) = next(iter(loader))
+    assert model(batch).shape[0] == 2 * 4 * 3  # every replica's output comes back

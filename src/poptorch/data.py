@@ -48,7 +48,10 @@ def _read_options(options: Any) -> tuple[int, int, int, int, int, int | None]:
     process count, random seed or None)`` from a ``poptorch.Options``."""
     try:
         seed = options.random_seed if options.exists("random_seed") else None
-        return (options.device_iterations, options.replication_factor,
+        # Replicas of one input group (inputReplicaGrouping) read the same micro-batch:
+        # a call consumes micro-batches for replication_factor / input_group_size of them.
+        reading_replicas = options.replication_factor // max(1, options.input_group_size)
+        return (options.device_iterations, reading_replicas,
                 options.Training.gradient_accumulation, options.Distributed.processId,
                 options.Distributed.numProcesses, seed)
     except AttributeError:
