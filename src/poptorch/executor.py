@@ -73,10 +73,8 @@ class PoplarExecutor:
         d["_weights"] = None
         d["_attached"] = False
         d["_compile_seconds"] = None
-        d["_forward"] = d["_model"]
         d["_anchors"] = {}
         d["_device"] = None
-        d["_rng_seed"] = None
         d["_constants"] = None
         d["_synthetic"] = None
         d["_replica_buffers"] = None
@@ -176,7 +174,6 @@ class PoplarExecutor:
             configure_executable_cache(cache_dir, backend)
         if backend == "inductor":
             forward = torch.compile(self._model)
-        self.__dict__["_forward"] = forward
         return SequentialRunner(forward), device
 
     def _replicate_buffers(self, runner, plan: BatchPlan):

@@ -176,40 +176,36 @@ class DeviceProgram:
         if self.anchors is not None:
             self.anchors(i)
 
+    def _infer(self, microbatches: list) -> list:
+        with torch.no_grad():
+            outputs = self.runner(microbatches, None)
+        context.take_marked_losses()
+        return outputs
+
     def _loop(self, steps: list, collector: OutputCollector, t_prev: float) -> float:
         """The device iterations of one call; returns the time the last one ended."""
         perf = self.perf.counters
-        if self.training:
+        if self.training or self.anchors is not None:
+            # One runner call per iteration: training updates the weights in between,
+            # and anchors read the model after each iteration.
+            iterate = self._train_step if self.training else self._infer
             for i, microbatches in enumerate(steps):
                 perf["input"].append(t_prev)
                 perf["input_complete"].append(time.perf_counter())
-                self._collect(collector, i, self._train_step(microbatches))
+                self._collect(collector, i, iterate(microbatches))
                 t_prev = time.perf_counter()
                 perf["output"].append(t_prev)
-        elif self.anchors is not None:
-            # Anchors read the model after each iteration: one runner call each.
-            for i, microbatches in enumerate(steps):
-                perf["input"].append(t_prev)
-                perf["input_complete"].append(time.perf_counter())
-                with torch.no_grad():
-                    outputs = self.runner(microbatches, None)
-                context.take_marked_losses()
-                self._collect(collector, i, outputs)
-                t_prev = time.perf_counter()
-                perf["output"].append(t_prev)
-        else:
-            # No update between inference iterations: one runner call takes all
-            # d * r micro-batches, so a pipeline stays full across iterations.
-            perf["input"].extend([t_prev] * len(steps))
-            perf["input_complete"].extend([time.perf_counter()] * len(steps))
-            with torch.no_grad():
-                outputs = self.runner([mb for step in steps for mb in step], None)
-            context.take_marked_losses()
-            per = self.plan.per_step
-            for i in range(len(steps)):
-                self._collect(collector, i, outputs[i * per:(i + 1) * per])
-            t_prev = time.perf_counter()
-            perf["output"].extend([t_prev] * len(steps))
+            return t_prev
+        # No update between inference iterations: one runner call takes all d * r
+        # micro-batches, so a pipeline stays full across iterations.
+        perf["input"].extend([t_prev] * len(steps))
+        perf["input_complete"].extend([time.perf_counter()] * len(steps))
+        outputs = self._infer([mb for step in steps for mb in step])
+        per = self.plan.per_step
+        for i in range(len(steps)):
+            self._collect(collector, i, outputs[i * per:(i + 1) * per])
+        t_prev = time.perf_counter()
+        perf["output"].extend([t_prev] * len(steps))
         return t_prev
 
     def run(self, args: tuple, kwargs: dict) -> Any:
