@@ -25,7 +25,7 @@ from .._runtime.program.device_loop import DeviceProgram, RngScope
 from .._runtime.tracing import configure_executable_cache
 from .._runtime.program.runner import ReplicaBuffers, ReplicatedBuffersRunner, SequentialRunner
 from .._runtime.weights.sync import WeightSync
-from ..enums import CommGroupType
+from ..enums import CommGroupType, OutputMode
 from ..errors import Error
 from ..optim.optimizers import SGD
 from ..options.options import Options
@@ -55,6 +55,13 @@ class PoplarExecutor:
         options = Options() if options is None else options
         if not isinstance(options, Options):
             raise Error(f"options must be a poptorch.Options, not {type(options).__name__}.")
+        # As in PopTorch: the user's options are frozen (a later change would not reach
+        # this model) and the model works on its own copy, whose Default output mode is
+        # resolved (Final for training, All for inference).
+        options._freeze()
+        options = options.clone()
+        if options.defaultOutputMode():
+            options.outputMode(OutputMode.Final if training else OutputMode.All)
         if not isinstance(model, torch.nn.Module):
             raise Error(f"The model must be a torch.nn.Module, not {type(model).__name__}.")
         if training and optimizer is None:
@@ -147,6 +154,7 @@ class PoplarExecutor:
             if opts.synthetic_data:
                 from .._runtime.batching.synthetic import SyntheticInputs
                 self.__dict__["_synthetic"] = SyntheticInputs(self._device)
+                self._program.perf.synthetic = True
             bar.update()
         finally:
             bar.close()
@@ -298,6 +306,9 @@ class PoplarExecutor:
         self._weights.mark_device_newer()
         if opt_sync is not None:
             opt_sync.after_run()
+        if first:
+            self.__dict__["_io_counts"] = (_count_tensors((args, kwargs)),
+                                           _count_tensors(result))
         return result
 
     # ------------------------------------------------------------------ weights
@@ -403,9 +414,14 @@ class PoplarExecutor:
 
     def getPerfCounters(self) -> dict:
         """Host timestamps of the last call: {'input', 'input_complete', 'output',
-        'output_complete'} -> [per input/output index][per iteration] seconds."""
-        counters = self._require_compiled("getPerfCounters").perf.counters
-        return {k: [list(v)] for k, v in counters.items()}
+        'output_complete'} -> [per input / output tensor][per transfer] seconds (one
+        transfer per micro-batch; outputs only those the output mode returns)."""
+        program = self._require_compiled("getPerfCounters")
+        num_inputs, num_outputs = self.__dict__.get("_io_counts", (0, 0))
+        plan = program.plan
+        return program.perf.shaped(num_inputs, num_outputs, plan.per_step,
+                                   plan.replication_factor, program.output_mode,
+                                   program.output_return_period)
 
     def getHostIpuLatency(self) -> tuple[float, float, float]:
         """(min, max, mean) seconds from input requested to input transferred."""
@@ -522,6 +538,10 @@ def _to_device(structure: Any, device: torch.device) -> Any:
             return t
         return t.pin_memory().to(device, non_blocking=True)
     return pytree.tree_map(move, structure)
+
+
+def _count_tensors(structure: Any) -> int:
+    return sum(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(structure))
 
 
 def _to_cpu(structure: Any) -> Any:
