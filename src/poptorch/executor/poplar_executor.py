@@ -14,7 +14,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import _devices
-from . import hooks as _hooks
+from . import hooks as _hooks, optimizer_rules
 from .._logging import info_once, logger
 from .._runtime import context
 from .._runtime.batching.plan import BatchPlan, resolve_output_mode, split_inputs
@@ -143,6 +143,8 @@ class PoplarExecutor:
         try:
             plan = self._plan()
             split_inputs(plan, args, kwargs)  # check batch sizes before anything else
+            if self._training:
+                optimizer_rules.apply_mean_reduction_rule(opts, self._optimizer, False)
             bar.update()
             runner, device = self._build_runner()
             bar.update()
@@ -223,6 +225,9 @@ class PoplarExecutor:
         if self._training:
             attached = attach_optimizer(self._optimizer, self._model, self._user_model,
                                         sync)
+            optimizer_rules.mark_compiled(self._optimizer, self._options)
+            self.__dict__["_optimizer_keys"] = optimizer_rules.attribute_keys(
+                self._optimizer)
             self.__dict__["_device_optimizer"] = attached
             self._sync_optimizer(self._optimizer, attached)
 
@@ -353,6 +358,8 @@ class PoplarExecutor:
                         "has an optimizer.")
         if self._program is not None:
             from ..optim.attributes import check_update
+            optimizer_rules.apply_mean_reduction_rule(self._options, optimizer, True)
+            optimizer_rules.warn_unexpected_attributes(self._optimizer_keys, optimizer)
             check_update(self._constants, optimizer,
                          self._options.relax_optimizer_attributes_checks)
             attached = attach_optimizer(optimizer, self._model, self._user_model,
@@ -361,6 +368,7 @@ class PoplarExecutor:
             self._program.optimizer = attached
             self._precision.prepare_optimizer(attached)
             self._sync_optimizer(optimizer, attached)
+            optimizer_rules.mark_compiled(optimizer, self._options)
             self._program.set_scaler(make_loss_scaler(optimizer, self._options,
                                                       self._program.scaler))
         self.__dict__["_optimizer"] = optimizer
