@@ -18,6 +18,7 @@ from . import hooks as _hooks, optimizer_rules
 from .._logging import info_once, logger
 from .._runtime import context
 from .._runtime.batching.plan import BatchPlan, resolve_output_mode, split_inputs
+from .._runtime.batching.signature import InputSignature
 from .._runtime.weights.modelcopy import shallow_copy_module
 from .._runtime.program.optimizer import (DeviceOptimizerSync, attach_optimizer,
                                  make_loss_scaler)
@@ -143,6 +144,7 @@ class PoplarExecutor:
         try:
             plan = self._plan()
             split_inputs(plan, args, kwargs)  # check batch sizes before anything else
+            self.__dict__["_signature"] = InputSignature(self._model.forward, args, kwargs)
             if self._training:
                 optimizer_rules.apply_mean_reduction_rule(opts, self._optimizer, False)
             bar.update()
@@ -292,6 +294,8 @@ class PoplarExecutor:
         if first:
             self._compile(args, kwargs)
             snapshot = _Snapshot(self._model, self.__dict__.get("_device_optimizer"))
+        else:
+            self._check_signature(args, kwargs)  # before anything runs
         if not self._attached:
             self.attachToDevice()
         device = self._device
@@ -315,6 +319,14 @@ class PoplarExecutor:
             self.__dict__["_io_counts"] = (_count_tensors((args, kwargs)),
                                            _count_tensors(result))
         return result
+
+    def _check_signature(self, args: tuple, kwargs: dict) -> None:
+        try:
+            self._signature.check(args, kwargs)
+        except Error:
+            # A batch that does not divide into micro-batches has the clearer message.
+            split_inputs(self._program.plan, args, kwargs)
+            raise
 
     # ------------------------------------------------------------------ weights
     def copyWeightsToHost(self) -> None:
