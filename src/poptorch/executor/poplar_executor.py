@@ -537,8 +537,10 @@ class PoplarExecutor:
         return getattr(self.model, name)
 
     def __repr__(self) -> str:
-        kind = "trainingModel" if self._training else "inferenceModel"
-        return f"PoplarExecutor[{kind}](\n  {self.model!r}\n)".replace("\n", "\n  ")[:-2] + ")"
+        """The wrapped model as :py:func:`poptorch.module_repr` shows it (with its
+        BeginBlock annotations), as in PopTorch."""
+        from ..ops.module_repr import module_repr
+        return module_repr(self.model)
 
 
 def _backend(options: Options, device: torch.device) -> str:
