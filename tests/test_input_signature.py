@@ -50,8 +50,6 @@ class DictModel(nn.Module):
      r"expected torch.Size\(\[2\]\) but got torch.Size\(\[4\]\)"),
     (lambda p, x, y: p(x, scale=3), "Type mismatch for y: expected torch.Tensor but got None"),
     (lambda p, x, y: p(x, y=y, scale=4), "Value mismatch for scale: expected 3 but got 4"),
-    (lambda p, x, y: p(x, y, 3), "Number of positional arguments mismatch: expected 1 "
-                                 "arguments but got 3"),
     (lambda p, x, y: p(x, y=y, scale=3, z=x), "Unexpected arguments: z"),
 ])
 def test_changed_inputs_raise_before_the_model_runs(call, match):
@@ -110,3 +108,78 @@ def test_training_model_is_left_untouched_and_destroy_recompiles():
         F.mse_loss(ref(xb), tb).backward()
         opt.step()
     torch.testing.assert_close(model.weight, ref.weight)
+
+
+class VarArgs(nn.Module):
+    def forward(self, x, *rest):
+        for r in rest:
+            x = x + r
+        return x
+
+
+def test_positional_count_matters_with_var_args_and_keywords_bind_by_name():
+    model = VarArgs()
+    pop = poptorch.inferenceModel(model)
+    x = torch.randn(2)
+    torch.testing.assert_close(pop(x, x, x), model(x, x, x))
+    with pytest.raises(poptorch.Error, match="Number of positional arguments mismatch: "
+                                             "expected 3 arguments but got 2"):
+        pop(x, x)
+    # without *args, passing by keyword or by position is the same input
+    adder = Adder()
+    pop2 = poptorch.inferenceModel(adder)
+    y = torch.randn(2)
+    pop2(x, y)
+    torch.testing.assert_close(pop2(y=y, x=x), adder(x, y))
+
+
+def test_missing_mandatory_argument_at_compile_time():
+    pop = poptorch.inferenceModel(Adder())
+    with pytest.raises(poptorch.Error, match="Mandatory parameter x missing"):
+        pop()
+
+
+class Holder:
+    def __init__(self, t):
+        self.t = t
+
+
+class TakesObject(nn.Module):
+    def forward(self, x, holder):
+        return x + holder.t
+
+
+def test_custom_objects_are_compared_by_type():
+    model = TakesObject()
+    pop = poptorch.inferenceModel(model)
+    x = torch.randn(2)
+    pop(x, Holder(torch.ones(2)))
+    h = Holder(torch.full((2,), 3.0))
+    torch.testing.assert_close(pop(x, h), model(x, h))
+    with pytest.raises(poptorch.Error, match="Type mismatch for holder: expected Holder"):
+        pop(x, 3)
+
+
+class Wrapper(nn.Module):
+    def forward(self, *args, **kwargs):
+        return Adder.forward(self.inner, *args, **kwargs)
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Adder()
+
+
+def test_failed_first_call_leaves_the_model_uncompiled():
+    model = Wrapper()
+    pop = poptorch.inferenceModel(model)
+    with pytest.raises(TypeError):
+        pop()  # forward itself fails: nothing stays compiled
+    assert not pop.isCompiled()
+    with pytest.raises(poptorch.Error, match="Model has not been compiled or has been "
+                                             "destroyed"):
+        pop.copyWeightsToHost()
+    x = torch.randn(2)
+    torch.testing.assert_close(pop(x, scale=2), model(x, scale=2))
+    pop.destroy()
+    with pytest.raises(poptorch.Error, match="has been destroyed"):
+        pop.copyWeightsToDevice()

@@ -309,8 +309,9 @@ class PoplarExecutor:
         try:
             result = self._program.run(args, kwargs)
         except BaseException:
-            if first:
+            if first:  # a failed first call leaves nothing compiled or changed
                 snapshot.restore()
+                self.destroy()
             raise
         self._weights.mark_device_newer()
         if opt_sync is not None:
@@ -422,8 +423,8 @@ class PoplarExecutor:
 
     def _require_compiled(self, what: str) -> DeviceProgram:
         if self._program is None:
-            raise Error(f"{what}: the model has not been compiled yet; call it (or "
-                        "compile(*inputs)) first.")
+            raise Error(f"{what}: Model has not been compiled or has been destroyed. "
+                        "Call it (or compile(*inputs)) first.")
         return self._program
 
     # ------------------------------------------------------------------ timings

@@ -29,7 +29,11 @@ def _describe(value: Any) -> Any:
         return ("dict", {k: _describe(v) for k, v in value.items()})
     if isinstance(value, (list, tuple)):
         return (type(value).__name__, [_describe(v) for v in value])
-    return ("value", value)
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return ("value", value)
+    # Other objects (custom argument classes, ...): only their type is part of the
+    # signature; their tensors are not inputs the compiled program can see.
+    return ("object", type(value))
 
 
 def _show(desc: Any) -> str:
@@ -41,6 +45,8 @@ def _show(desc: Any) -> str:
     if kind in ("list", "tuple"):
         inner = ", ".join(_show(v) for v in desc[1])
         return f"[{inner}]" if kind == "list" else f"({inner})"
+    if kind == "object":
+        return f"<{desc[1].__name__}>"
     return repr(desc[1])
 
 
@@ -48,6 +54,8 @@ def _kind_name(desc: Any) -> str:
     kind = desc[0]
     if kind == "tensor":
         return "torch.Tensor"
+    if kind == "object":
+        return desc[1].__name__
     if kind == "value":
         return type(desc[1]).__name__ if desc[1] is not None else "None"
     return kind
@@ -87,6 +95,11 @@ def _compare(path: str, old: Any, new: Any) -> str | None:
             if diff:
                 return diff
         return None
+    if kind == "object":
+        if old[1] is not new[1]:
+            return (f"Type mismatch for {path}: expected {old[1].__name__} but got "
+                    f"{new[1].__name__}")
+        return None
     if kind in ("list", "tuple"):
         if len(old[1]) != len(new[1]):
             return (f"Structure mismatch for {path}: expected a {kind} of {len(old[1])} "
@@ -110,10 +123,30 @@ class InputSignature:
         except (TypeError, ValueError):
             self._signature = None
         self._positional = len(args)
+        # The number of positional arguments matters only where binding does not fix
+        # it: with *args, or when forward's signature is unknown.
+        self._count_positional = self._signature is None or any(
+            p.kind is inspect.Parameter.VAR_POSITIONAL
+            for p in self._signature.parameters.values())
+        if self._signature is not None:
+            self._check_mandatory(args, kwargs)
         self._fast = None
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
             self._fast = tuple((a.dtype, a.shape) for a in args)
         self._named = self._bind(args, kwargs)
+
+    def _check_mandatory(self, args: tuple, kwargs: dict) -> None:
+        """PopTorch names a missing mandatory argument at compile time."""
+        try:
+            self._signature.bind(*args, **kwargs)
+        except TypeError as error:
+            text = str(error)
+            if "missing a required argument" in text:
+                name = text.rsplit(":", 1)[-1].strip().strip("'")
+                raise Error(f"Mandatory parameter {name} missing: forward{self._signature}"
+                            f" needs it; pass it when calling the model.") from None
+            self._signature = None  # cannot bind: compare positions and keywords
+            self._count_positional = True
 
     def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         """``{argument name: description}``, defaults included when known."""
@@ -147,7 +180,7 @@ class InputSignature:
                     break
             else:
                 return
-        if len(args) != self._positional:
+        if self._count_positional and len(args) != self._positional:
             self._fail(f"Number of positional arguments mismatch: expected "
                        f"{self._positional} arguments but got {len(args)}", args, kwargs)
         named = self._bind(args, kwargs)
