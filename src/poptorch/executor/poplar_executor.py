@@ -15,6 +15,7 @@ from torch.utils import _pytree as pytree
 
 from .. import _devices
 from . import hooks as _hooks
+from .processes import join_processes
 from .._logging import info_once, logger
 from .._runtime import context
 from .._runtime.batching.plan import BatchPlan, resolve_output_mode, split_inputs
@@ -141,8 +142,9 @@ class PoplarExecutor:
             bar.update()
             self._weights_and_optimizer(device)
             runner = self._replicate_buffers(runner, plan)
+            cross = self._join_processes(device)
             bar.update()
-            self.__dict__["_program"] = self._build_program(plan, runner, device)
+            self.__dict__["_program"] = self._build_program(plan, runner, device, cross)
             self._install_program_extras(self._program)
             if opts.synthetic_data:
                 from .._runtime.batching.synthetic import SyntheticInputs
@@ -224,7 +226,12 @@ class PoplarExecutor:
             sync = DeviceOptimizerSync(user_optimizer, device_optimizer)
         self.__dict__["_optimizer_sync"] = sync
 
-    def _build_program(self, plan: BatchPlan, runner, device) -> DeviceProgram:
+    def _join_processes(self, device: torch.device):
+        return join_processes(self._options, self._model, self._training,
+                              self.__dict__.get("_device_optimizer"), self._model_name(),
+                              device)
+
+    def _build_program(self, plan: BatchPlan, runner, device, cross=None) -> DeviceProgram:
         opts = self._options
         seed = opts.random_seed if opts.exists("random_seed") else None
         params = [p for p in self._model.parameters() if p.requires_grad]
@@ -238,7 +245,8 @@ class PoplarExecutor:
             optimizer=self.__dict__.get("_device_optimizer"), options=opts,
             rng=RngScope(seed, device),
             to_host=None if device.type == "cpu" else _to_cpu,
-            anchors=self._anchor_recorder(plan) if opts.anchored_tensors else None)
+            anchors=self._anchor_recorder(plan) if opts.anchored_tensors else None,
+            cross=cross)
         if self._training:
             program.set_scaler(make_loss_scaler(self._optimizer, opts))
             from ..optim.attributes import snapshot_constants
