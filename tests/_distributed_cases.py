@@ -34,6 +34,29 @@ class Net(torch.nn.Module):
         return out, torch.nn.functional.cross_entropy(out, y)
 
 
+class Branchy(torch.nn.Module):
+    """Uses head ``a`` for micro-batches whose first feature is positive, head ``b``
+    otherwise: which parameters get gradients changes from micro-batch to micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(FEATURES, CLASSES)
+        self.b = torch.nn.Linear(FEATURES, CLASSES)
+
+    def forward(self, x, y):
+        out = self.a(x) if x[0, 0] > 0 else self.b(x)
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def branchy_batch(call: int, replicas: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A global batch where accumulation step 0 uses head a and the last one head b,
+    on every replica (head a is unused in the last micro-batch of every step)."""
+    x, y = global_batch(call, replicas)
+    x[..., 0] = x[..., 0].abs() + 0.1
+    x[:, G - 1, :, :, 0] *= -1
+    return x, y
+
+
 def make_model(seed: int, batchnorm: bool = False) -> Net:
     torch.manual_seed(seed)
     return Net(batchnorm)
@@ -102,14 +125,16 @@ def run_poptorch(model: Net, cfg: dict, rank: int, first_call: int = 0,
     return training, losses
 
 
-def plain_reference(model: Net, cfg: dict, replicas: int, calls: int = CALLS,
-                    first_call: int = 0, optimizer=None) -> torch.optim.Optimizer:
+def plain_reference(model: torch.nn.Module, cfg: dict, replicas: int, calls: int = CALLS,
+                    first_call: int = 0, optimizer=None,
+                    batches=None) -> torch.optim.Optimizer:
     """The same training as a plain PyTorch loop over all replicas' micro-batches: one
     optimizer step per device iteration on the Mean / Sum of the G x R micro-batch
     losses."""
     optimizer = optimizer or torch_optimizer(cfg["optimizer"], model.parameters())
+    batches = batches or global_batch
     for call in range(first_call, first_call + calls):
-        x, y = global_batch(call, replicas)
+        x, y = batches(call, replicas)
         for d in range(D):
             optimizer.zero_grad()
             losses = [model(x[d, g, k], y[d, g, k])[1]

@@ -17,9 +17,9 @@ import sys
 import torch
 
 import poptorch
-from _distributed_cases import (CALLS, D, FEATURES, G, M, config_id, global_batch,
-                                make_model, options, process_rows, run_poptorch,
-                                train_configs)
+from _distributed_cases import (CALLS, D, FEATURES, G, M, Branchy, branchy_batch,
+                                config_id, global_batch, make_model, options,
+                                process_rows, run_poptorch, train_configs)
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -38,6 +38,17 @@ def train(out: pathlib.Path, only: str | None = None) -> None:
         training, losses = run_poptorch(model, cfg, RANK)
         save(out, config_id(cfg), {"state": model.state_dict(), "losses": losses,
                                    "optimizer": training._optimizer.state_dict()})
+
+
+def dynamic(out: pathlib.Path) -> None:
+    """Parameters used in some micro-batches of a step but not in its last one."""
+    torch.manual_seed(1000 + RANK)
+    model = Branchy()
+    training = poptorch.trainingModel(model, options(1),
+                                      poptorch.optim.SGD(model.parameters(), lr=0.1))
+    for call in range(CALLS):
+        training(*process_rows(branchy_batch(call, WORLD), RANK, 1))
+    save(out, "dynamic", model.state_dict())
 
 
 def buffers(out: pathlib.Path) -> None:
@@ -103,7 +114,7 @@ def epoch(out: pathlib.Path) -> None:
     save(out, "epoch", seen)
 
 
-SCENARIOS = {"train": train, "buffers": buffers, "checkpoint": checkpoint,
+SCENARIOS = {"train": train, "dynamic": dynamic, "buffers": buffers, "checkpoint": checkpoint,
              "mismatch": mismatch, "kill": kill, "epoch": epoch}
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import poptorch
-from _distributed_cases import (CALLS, config_id, global_batch, make_model, plain_reference,
+from _distributed_cases import (CALLS, Branchy, branchy_batch, config_id, global_batch,
+                                make_model, plain_reference,
                                 poptorch_optimizer, process_rows, run_poptorch,
                                 train_configs)
 
@@ -96,6 +97,18 @@ def test_training_matches_one_process_and_plain_pytorch(trained, cfg):
     _assert_close(rank0["state"], plain.state_dict(), "plain PyTorch")
     # each process's losses are its own replicas' (not the same numbers)
     assert not torch.equal(rank0["losses"][-1], rank1["losses"][-1])
+
+
+def test_parameters_unused_in_the_last_micro_batch_are_reduced(tmp_path):
+    _check(torchrun("dynamic", tmp_path))
+    rank0, rank1 = _load(tmp_path, "dynamic")
+    _assert_identical(rank0, rank1, "weights")
+    torch.manual_seed(1000)
+    plain = Branchy()
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    plain_reference(plain, {"reduction": "Mean"}, replicas=2, optimizer=optimizer,
+                    batches=branchy_batch)
+    _assert_close(rank0, plain.state_dict(), "plain PyTorch")
 
 
 def test_buffers_follow_broadcast_buffers(tmp_path):

@@ -143,6 +143,8 @@ class PoplarExecutor:
             self._weights_and_optimizer(device)
             runner = self._replicate_buffers(runner, plan)
             cross = self._join_processes(device)
+            if cross is not None and self._training:
+                runner = cross.wrap_runner(runner, plan.per_step, device)
             bar.update()
             self.__dict__["_program"] = self._build_program(plan, runner, device, cross)
             self._install_program_extras(self._program)

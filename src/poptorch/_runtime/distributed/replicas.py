@@ -15,7 +15,9 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
+from ..program.runner import ReplicatedBuffersRunner, SequentialRunner
 from .collectives import broadcast_, failures_as_errors
+from .ddp import wrap_for_ddp
 from .reducer import GradientReducer
 from .world import World
 
@@ -27,8 +29,28 @@ class CrossProcessReplicas:
                  params: List[torch.nn.Parameter], broadcast_buffers: bool) -> None:
         self.world = world
         self.model = model
-        self.reducer = GradientReducer(world, params)
+        self.reducer: Any = GradientReducer(world, params)
         self.buffers = [b for b in model.buffers()] if broadcast_buffers else []
+        self.ddp_runner: Any = None
+
+    def wrap_runner(self, runner: Any, per_step: int, device: torch.device) -> Any:
+        """Give a sequential runner (running the model itself, not a compiled copy)
+        DDP's overlapped reduction; other runners (model parallel, compiled) keep the
+        reduction after the backward passes of the step."""
+        inner = runner.inner if isinstance(runner, ReplicatedBuffersRunner) else runner
+        if not isinstance(inner, SequentialRunner) or inner.forward is not self.model:
+            return runner
+        self.ddp_runner = wrap_for_ddp(inner, self.model, self.world.group, per_step, device)
+        self.reducer = None
+        if isinstance(runner, ReplicatedBuffersRunner):
+            runner.inner = self.ddp_runner
+            return runner
+        return self.ddp_runner
+
+    def begin_step(self) -> None:
+        """Before the micro-batches of a training step."""
+        if self.ddp_runner is not None:
+            self.ddp_runner.begin_step()
 
     def start_identical(self, optimizer: Optional[Any]) -> None:
         """Give every process process 0's weights, buffers and optimizer state."""
@@ -45,8 +67,10 @@ class CrossProcessReplicas:
             optimizer.load_state_dict(state[0])
 
     def reduce_gradients(self) -> None:
-        """Sum this step's gradients over all processes."""
-        self.reducer()
+        """Sum this step's gradients over all processes (done already by DDP during
+        the backward pass when the runner uses it)."""
+        if self.reducer is not None:
+            self.reducer()
 
     def sync_buffers(self) -> None:
         """Send process 0's buffers to every process (no-op without broadcastBuffers)."""

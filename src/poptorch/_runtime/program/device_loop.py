@@ -161,6 +161,8 @@ class DeviceProgram:
         params = self.params
         for p in params:
             p.grad = None
+        if self.cross is not None:
+            self.cross.begin_step()
         outputs = self.runner(microbatches, self._loss_of)
         if self.cross is not None:
             self.cross.reduce_gradients()
