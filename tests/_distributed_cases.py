@@ -145,3 +145,37 @@ def plain_reference(model: torch.nn.Module, cfg: dict, replicas: int, calls: int
             total.backward()
             optimizer.step()
     return optimizer
+
+
+class Grouped(torch.nn.Module):
+    """A 2-D weight ``W`` to be replica-grouped: the parameter holds one slice per group."""
+
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.W = torch.nn.Parameter(torch.randn(groups, FEATURES, CLASSES,
+                                                generator=torch.Generator().manual_seed(5)))
+
+    def forward(self, x):
+        z = torch.mm(x, self.W)
+        return z, poptorch.identity_loss(z ** 2, reduction="mean")
+
+
+def grouped_batch(call: int, replicas: int) -> torch.Tensor:
+    """[replicas, M, F]: one micro-batch per replica (D = G = 1)."""
+    return torch.randn(replicas, M, FEATURES, generator=torch.Generator().manual_seed(call))
+
+
+def grouped_reference(kind: str, replicas: int, size: int) -> torch.Tensor:
+    """Plain PyTorch: the mean of the replicas' losses, replica k using its group's slice
+    of W (Consecutive: k // size, Orthogonal: k % (replicas // size))."""
+    w = torch.nn.Parameter(Grouped(replicas // size).W.detach().clone())
+    optimizer = torch.optim.SGD([w], lr=0.05)
+    for call in range(CALLS):
+        x = grouped_batch(call, replicas)
+        optimizer.zero_grad()
+        group = (lambda k: k // size) if kind == "Consecutive" else (
+            lambda k: k % (replicas // size))
+        torch.stack([(torch.mm(x[k], w[group(k)]) ** 2).mean()
+                     for k in range(replicas)]).mean().backward()
+        optimizer.step()
+    return w.detach()

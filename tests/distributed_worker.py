@@ -17,7 +17,8 @@ import sys
 import torch
 
 import poptorch
-from _distributed_cases import (CALLS, D, FEATURES, G, M, Branchy, branchy_batch,
+from _distributed_cases import (CALLS, D, FEATURES, G, M, Branchy, Grouped, branchy_batch,
+                                grouped_batch,
                                 config_id, global_batch, make_model, options,
                                 process_rows, run_poptorch, train_configs)
 
@@ -49,6 +50,22 @@ def dynamic(out: pathlib.Path) -> None:
     for call in range(CALLS):
         training(*process_rows(branchy_batch(call, WORLD), RANK, 1))
     save(out, "dynamic", model.state_dict())
+
+
+def groups(out: pathlib.Path) -> None:
+    """2 processes x 2 replicas, W grouped in groups of 2 replicas."""
+    for kind in ("Consecutive", "Orthogonal"):
+        model = Grouped(2)
+        opts = poptorch.Options().replicationFactor(2)
+        opts.showCompilationProgressBar(False)
+        training = poptorch.trainingModel(model, opts,
+                                          torch.optim.SGD(model.parameters(), lr=0.05))
+        training.W.replicaGrouping(getattr(poptorch.CommGroupType, kind), 2,
+                                   poptorch.VariableRetrievalMode.OnePerGroup)
+        for call in range(CALLS):
+            x = grouped_batch(call, 2 * WORLD)
+            training(x[2 * RANK:2 * RANK + 2].reshape(-1, FEATURES))
+        save(out, f"groups_{kind}", model.W.detach())
 
 
 def buffers(out: pathlib.Path) -> None:
@@ -114,7 +131,8 @@ def epoch(out: pathlib.Path) -> None:
     save(out, "epoch", seen)
 
 
-SCENARIOS = {"train": train, "dynamic": dynamic, "buffers": buffers, "checkpoint": checkpoint,
+SCENARIOS = {"train": train, "dynamic": dynamic, "groups": groups,
+             "buffers": buffers, "checkpoint": checkpoint,
              "mismatch": mismatch, "kill": kill, "epoch": epoch}
 
 if __name__ == "__main__":

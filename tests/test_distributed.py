@@ -17,7 +17,7 @@ import torch
 
 import poptorch
 from _distributed_cases import (CALLS, Branchy, branchy_batch, config_id, global_batch,
-                                make_model, plain_reference,
+                                grouped_reference, make_model, plain_reference,
                                 poptorch_optimizer, process_rows, run_poptorch,
                                 train_configs)
 
@@ -109,6 +109,18 @@ def test_parameters_unused_in_the_last_micro_batch_are_reduced(tmp_path):
     plain_reference(plain, {"reduction": "Mean"}, replicas=2, optimizer=optimizer,
                     batches=branchy_batch)
     _assert_close(rank0, plain.state_dict(), "plain PyTorch")
+
+
+def test_replica_grouped_weights_over_two_processes(tmp_path):
+    """2 processes x 2 replicas; groups of 2 replicas (Consecutive: the processes;
+    Orthogonal: across the processes)."""
+    _check(torchrun("groups", tmp_path))
+    for kind in ("Consecutive", "Orthogonal"):
+        rank0, rank1 = _load(tmp_path, f"groups_{kind}")
+        _assert_identical(rank0, rank1, f"{kind} grouped weight")
+        expected = grouped_reference(kind, replicas=4, size=2)
+        diff = (rank0 - expected).abs().max().item()
+        assert diff <= TOL, f"{kind}: grouped weight differs from plain PyTorch by {diff}"
 
 
 def test_buffers_follow_broadcast_buffers(tmp_path):

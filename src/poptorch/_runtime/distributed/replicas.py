@@ -15,7 +15,8 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..program.runner import ReplicatedBuffersRunner, SequentialRunner
+from ..program.replica_groups import GroupedParameter
+from ..program.runner import PerReplicaRunner, SequentialRunner
 from .collectives import broadcast_, failures_as_errors
 from .ddp import wrap_for_ddp
 from .reducer import GradientReducer
@@ -35,14 +36,18 @@ class CrossProcessReplicas:
 
     def wrap_runner(self, runner: Any, per_step: int, device: torch.device) -> Any:
         """Give a sequential runner (running the model itself, not a compiled copy)
-        DDP's overlapped reduction; other runners (model parallel, compiled) keep the
-        reduction after the backward passes of the step."""
-        inner = runner.inner if isinstance(runner, ReplicatedBuffersRunner) else runner
+        DDP's overlapped reduction; other runners (model parallel, compiled, with
+        replica-grouped weights, whose shapes change per replica) keep the reduction
+        after the backward passes of the step."""
+        per_replica = isinstance(runner, PerReplicaRunner)
+        inner = runner.inner if per_replica else runner
         if not isinstance(inner, SequentialRunner) or inner.forward is not self.model:
+            return runner
+        if per_replica and any(isinstance(s, GroupedParameter) for s in runner.states):
             return runner
         self.ddp_runner = wrap_for_ddp(inner, self.model, self.world.group, per_step, device)
         self.reducer = None
-        if isinstance(runner, ReplicatedBuffersRunner):
+        if per_replica:
             runner.inner = self.ddp_runner
             return runner
         return self.ddp_runner
