@@ -18,7 +18,7 @@ import torch
 
 import poptorch
 from _distributed_cases import (CALLS, D, FEATURES, G, M, Branchy, Grouped, branchy_batch,
-                                grouped_batch,
+                                grouped_batch, PIPELINE_G, pipeline_batch,
                                 config_id, global_batch, make_model, options,
                                 process_rows, run_poptorch, train_configs)
 
@@ -66,6 +66,22 @@ def groups(out: pathlib.Path) -> None:
             x = grouped_batch(call, 2 * WORLD)
             training(x[2 * RANK:2 * RANK + 2].reshape(-1, FEATURES))
         save(out, f"groups_{kind}", model.W.detach())
+
+
+def pipelined(out: pathlib.Path) -> None:
+    """A 2-stage pipeline (PipelinedExecution on 2 virtual IPUs) in each process."""
+    model = make_model(1000 + RANK)
+    poptorch.BeginBlock(model.fc2, ipu_id=1)
+    opts = poptorch.Options().deviceIterations(1)
+    opts.Training.gradientAccumulation(PIPELINE_G)
+    opts.setExecutionStrategy(poptorch.PipelinedExecution())
+    opts.showCompilationProgressBar(False)
+    training = poptorch.trainingModel(model, opts,
+                                      poptorch.optim.SGD(model.parameters(), lr=0.1))
+    for call in range(CALLS):
+        x, y = pipeline_batch(call, WORLD)
+        training(x[:, RANK].reshape(-1, FEATURES), y[:, RANK].reshape(-1))
+    save(out, "pipelined", model.state_dict())
 
 
 def buffers(out: pathlib.Path) -> None:
@@ -132,7 +148,7 @@ def epoch(out: pathlib.Path) -> None:
 
 
 SCENARIOS = {"train": train, "dynamic": dynamic, "groups": groups,
-             "buffers": buffers, "checkpoint": checkpoint,
+             "pipelined": pipelined, "buffers": buffers, "checkpoint": checkpoint,
              "mismatch": mismatch, "kill": kill, "epoch": epoch}
 
 if __name__ == "__main__":

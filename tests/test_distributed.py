@@ -17,7 +17,8 @@ import torch
 
 import poptorch
 from _distributed_cases import (CALLS, Branchy, branchy_batch, config_id, global_batch,
-                                grouped_reference, make_model, plain_reference,
+                                grouped_reference, make_model, pipeline_reference,
+                                plain_reference,
                                 poptorch_optimizer, process_rows, run_poptorch,
                                 train_configs)
 
@@ -121,6 +122,16 @@ def test_replica_grouped_weights_over_two_processes(tmp_path):
         expected = grouped_reference(kind, replicas=4, size=2)
         diff = (rank0 - expected).abs().max().item()
         assert diff <= TOL, f"{kind}: grouped weight differs from plain PyTorch by {diff}"
+
+
+def test_pipelined_replicas_over_two_processes(tmp_path):
+    """Each process holds a whole 2-stage pipeline; gradients summed over both."""
+    _check(torchrun("pipelined", tmp_path))
+    rank0, rank1 = _load(tmp_path, "pipelined")
+    _assert_identical(rank0, rank1, "weights")
+    plain = make_model(1000)
+    pipeline_reference(plain, replicas=2)
+    _assert_close(rank0, plain.state_dict(), "plain PyTorch")
 
 
 def test_buffers_follow_broadcast_buffers(tmp_path):
