@@ -106,6 +106,16 @@ def checkpoint(out: pathlib.Path) -> None:
     for call in range(CALLS, 2 * CALLS):
         training(*process_rows(global_batch(call, WORLD), RANK, 1))
     save(out, "continued", model.state_dict())
+    if RANK == 0:  # evaluation on one process only: inference needs no collectives
+        x, y = process_rows(global_batch(0, WORLD), RANK, 1)
+        output, _ = poptorch.inferenceModel(model, _inference_options())(x, y)
+        torch.save({"x": x, "y": y, "output": output}, out / "inference_rank0.pt")
+
+
+def _inference_options() -> poptorch.Options:
+    opts = poptorch.Options().deviceIterations(D)
+    opts.showCompilationProgressBar(False)
+    return opts
 
 
 def mismatch(out: pathlib.Path) -> None:

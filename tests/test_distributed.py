@@ -171,6 +171,13 @@ def test_checkpoint_from_two_processes_resumes_in_one(tmp_path):
     plain = make_model(1000)
     plain_reference(plain, cfg, replicas=2, calls=2 * CALLS)
     _assert_close(continued[0], plain.state_dict(), "plain PyTorch, uninterrupted")
+    # process 0 evaluated alone (no hang): its outputs are the trained model's
+    inference = torch.load(tmp_path / "inference_rank0.pt", weights_only=False)
+    evaluated = make_model(0)
+    evaluated.load_state_dict(continued[0])
+    with torch.no_grad():
+        expected, _ = evaluated(inference["x"], inference["y"])
+    torch.testing.assert_close(inference["output"], expected, atol=1e-6, rtol=0)
 
 
 def test_one_epoch_reads_every_item_once_across_processes(tmp_path):

@@ -143,9 +143,11 @@ class PoplarExecutor:
             runner, device = self._build_runner()
             bar.update()
             self._weights_and_optimizer(device)
-            cross = self._join_processes(device)
+            # Only training needs the other processes; an inference model runs on its
+            # own (a program may evaluate on process 0 alone).
+            cross = self._join_processes(device) if self._training else None
             runner = self._per_replica_state(runner, plan, cross)
-            if cross is not None and self._training:
+            if cross is not None:
                 runner = cross.wrap_runner(runner, plan.per_step, device)
             bar.update()
             self.__dict__["_program"] = self._build_program(plan, runner, device, cross)

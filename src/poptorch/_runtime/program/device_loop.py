@@ -235,8 +235,6 @@ class DeviceProgram:
                     t_prev = self._loop(steps, collector, t_prev)
             else:
                 t_prev = self._loop(steps, collector, t_prev)
-            if self.cross is not None and not self.training:
-                self.cross.sync_buffers()
         result = collector.result()
         if self.to_host is not None:
             result = self.to_host(result)
