@@ -6,7 +6,6 @@ sharing in ``_runtime/weights/``, model parallelism in ``_runtime/placement/``.
 """
 from __future__ import annotations
 
-import datetime
 import time
 from typing import Any
 
@@ -15,6 +14,9 @@ from torch.utils import _pytree as pytree
 
 from .. import _devices
 from . import hooks as _hooks, optimizer_rules
+from .processes import join_processes
+from .timings import TimingsMixin
+from .replica_grouping import GroupableParameter
 from .._logging import info_once, logger
 from .._runtime import context
 from .._runtime.batching.plan import BatchPlan, resolve_output_mode, split_inputs
@@ -24,7 +26,8 @@ from .._runtime.program.optimizer import (DeviceOptimizerSync, attach_optimizer,
                                  make_loss_scaler)
 from .._runtime.program.device_loop import DeviceProgram, RngScope
 from .._runtime.tracing import configure_executable_cache
-from .._runtime.program.runner import ReplicaBuffers, ReplicatedBuffersRunner, SequentialRunner
+from .._runtime.program.replica_groups import grouped_parameters
+from .._runtime.program.runner import PerReplicaRunner, ReplicaBuffers, SequentialRunner
 from .._runtime.weights.sync import WeightSync
 from ..enums import CommGroupType, OutputMode
 from ..errors import Error
@@ -43,7 +46,7 @@ def isRunningOnIpu() -> bool:
     return context.is_running_on_ipu()
 
 
-class PoplarExecutor:
+class PoplarExecutor(TimingsMixin):
     """A wrapped model that runs whole device programs per call.
 
     Do not create it directly: use :py:func:`poptorch.trainingModel` or
@@ -151,9 +154,14 @@ class PoplarExecutor:
             runner, device = self._build_runner()
             bar.update()
             self._weights_and_optimizer(device)
-            runner = self._replicate_buffers(runner, plan)
+            # Only training needs the other processes; an inference model runs on its
+            # own (a program may evaluate on process 0 alone).
+            cross = self._join_processes(device) if self._training else None
+            runner = self._per_replica_state(runner, plan, cross)
+            if cross is not None:
+                runner = cross.wrap_runner(runner, plan.per_step, device)
             bar.update()
-            self.__dict__["_program"] = self._build_program(plan, runner, device)
+            self.__dict__["_program"] = self._build_program(plan, runner, device, cross)
             self._install_program_extras(self._program)
             if opts.synthetic_data:
                 from .._runtime.batching.synthetic import SyntheticInputs
@@ -190,21 +198,34 @@ class PoplarExecutor:
             forward = torch.compile(self._model)
         return SequentialRunner(forward), device
 
-    def _replicate_buffers(self, runner, plan: BatchPlan):
-        """Give each simulated replica its own buffers (see ``ReplicaBuffers``); no work
-        without replicas or buffers."""
+    def _per_replica_state(self, runner, plan: BatchPlan, cross):
+        """Give each simulated replica its own buffers (``ReplicaBuffers``) and its
+        group's value of replica-grouped weights (``replica_groups``); no work without
+        replicas, buffers or groupings."""
         r = plan.replication_factor
-        if r == 1 or next(self._model.buffers(), None) is None:
+        processes = cross.world.size if cross is not None else 1
+        groupings = self.__dict__.get("_replica_groupings") or {}
+        grouped = grouped_parameters(
+            self._model, groupings, (cross.world.rank if cross is not None else 0) * r, r,
+            r * processes) if groupings else []
+        has_buffers = r > 1 and next(self._model.buffers(), None) is not None
+        if not grouped and not has_buffers:
             return runner
         if not isinstance(runner, SequentialRunner):
+            if grouped:
+                raise Error("replicaGrouping needs the default execution (one model per "
+                            "replica); it does not combine with execution strategies or "
+                            "block annotations.")
             info_once(("shared-replica-buffers",),
                       "Model-parallel execution with replicationFactor(%d): the replicas "
                       "share one set of buffers (broadcastBuffers has no effect).", r)
             return runner
-        buffers = ReplicaBuffers(self._model, r)
-        self.__dict__["_replica_buffers"] = buffers
-        return ReplicatedBuffersRunner(runner, buffers, r, plan.per_step,
-                                       bool(self._options.broadcast_buffers))
+        states = list(grouped)
+        if has_buffers:
+            buffers = ReplicaBuffers(self._model, r, bool(self._options.broadcast_buffers))
+            self.__dict__["_replica_buffers"] = buffers
+            states.append(buffers)
+        return PerReplicaRunner(runner, states, r, plan.per_step)
 
     def _weights_to_device(self, **which) -> None:
         """Host -> device copy; every replica then holds the host's buffers."""
@@ -239,7 +260,12 @@ class PoplarExecutor:
             sync = DeviceOptimizerSync(user_optimizer, device_optimizer)
         self.__dict__["_optimizer_sync"] = sync
 
-    def _build_program(self, plan: BatchPlan, runner, device) -> DeviceProgram:
+    def _join_processes(self, device: torch.device):
+        return join_processes(self._options, self._model, self._training,
+                              self.__dict__.get("_device_optimizer"), self._model_name(),
+                              device)
+
+    def _build_program(self, plan: BatchPlan, runner, device, cross=None) -> DeviceProgram:
         opts = self._options
         seed = opts.random_seed if opts.exists("random_seed") else None
         params = [p for p in self._model.parameters() if p.requires_grad]
@@ -253,7 +279,8 @@ class PoplarExecutor:
             optimizer=self.__dict__.get("_device_optimizer"), options=opts,
             rng=RngScope(seed, device),
             to_host=None if device.type == "cpu" else _to_cpu,
-            anchors=self._anchor_recorder(plan) if opts.anchored_tensors else None)
+            anchors=self._anchor_recorder(plan) if opts.anchored_tensors else None,
+            cross=cross)
         if self._training:
             program.set_scaler(make_loss_scaler(self._optimizer, opts))
             from ..optim.attributes import snapshot_constants
@@ -427,52 +454,6 @@ class PoplarExecutor:
                         "Call it (or compile(*inputs)) first.")
         return self._program
 
-    # ------------------------------------------------------------------ timings
-    def compilationTime(self) -> datetime.timedelta:
-        """How long compilation took."""
-        self._require_compiled("compilationTime")
-        return datetime.timedelta(seconds=self._compile_seconds)
-
-    def getPerfCounters(self) -> dict:
-        """Host timestamps of the last call: {'input', 'input_complete', 'output',
-        'output_complete'} -> [per input / output tensor][per transfer] seconds (one
-        transfer per micro-batch; outputs only those the output mode returns)."""
-        program = self._require_compiled("getPerfCounters")
-        num_inputs, num_outputs = self.__dict__.get("_io_counts", (0, 0))
-        plan = program.plan
-        return program.perf.shaped(num_inputs, num_outputs, plan.per_step,
-                                   plan.replication_factor, program.output_mode,
-                                   program.output_return_period)
-
-    def getHostIpuLatency(self) -> tuple[float, float, float]:
-        """(min, max, mean) seconds from input requested to input transferred."""
-        return self._require_compiled("getHostIpuLatency").perf.latencies(
-            "input", "input_complete")
-
-    def getComputeLatency(self) -> tuple[float, float, float]:
-        """(min, max, mean) seconds from input transferred to output available."""
-        return self._require_compiled("getComputeLatency").perf.latencies(
-            "input_complete", "output")
-
-    def getIpuHostLatency(self) -> tuple[float, float, float]:
-        """(min, max, mean) seconds from output available to output on the host."""
-        return self._require_compiled("getIpuHostLatency").perf.latencies(
-            "output", "output_complete")
-
-    def getLatency(self) -> tuple[float, float, float]:
-        """(min, max, mean) round-trip seconds of the iterations of the last call."""
-        return self._require_compiled("getLatency").perf.latencies(
-            "input", "output_complete")
-
-    def cycleCount(self) -> int:
-        """Device time of the last call, in nanoseconds (our devices have no cycle
-        counter: one "cycle" is one nanosecond). Needs ``Options.logCycleCount(True)``."""
-        program = self._require_compiled("cycleCount")
-        if not self._options.exists("log_cycle_count") or not self._options.log_cycle_count:
-            raise Error("cycleCount: enable it before compiling with "
-                        "opts.logCycleCount(True).")
-        return int(program.last_compute_seconds * 1e9)
-
     # ------------------------------------------------------------------ tensors
     def getTensorNames(self) -> list[str]:
         """Names of the tensors that can be anchored: parameters, their gradients
@@ -535,7 +516,10 @@ class PoplarExecutor:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or "_user_model" not in self.__dict__:
             raise AttributeError(name)
-        return getattr(self.model, name)
+        value = getattr(self.model, name)
+        if isinstance(value, torch.nn.Parameter):
+            return GroupableParameter(self, name, value)
+        return value
 
     def __repr__(self) -> str:
         """The wrapped model as :py:func:`poptorch.module_repr` shows it (with its
