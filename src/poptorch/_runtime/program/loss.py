@@ -6,7 +6,13 @@ PopTorch trains on the loss the model computes. In order of preference:
    returned by the model (several marked and returned losses are summed);
 2. the output itself, when the model returns a single tensor with one element;
 3. the last element of a returned tuple or list, when it is a one-element tensor
-   (the ``(output, loss)`` convention).
+   (the ``(output, loss)`` convention) that depends on the parameters, or when no
+   other element does;
+4. otherwise the last one-element tensor of the tuple that depends on the parameters
+   (``(loss, accuracy)``: the accuracy has no gradient, the loss has).
+
+A loss that depends on no trainable parameter is accepted, as in PopTorch: its
+gradients are zero (see ``DeviceProgram``).
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ from torch.utils import _pytree as pytree
 from ...errors import Error
 
 _NO_LOSS = (
-    "A training model must compute its loss: return the loss, or (output, loss), or "
+    "Couldn't find a loss in graph: a training model must compute its loss: return the loss, or (output, loss), or "
     "mark it with poptorch.identity_loss(loss, reduction). This model returned {what}.")
 
 
@@ -36,14 +42,17 @@ def find_loss(output: Any, marked: list) -> torch.Tensor:
     candidate = output
     if isinstance(output, (tuple, list)) and output:
         candidate = output[-1]
-    if isinstance(candidate, torch.Tensor) and candidate.numel() == 1:
-        if not candidate.requires_grad:
-            raise Error(
-                "The loss returned by the training model does not depend on any trainable "
-                "parameter (it has no gradient): check that the model's parameters have "
-                "requires_grad=True and that the loss is computed from the model's output.")
+        if not (_is_scalar(candidate) and candidate.requires_grad):
+            with_grad = [t for t in output if _is_scalar(t) and t.requires_grad]
+            if with_grad:
+                candidate = with_grad[-1]
+    if _is_scalar(candidate):
         return candidate if candidate.dim() == 0 else candidate.reshape(())
     return _raise_no_loss(output)
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.numel() == 1
 
 
 def _raise_no_loss(output: Any) -> torch.Tensor:
