@@ -28,6 +28,7 @@ from .._runtime.program.device_loop import DeviceProgram, RngScope
 from .._runtime.tracing import configure_executable_cache
 from .._runtime.program.replica_groups import grouped_parameters
 from .._runtime.program.runner import PerReplicaRunner, ReplicaBuffers, SequentialRunner
+from .._runtime.weights.constants import TensorConstants
 from .._runtime.weights.sync import WeightSync
 from ..enums import CommGroupType, OutputMode
 from ..errors import Error
@@ -148,6 +149,7 @@ class PoplarExecutor(TimingsMixin):
             plan = self._plan()
             split_inputs(plan, args, kwargs)  # check batch sizes before anything else
             self.__dict__["_signature"] = InputSignature(self._model.forward, args, kwargs)
+            self.__dict__["_tensor_constants"] = TensorConstants(self._model)
             if self._training:
                 optimizer_rules.apply_mean_reduction_rule(opts, self._optimizer, False)
             bar.update()
@@ -323,6 +325,8 @@ class PoplarExecutor(TimingsMixin):
             snapshot = _Snapshot(self._model, self.__dict__.get("_device_optimizer"))
         else:
             self._check_signature(args, kwargs)  # before anything runs
+            if self._tensor_constants:
+                self._tensor_constants.restore()
         if not self._attached:
             self.attachToDevice()
         device = self._device
