@@ -20,7 +20,7 @@ from .replica_grouping import GroupableParameter
 from .._logging import info_once, logger
 from .._runtime import context
 from .._runtime.batching.plan import BatchPlan, resolve_output_mode, split_inputs
-from .._runtime.batching.signature import InputSignature
+from .._runtime.batching.signature import InputSignature, detach_inputs
 from .._runtime.weights.modelcopy import shallow_copy_module
 from .._runtime.program.optimizer import (DeviceOptimizerSync, attach_optimizer,
                                  make_loss_scaler)
@@ -319,6 +319,7 @@ class PoplarExecutor(TimingsMixin):
 
     # ------------------------------------------------------------------ run
     def __call__(self, *args, **kwargs) -> Any:
+        args, kwargs = detach_inputs(args, kwargs)
         first = self._program is None
         if first:
             self._compile(args, kwargs)
