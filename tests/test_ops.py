@@ -247,6 +247,18 @@ def test_for_loop_matches_python_loop():
         poptorch.for_loop(2, lambda x: torch.cat([x, x]), [a])
     with pytest.raises(poptorch.Error, match="inputs\\[1\\] must be a tensor"):
         poptorch.for_loop(2, body, [a, 1.0])
+    with pytest.raises(ValueError, match="Object is not list"):
+        poptorch.for_loop(2, lambda x: x, a)
+    # inputs are passed by value: in-place updates stay inside the loop
+    counter = torch.ones(2, dtype=torch.int32)
+
+    def bump(y):
+        y += 1
+        return y
+
+    out = poptorch.for_loop(3, bump, [counter])
+    torch.testing.assert_close(counter, torch.ones(2, dtype=torch.int32))
+    torch.testing.assert_close(out[0], torch.full((2,), 4, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("flag", [True, False])
