@@ -141,6 +141,10 @@ def test_dynamic_update_matches_slice_assignment(start):
     assert not torch.equal(out, x)  # the input is left unchanged
     with pytest.raises(poptorch.Error, match="expected"):
         poptorch.dynamic_update(x, torch.randn(4, 2), 1, start, 3)
+    with pytest.raises(poptorch.Error, match=r"same dimensionality. \(2\) vs \(1\)"):
+        poptorch.dynamic_update(x, torch.randn(3), 1, start, 3)
+    with pytest.raises(poptorch.Error, match=r"same dtype. \(torch.float32 vs torch.int64\)"):
+        poptorch.dynamic_update(x, torch.ones(4, 3, dtype=torch.long), 1, start, 3)
 
 
 # --- serializedMatMul -----------------------------------------------------------------------
