@@ -55,3 +55,20 @@ def test_config_file_may_construct_execution_strategies(tmp_path):
     poptorch.BeginBlock(model[2], ipu_id=1)
     x = torch.randn(4, 3)
     torch.testing.assert_close(poptorch.inferenceModel(model, opts)(x), model(x))
+
+
+def test_inference_model_refuses_gradient_accumulation_when_wrapped():
+    import pytest
+    model = torch.nn.Linear(3, 2)
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(2)
+    with pytest.raises(poptorch.Error, match=r"gradientAccumulation to 1 .* pipelined"):
+        poptorch.inferenceModel(model, opts)
+    sharded = poptorch.Options().setExecutionStrategy(poptorch.ShardedExecution())
+    sharded.Training.gradientAccumulation(2)
+    with pytest.raises(poptorch.Error, match=r"inferenceModel\(\)\. \(It is 2"):
+        poptorch.inferenceModel(model, sharded)
+    fixed = opts.clone()
+    fixed.Training.gradientAccumulation(1)
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(poptorch.inferenceModel(model, fixed)(x), model(x))

@@ -33,6 +33,7 @@ from .._runtime.weights.sync import WeightSync
 from ..enums import CommGroupType, OutputMode
 from ..errors import Error
 from ..optim.optimizers import SGD
+from ..annotations.strategies import PipelinedExecution, ShardedExecution
 from ..options.options import Options
 
 __all__ = ["PoplarExecutor", "isRunningOnIpu"]
@@ -63,6 +64,8 @@ class PoplarExecutor(TimingsMixin):
         # As in PopTorch: the user's options are frozen (a later change would not reach
         # this model) and the model works on its own copy, whose Default output mode is
         # resolved (Final for training, All for inference).
+        if not training:
+            _check_inference_accumulation(options)
         options._freeze()
         options = options.clone()
         if options.defaultOutputMode():
@@ -130,11 +133,6 @@ class PoplarExecutor(TimingsMixin):
     def _plan(self) -> BatchPlan:
         opts = self._options
         g = opts.Training.gradient_accumulation
-        if not self._training and g != 1:
-            raise Error(
-                f"An inferenceModel needs Training.gradientAccumulation(1), but the options "
-                f"have {g}: use a separate Options object for inference (for example "
-                "opts.clone() then opts.Training.gradientAccumulation(1)).")
         return BatchPlan(opts.device_iterations, g, opts.replication_factor,
                          opts.input_group_size, CommGroupType(opts.input_cgt))
 
@@ -531,6 +529,23 @@ class PoplarExecutor(TimingsMixin):
         BeginBlock annotations), as in PopTorch."""
         from ..ops.module_repr import module_repr
         return module_repr(self.model)
+
+
+def _check_inference_accumulation(options: Options) -> None:
+    """PopTorch refuses an inferenceModel whose options accumulate gradients, when the
+    model is wrapped."""
+    g = options.Training.gradient_accumulation
+    if g == 1:
+        return
+    message = ("You must set poptorch.Options().Training.gradientAccumulation to 1 or leave "
+               "it as its default value (1) when running a poptorch.inferenceModel().")
+    strategy = options._execution_strategy
+    if isinstance(strategy, PipelinedExecution) and \
+            not isinstance(strategy, ShardedExecution):
+        message += (" Use poptorch.Options().deviceIterations() to process a sufficient "
+                    "number of batches each run for pipelined execution instead.")
+    raise Error(f"{message} (It is {g}; for example use opts.clone() then "
+                "opts.Training.gradientAccumulation(1) for inference.)")
 
 
 def _backend(options: Options, device: torch.device) -> str:
