@@ -73,3 +73,38 @@ def test_no_scalar_output_names_the_problem():
     pop = poptorch.trainingModel(NoLoss())
     with pytest.raises(poptorch.Error, match="Couldn't find a loss"):
         pop(torch.randn(2, 3))
+
+
+def test_training_model_keeps_submodules_the_user_put_in_eval_mode():
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.bn = nn.BatchNorm1d(4)
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, x, t):
+            out = self.drop(self.bn(self.fc(x)))
+            return out, F.mse_loss(out, t)
+
+    model = Net()
+    model.bn.eval()  # frozen statistics
+    model.drop.eval()
+    ref = copy.deepcopy(model)
+    x, t = torch.randn(8, 4), torch.randn(8, 4)
+    pop = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    out, _ = pop(x, t)
+    pop.copyWeightsToHost()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_out, loss = ref(x, t)
+    loss.backward()
+    opt.step()
+    torch.testing.assert_close(out, ref_out.detach())  # no dropout, frozen statistics
+    torch.testing.assert_close(model.bn.running_mean, ref.bn.running_mean)
+    torch.testing.assert_close(model.fc.weight, ref.fc.weight)
+    # a model entirely in eval mode is still trained in train mode
+    whole = Net().eval()
+    pop2 = poptorch.trainingModel(whole)
+    assert pop2._model.drop.training and pop2._model.bn.training

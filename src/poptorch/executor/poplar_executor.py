@@ -85,7 +85,11 @@ class PoplarExecutor(TimingsMixin):
         d["_poptorch_version"] = version
         d["_optimizer"] = optimizer
         d["_model"] = shallow_copy_module(model)
-        d["_model"].train(training)
+        if not (training and user_model.training):
+            d["_model"].train(training)
+        # else: a trainingModel of a model in train mode keeps the submodules the user
+        # put in eval mode (frozen BatchNorm / Dropout when fine-tuning), as PopTorch
+        # does; the copy's mode flags are fixed when the model is wrapped.
         d["_program"] = None
         d["_weights"] = None
         d["_attached"] = False
