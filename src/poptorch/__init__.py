@@ -47,4 +47,7 @@ from ._factory import inferenceModel, trainingModel
 from ._runtime.export import importPoptorchMetadataFromFile, load
 from .executor import PoplarExecutor, isRunningOnIpu
 
+# --- upstream's private modules that libraries import (issue 17) ------------------
+from . import _impl, _poplar_executor
+
 __version__ = "3.4.0"
