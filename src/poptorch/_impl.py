@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ._runtime import context
-from ._runtime.weights import is_hooked, rehook, unhook
+from ._runtime.weights.sync import is_hooked, rehook, unhook
 from .errors import createPoptorchError
 
 __all__ = ["createPoptorchError", "isRunningOnIpu", "isWrapped", "rewrapModelIfNecessary",
