@@ -402,6 +402,7 @@ class PoplarExecutor:
             self._weights.to_host_if_needed()
         for name in ("_program", "_weights", "_device", "_replica_buffers", "_synthetic"):
             self.__dict__[name] = None
+        self._mode.forget()
         self.__dict__["_attached"] = False
         self.__dict__["_compile_seconds"] = None
 

@@ -32,17 +32,27 @@ def shallow_copy_module(module: torch.nn.Module) -> torch.nn.Module:
 
 class TrainingMode:
     """Puts a module tree in one mode for the duration of a ``with`` block, then gives
-    every module its own flag back. Costs one pass over the modules when every flag is
-    already right."""
+    every module its own flag back.
+
+    The modules are listed once, at the first ``with`` (the model as compiled; walking
+    the tree costs far more than checking the flags): :meth:`forget` lists them again at
+    the next one, as after ``destroy()``."""
 
     def __init__(self, model: torch.nn.Module, training: bool) -> None:
         self.model = model
         self.training = training
+        self._modules: list[torch.nn.Module] | None = None
         self._flipped: list[torch.nn.Module] = []
 
+    def forget(self) -> None:
+        """List the modules again at the next ``with`` (the tree may have changed)."""
+        self._modules = None
+
     def __enter__(self) -> None:
+        if self._modules is None:
+            self._modules = list(self.model.modules())
         mode = self.training
-        self._flipped = [m for m in self.model.modules() if m.training != mode]
+        self._flipped = [m for m in self._modules if m.training != mode]
         for module in self._flipped:
             module.training = mode
 
