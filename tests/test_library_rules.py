@@ -192,6 +192,36 @@ def test_mapping_without_a_loss_is_a_clear_error():
         pop(torch.randn(2, 4))
 
 
+class LossFirst(torch.nn.Module):
+    """Hugging Face's tuple convention: (loss, logits) when labels are given."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 2)
+
+    def forward(self, x, y):
+        out = self.fc(x)
+        return torch.nn.functional.mse_loss(out, y), out
+
+
+def test_loss_first_in_a_tuple_when_the_last_element_is_not_a_scalar():
+    torch.manual_seed(0)
+    model = LossFirst()
+    ref = copy.deepcopy(model)
+    pop = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = _data(step)
+        loss, _ = pop(x, y)
+        ref_opt.zero_grad()
+        ref_loss, _ = ref(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        assert torch.allclose(loss, ref_loss.detach(), atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
+
+
 # -- pipelining only across several IPUs ------------------------------------------------
 class Blocks(torch.nn.Module):
     def __init__(self, ipus):
