@@ -316,3 +316,47 @@ def test_popart_compat_enums_pass_through_popart_options(monkeypatch):
     assert opts.toDict()["_Popart"]["accumulateOuterFragmentSettings.schedule"] == 3
     with pytest.raises(AttributeError, match="popart.Builder is not available"):
         popart.Builder  # noqa: B018
+
+
+# -- LAMB: max_weight_norm per param group ------------------------------------------------
+def test_lamb_max_weight_norm_per_param_group():
+    # optimum-graphcore gives the biases max_weight_norm=0.0 (phi = 0: trust ratio 1, the
+    # plain Adam direction) and marks the attribute constant; upstream allows both
+    lr, b1, b2, eps = 0.01, 0.9, 0.999, 1e-6
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    groups = [{"params": [p for n, p in model.named_parameters() if "bias" not in n]},
+              {"params": [p for n, p in model.named_parameters() if "bias" in n],
+               "max_weight_norm": 0.0, "weight_decay": 0.0}]
+    opt = poptorch.optim.LAMB(groups, lr=lr, betas=(b1, b2), eps=eps, weight_decay=0.01,
+                              max_weight_norm=None)
+    opt.variable_attrs.markAsConstant("max_weight_norm")
+    params = list(ref.parameters())
+    names = [n for n, _ in ref.named_parameters()]
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    x, y = torch.randn(16, 4), torch.randn(16, 2)
+    for t in range(1, 4):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        for p in params:
+            p.grad = None
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        with torch.no_grad():
+            for i, (name, w) in enumerate(zip(names, params)):
+                bias = "bias" in name
+                g = w.grad
+                m[i] = b1 * m[i] + (1 - b1) * g
+                v[i] = b2 * v[i] + (1 - b2) * g * g
+                r = (m[i] / (1 - b1 ** t)) / ((v[i] / (1 - b2 ** t)).sqrt() + eps)
+                if not bias:
+                    r = r + 0.01 * w
+                phi = min(w.norm(), 0.0) if bias else w.norm()
+                trust = phi / r.norm() if phi > 0 and r.norm() > 0 else 1.0
+                w -= lr * trust * r
+    for p, q in zip(model.parameters(), params):
+        assert torch.allclose(p, q, atol=1e-6)
+    with pytest.raises(ValueError, match="max_weight_norm"):
+        poptorch.optim.LAMB([{"params": params, "max_weight_norm": -1.0}])
