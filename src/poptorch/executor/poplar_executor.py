@@ -20,7 +20,7 @@ from .replica_grouping import GroupableParameter
 from .._logging import info_once, logger
 from .._runtime import context
 from .._runtime.batching.plan import BatchPlan, resolve_output_mode, split_inputs
-from .._runtime.weights.modelcopy import shallow_copy_module
+from .._runtime.weights.modelcopy import TrainingMode, shallow_copy_module
 from .._runtime.program.optimizer import (DeviceOptimizerSync, attach_optimizer,
                                  make_loss_scaler)
 from .._runtime.program.device_loop import DeviceProgram, RngScope
@@ -73,7 +73,8 @@ class PoplarExecutor:
         d["_poptorch_version"] = version
         d["_optimizer"] = optimizer
         d["_model"] = shallow_copy_module(model)
-        d["_model"].train(training)
+        d["_model"].training = training  # the copy's own flag; submodules: per call
+        d["_mode"] = TrainingMode(d["_model"], training)
         d["_program"] = None
         d["_weights"] = None
         d["_attached"] = False
@@ -317,7 +318,8 @@ class PoplarExecutor:
         if opt_sync is not None:
             opt_sync.before_run()
         try:
-            result = self._program.run(args, kwargs)
+            with self._mode:
+                result = self._program.run(args, kwargs)
         except BaseException:
             if first:
                 snapshot.restore()
@@ -382,6 +384,12 @@ class PoplarExecutor:
         self.__dict__["_optimizer"] = optimizer
 
     # ------------------------------------------------------------------ device
+    @property
+    def _executable(self) -> DeviceProgram | None:
+        """The compiled program, None before compilation and after ``destroy()`` (the
+        attribute libraries such as lightning-graphcore test, as upstream's)."""
+        return self._program
+
     def isCompiled(self) -> bool:
         """True once the model is compiled (and not destroyed)."""
         return self._program is not None
@@ -413,6 +421,7 @@ class PoplarExecutor:
             self._weights.to_host_if_needed()
         for name in ("_program", "_weights", "_device", "_replica_buffers", "_synthetic"):
             self.__dict__[name] = None
+        self._mode.forget()
         self.__dict__["_attached"] = False
         self.__dict__["_compile_seconds"] = None
 

@@ -17,6 +17,7 @@ from ...enums import MeanReductionStrategy, OutputMode, ReductionType
 from ...errors import Error
 from .. import context
 from ..batching.plan import BatchPlan, OutputCollector, split_inputs
+from ..batching.structures import register_mapping_outputs
 from .loss import find_loss
 from .optimizer import fast_step
 from .runner import StepRunner
@@ -29,6 +30,7 @@ def detach(output: Any) -> Any:
     if isinstance(output, tuple) and all(isinstance(t, torch.Tensor) for t in output):
         return tuple(t.detach() for t in output)
     from torch.utils import _pytree as pytree
+    register_mapping_outputs(output)  # dict-like outputs: gathered key by key
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t,
                            output)
 
