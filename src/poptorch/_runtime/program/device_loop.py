@@ -20,6 +20,7 @@ from ..batching.plan import BatchPlan, OutputCollector, split_inputs
 from ..batching.structures import register_mapping_outputs
 from .loss import find_loss
 from .optimizer import fast_step
+from .perf import PerfCounters
 from .runner import StepRunner
 
 
@@ -73,21 +74,6 @@ class RngScope:
         if self.cuda:
             self.cuda_state = torch.cuda.get_rng_state(self.device)
             torch.cuda.set_rng_state(self._saved_cuda, self.device)
-
-
-class PerfCounters:
-    """Host timestamps (seconds) of the last call, one entry per device iteration."""
-
-    def __init__(self) -> None:
-        self.counters: dict[str, list[float]] = {
-            "input": [], "input_complete": [], "output": [], "output_complete": []}
-
-    def latencies(self, start: str, end: str) -> tuple[float, float, float]:
-        """(min, max, mean) of ``end - start`` over the iterations of the last call."""
-        spans = [b - a for a, b in zip(self.counters[start], self.counters[end])]
-        if not spans:
-            raise Error("No performance counters yet: run the model first.")
-        return min(spans), max(spans), sum(spans) / len(spans)
 
 
 class DeviceProgram:
