@@ -4,11 +4,14 @@ It iterates the data set and writes each batch into a ring of ``buffer_size`` sl
 shared-memory tensors. The main process reads a slot in place and hands it back when it
 asks for the next batch. Protocol (all messages are tuples on two queues):
 
-* main -> worker (``commands``): ``("start", epoch)`` begin epoch ``epoch`` (abandoning an
-  older one still running), ``("free", slot)`` the main process is done with ``slot``,
+* main -> worker (``commands``): ``("start", epoch, resume)`` begin epoch ``epoch``
+  (abandoning an older one still running) at the position ``resume`` (a
+  ``DataLoader.state_dict()``, or None: from the start), ``("free", slot)`` the main process is done with ``slot``,
   ``("stop",)`` shut down.
-* worker -> main (``results``): ``("batch", epoch, slot, skeleton, tensors_or_None)``
-  (``tensors`` is sent only when the slot's shared tensors had to be (re)allocated),
+* worker -> main (``results``): ``("batch", epoch, slot, skeleton, tensors_or_None,
+  start_or_None)`` (``tensors`` is sent only when the slot's shared tensors had to be
+  (re)allocated; ``start``, the random state the epoch's order was drawn from, with the
+  first batch of an epoch of a ``poptorch.DataLoader``),
   ``("end", epoch)``, ``("error", epoch, description, traceback, pickled_type, message)``.
 
 The worker ignores SIGINT (the main process decides when it stops), turns SIGTERM into a
@@ -29,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ._data_faults import as_worker_death, pickled_type
 from ._data_tree import Rebatcher, flatten
 
 __all__ = ["WorkerConfig", "DatasetFile", "run_worker"]
@@ -43,6 +47,9 @@ class WorkerConfig:
     early_preload: bool
     rebatched_size: int | None
     rebatched_drop_last: bool
+    # The caller's default start method, for the data set's own (torch) workers: they
+    # start as they would in the caller, not as this process was started.
+    start_method: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +78,8 @@ def run_worker(source: Any, commands, results, config: WorkerConfig) -> None:
     """Entry point of the worker process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    if multiprocessing.get_start_method(allow_none=True) != config.start_method:
+        multiprocessing.set_start_method(config.start_method, force=True)
     # Like torch's own DataLoader workers: leave the cores to the model.
     torch.set_num_threads(1)
     try:
@@ -94,6 +103,8 @@ class _Worker:
         self.slots: list[list[torch.Tensor] | None] = [None] * config.buffer_size
         self.layouts: list[list[tuple] | None] = [None] * config.buffer_size
         self.latest_start = -1  # newest epoch the main process asked for
+        self.resume_at: dict[int, Any] = {}  # epoch -> position to start it at
+        self.send_start = False  # the next batch is the first of its pass
         self.parent = multiprocessing.parent_process()
 
     def run(self) -> None:
@@ -123,6 +134,8 @@ class _Worker:
             self.free.append(command[1])
             return None
         epoch = command[1]  # "start"
+        if command[2] is not None:
+            self.resume_at[epoch] = command[2]
         if epoch > self.latest_start:
             self.latest_start = epoch
             if running is None or epoch > running:
@@ -146,14 +159,18 @@ class _Worker:
     # -- one pass over the data set -------------------------------------------------
     def _run_epoch(self, epoch: int) -> int | None:
         """Streams one epoch; returns the next epoch to run (None: wait for a start)."""
-        self.latest_start = max(self.latest_start, epoch)
         rebatcher = (Rebatcher(self.config.rebatched_size)
                      if self.config.rebatched_size else None)
         iterator = None
+        skip = self._prepare_resume(self.resume_at.pop(epoch, None))
+        self.send_start = True
         try:
             iterator = iter(self.dataset)
             for batch in iterator:
                 ready = rebatcher.push(batch) if rebatcher else [batch]
+                if skip:  # a resumed pass the data set cannot skip by itself
+                    dropped = min(skip, len(ready))
+                    ready, skip = ready[dropped:], skip - dropped
                 for out in ready:
                     switch = self._emit(epoch, out)
                     if switch is not None:
@@ -174,7 +191,20 @@ class _Worker:
         finally:
             del iterator  # joins the data set's worker processes, if any
         self.results.put(("end", epoch))
-        return epoch + 1 if self.config.load_indefinitely else None
+        # Preload the next pass, but never more than one past the newest one asked for.
+        if self.config.load_indefinitely and epoch <= self.latest_start:
+            return epoch + 1
+        return None
+
+    def _prepare_resume(self, resume: dict | None) -> int:
+        """Starts the next pass at ``resume``; returns how many of its batches to read and
+        drop here (when the data set cannot skip them without loading them)."""
+        if resume is None:
+            return 0
+        apply = getattr(self.dataset, "apply_resume", None)
+        if apply is not None and apply(resume):
+            return 0
+        return 0 if resume["finished"] else resume["consumed"]
 
     def _emit(self, epoch: int, batch: Any) -> int | None:
         skeleton, tensors = flatten(batch)
@@ -192,16 +222,22 @@ class _Worker:
             fresh = [t.clone(memory_format=torch.contiguous_format).share_memory_()
                      for t in tensors]
             self.slots[slot], self.layouts[slot] = fresh, layout
-        self.results.put(("batch", epoch, slot, skeleton, fresh))
+        start = None
+        if self.send_start:
+            self.send_start = False
+            position_start = getattr(self.dataset, "position_start", None)
+            start = position_start() if position_start is not None else None
+        self.results.put(("batch", epoch, slot, skeleton, fresh, start))
         return None
 
     def _report(self, epoch: int, error: BaseException) -> None:
         description = (f"the AsynchronousDataAccessor worker process "
                        f"(pid {os.getpid()})")
-        try:
-            error_type = pickle.dumps(type(error))
-        except Exception:  # a local class: the main process falls back to poptorch.Error
-            error_type = None
+        death = as_worker_death(error)  # one of the data set's torch workers died
+        if death is not None:
+            death.__traceback__ = error.__traceback__
+            error = death
+        error_type = pickled_type(error)
         text = "".join(traceback.format_exception(type(error), error,
                                                   error.__traceback__))
         self.results.put(("error", epoch, description, text, error_type, str(error)))
