@@ -58,8 +58,14 @@ class ResumableIndexSampler:
 
     def __init__(self, inner: Any, loader: Any) -> None:
         self.inner = inner
-        self.loader = loader
+        # What decides whether the loader's next iterator draws a base seed (not the
+        # loader itself: a reference to it would make a cycle that only gc breaks).
+        self.loader_generator = loader.generator
+        self.reuses_iterator = loader.persistent_workers and loader.num_workers > 0
         self.owns_global_rng = False
+        # Global RNG state from before the resumed pass's torch iterator drew its base
+        # seed (in the caller's process): what a mid-epoch restore puts back.
+        self.global_rng_before_iterator: torch.Tensor | None = None
         self.last_start: dict | None = None  # capture of the epoch most recently started
         self.epochs_started = 0
         self.resume: dict | None = None
@@ -99,10 +105,7 @@ class ResumableIndexSampler:
         """Will the loader's next epoch draw a worker base seed from the sampler's random
         source before the order (a new torch iterator: not a reused persistent one)?"""
         generator, _ = _random_source(self.inner)
-        loader = self.loader
-        same_source = loader.generator is generator
-        reused = loader.persistent_workers and loader.num_workers > 0
-        return same_source and not reused
+        return self.loader_generator is generator and not self.reuses_iterator
 
     # -- one epoch ------------------------------------------------------------------------
     def _epoch(self) -> Iterator[Any]:
@@ -114,7 +117,7 @@ class ResumableIndexSampler:
             for _ in self.inner:
                 pass
             if self._base_seed_drawn_next() and put_back is None:
-                torch.empty((), dtype=torch.int64).random_(generator=self.loader.generator)
+                torch.empty((), dtype=torch.int64).random_(generator=self.loader_generator)
             if put_back is not None:
                 torch.set_rng_state(put_back)
             resume = None
@@ -124,6 +127,10 @@ class ResumableIndexSampler:
             yield from self.inner
             return
         put_back = self._apply(resume["start"])
+        if put_back is not None and self.global_rng_before_iterator is not None:
+            # the original pass drew its base seed before its order: not again here
+            put_back = self.global_rng_before_iterator
+        self.global_rng_before_iterator = None
         self.last_start = resume["start"]
         self.epochs_started += 1
         iterator = iter(self.inner)

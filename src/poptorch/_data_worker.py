@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import multiprocessing
 import os
 import pickle
@@ -78,6 +79,9 @@ def run_worker(source: Any, commands, results, config: WorkerConfig) -> None:
     """Entry point of the worker process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    # Objects inherited from a forked caller are the caller's to finalize: never collect
+    # them here (a torch iterator's __del__ would try to stop the caller's workers).
+    gc.freeze()
     if multiprocessing.get_start_method(allow_none=True) != config.start_method:
         multiprocessing.set_start_method(config.start_method, force=True)
     # Like torch's own DataLoader workers: leave the cores to the model.
