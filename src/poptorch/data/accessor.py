@@ -24,7 +24,6 @@ import multiprocessing.forkserver
 import multiprocessing.util  # noqa: F401  (registers its atexit hook before ours)
 import os
 import pickle
-import queue
 import tempfile
 import weakref
 from collections.abc import Iterable
@@ -56,7 +55,7 @@ _DEFAULT_STRATEGIES = {
     "spawn": SharingStrategy.SharedMemory,
 }
 _LIVENESS_CHECK_S = 0.5
-_POLITE_JOIN_S = 1.0   # a worker waiting on its queue stops at once
+_POLITE_JOIN_S = 1.0   # a worker waiting for a command stops at once
 _JOIN_TIMEOUT_S = 5.0  # after SIGTERM, which the worker turns into a clean exit
 
 # Finalizers of the live accessors. Our atexit hook is registered after multiprocessing's
@@ -79,7 +78,7 @@ def _shutdown_worker(owner_pid: int, process, commands, results,
     try:
         if process.is_alive():
             try:
-                commands.put(("stop",))
+                commands.send(("stop",))
             except (ValueError, OSError):
                 pass
             process.join(_POLITE_JOIN_S)
@@ -91,7 +90,6 @@ def _shutdown_worker(owner_pid: int, process, commands, results,
             process.join()
     finally:
         for channel in (commands, results):
-            channel.cancel_join_thread()
             channel.close()
         if dataset_file is not None and os.path.exists(dataset_file):
             os.unlink(dataset_file)
@@ -184,8 +182,10 @@ class AsynchronousDataAccessor:
         context = torch.multiprocessing.get_context(method)
         if method == "forkserver":
             _preload_in_forkserver()
-        self._commands = context.Queue()
-        self._results = context.Queue()
+        # Two one-way pipes: no feeder thread (a multiprocessing.Queue's waits for the
+        # GIL, up to a switch interval per batch) and no lock per message.
+        commands_reader, self._commands = context.Pipe(duplex=False)
+        self._results, results_writer = context.Pipe(duplex=False)
         dataset_file = None
         source: Any = dataset
         if self.sharing_strategy == SharingStrategy.FileSystem:
@@ -198,10 +198,16 @@ class AsynchronousDataAccessor:
                               bool(self.early_preload), self.rebatched_size,
                               self._drop_last, multiprocessing.get_start_method())
         self._process = context.Process(
-            target=run_worker, args=(source, self._commands, self._results, config),
+            target=run_worker,
+            args=(source, commands_reader, results_writer, config,
+                  (self._commands, self._results)),
             name="poptorch-async-data", daemon=False)
         try:
-            self._process.start()
+            try:
+                self._process.start()
+            finally:  # the worker's ends: only the worker keeps them open
+                commands_reader.close()
+                results_writer.close()
         except Exception as error:
             if dataset_file is not None and os.path.exists(dataset_file):
                 os.unlink(dataset_file)
@@ -259,7 +265,7 @@ class AsynchronousDataAccessor:
             self._consumed = 0 if resume["finished"] else resume["consumed"]
             if resume["start"] is not None:
                 self._starts[self._epoch] = resume["start"]
-        self._commands.put(("start", self._epoch, resume))
+        self._commands.send(("start", self._epoch, resume))
 
     def _next_batch(self, epoch: int) -> Any:
         self._check_alive()
@@ -279,7 +285,7 @@ class AsynchronousDataAccessor:
                 if start is not None:
                     self._starts.setdefault(epoch, start)
                 if epoch != self._epoch:  # left over from an abandoned pass
-                    self._commands.put(("free", slot))
+                    self._commands.send(("free", slot))
                     continue
                 self._held_slot = slot
                 self._consumed += 1
@@ -310,16 +316,14 @@ class AsynchronousDataAccessor:
 
     def _release_slot(self) -> None:
         if self._held_slot is not None:
-            self._commands.put(("free", self._held_slot))
+            self._commands.send(("free", self._held_slot))
             self._held_slot = None
 
     def _receive(self) -> tuple:
         while True:
             try:
-                return self._results.get(timeout=_LIVENESS_CHECK_S)
-            except queue.Empty:
-                if self._process.is_alive():
-                    continue
+                if self._results.poll(_LIVENESS_CHECK_S):
+                    return self._results.recv()
             except (OSError, EOFError) as error:
                 # Receiving a batch's shared memory needs the worker: it died mid-send.
                 self._process.join(_LIVENESS_CHECK_S)
@@ -328,10 +332,13 @@ class AsynchronousDataAccessor:
                                 f"worker process (pid {self._process.pid}): {error}") \
                         from error
                 raise self._worker_died() from error
-            try:  # it may have written its last words just before exiting
-                return self._results.get(timeout=_LIVENESS_CHECK_S)
-            except (queue.Empty, OSError, EOFError):
-                raise self._worker_died() from None
+            if not self._process.is_alive():
+                try:  # it may have written its last words just before exiting
+                    if self._results.poll(0):
+                        return self._results.recv()
+                except (OSError, EOFError):
+                    pass
+                raise self._worker_died()
 
     def _worker_died(self) -> Error:
         code = self._process.exitcode

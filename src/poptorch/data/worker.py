@@ -2,7 +2,7 @@
 
 It iterates the data set and writes each batch into a ring of ``buffer_size`` slots of
 shared-memory tensors. The main process reads a slot in place and hands it back when it
-asks for the next batch. Protocol (all messages are tuples on two queues):
+asks for the next batch. Protocol (all messages are tuples on two one-way pipes):
 
 * main -> worker (``commands``): ``("start", epoch, resume)`` begin epoch ``epoch``
   (abandoning an older one still running) at the position ``resume`` (a
@@ -26,7 +26,6 @@ import gc
 import multiprocessing
 import os
 import pickle
-import queue
 import signal
 import traceback
 from typing import Any
@@ -75,8 +74,12 @@ def _exit_on_sigterm(signum, frame):
     raise SystemExit(0)
 
 
-def run_worker(source: Any, commands, results, config: WorkerConfig) -> None:
-    """Entry point of the worker process."""
+def run_worker(source: Any, commands, results, config: WorkerConfig,
+               callers_ends: tuple = ()) -> None:
+    """Entry point of the worker process (``callers_ends``: the caller's ends of the
+    pipes, which a forked worker inherits and closes)."""
+    for end in callers_ends:
+        end.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     # Objects inherited from a forked caller are the caller's to finalize: never collect
@@ -91,9 +94,6 @@ def run_worker(source: Any, commands, results, config: WorkerConfig) -> None:
         _Worker(dataset, commands, results, config).run()
     except _Stop:
         pass
-    finally:
-        results.cancel_join_thread()
-        commands.cancel_join_thread()
 
 
 class _Worker:
@@ -122,12 +122,20 @@ class _Worker:
     def _next_command(self, block: bool):
         while True:
             try:
-                return self.commands.get(block=block, timeout=_LIVENESS_CHECK_S)
-            except queue.Empty:
-                if not block:
-                    return None
-                if self.parent is not None and not self.parent.is_alive():
-                    raise _Stop()
+                if self.commands.poll(_LIVENESS_CHECK_S if block else 0):
+                    return self.commands.recv()
+            except (OSError, EOFError):  # the main process went away
+                raise _Stop() from None
+            if not block:
+                return None
+            if self.parent is not None and not self.parent.is_alive():
+                raise _Stop()
+
+    def _send(self, message: tuple) -> None:
+        try:
+            self.results.send(message)
+        except (OSError, EOFError):  # the main process went away
+            raise _Stop() from None
 
     def _handle(self, command, running: int | None) -> int | None:
         """Applies ``command``; returns an epoch to switch to, if it asks for one."""
@@ -194,7 +202,7 @@ class _Worker:
             return None
         finally:
             del iterator  # joins the data set's worker processes, if any
-        self.results.put(("end", epoch))
+        self._send(("end", epoch))
         # Preload the next pass, but never more than one past the newest one asked for.
         if self.config.load_indefinitely and epoch <= self.latest_start:
             return epoch + 1
@@ -231,7 +239,7 @@ class _Worker:
             self.send_start = False
             position_start = getattr(self.dataset, "position_start", None)
             start = position_start() if position_start is not None else None
-        self.results.put(("batch", epoch, slot, skeleton, fresh, start))
+        self._send(("batch", epoch, slot, skeleton, fresh, start))
         return None
 
     def _report(self, epoch: int, error: BaseException) -> None:
@@ -244,4 +252,4 @@ class _Worker:
         error_type = pickled_type(error)
         text = "".join(traceback.format_exception(type(error), error,
                                                   error.__traceback__))
-        self.results.put(("error", epoch, description, text, error_type, str(error)))
+        self._send(("error", epoch, description, text, error_type, str(error)))
