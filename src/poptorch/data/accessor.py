@@ -55,7 +55,7 @@ _DEFAULT_STRATEGIES = {
     "spawn": SharingStrategy.SharedMemory,
 }
 _LIVENESS_CHECK_S = 0.5
-_POLITE_JOIN_S = 1.0   # a worker waiting for a command stops at once
+_POLITE_JOIN_S = 5.0   # a worker stops at once, then joins its own torch workers
 _JOIN_TIMEOUT_S = 5.0  # after SIGTERM, which the worker turns into a clean exit
 
 # Finalizers of the live accessors. Our atexit hook is registered after multiprocessing's

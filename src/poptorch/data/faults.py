@@ -13,6 +13,7 @@ from __future__ import annotations
 import pickle
 import re
 import signal
+from typing import Any
 
 from ..errors import Error
 
@@ -45,10 +46,12 @@ def exit_code_description(code: int | None) -> str:
     return f"exited unexpectedly with exit code {code}"
 
 
-def as_worker_death(error: BaseException) -> Error | None:
+def as_worker_death(error: BaseException, iterator: Any = None) -> Error | None:
     """The ``poptorch.Error`` for torch's report of a dead ``DataLoader`` worker, or None
-    when ``error`` is something else."""
-    if not isinstance(error, RuntimeError) or isinstance(error, Error):
+    when ``error`` is something else. ``iterator``: torch's iterator that raised it, whose
+    worker processes tell how they ended."""
+    if isinstance(error, Error) or not isinstance(error, (RuntimeError, OSError,
+                                                           EOFError)):
         return None
     text = str(error)
     killed = _TORCH_KILLED.search(text)
@@ -60,9 +63,24 @@ def as_worker_death(error: BaseException) -> Error | None:
                      "epoch (or resume from a checkpoint, see docs/data.md).")
     exited = _TORCH_EXITED.search(text)
     if exited:
-        return Error(f"A torch DataLoader worker process (pid {exited.group(1)}) exited "
-                     f"unexpectedly while loading data ({text.strip()}). Its batch is "
-                     "lost: restart the epoch (or resume from a checkpoint).")
+        pids = {int(pid) for pid in exited.group(1).replace(" ", "").split(",") if pid}
+        how = "; ".join(
+            f"pid {worker.pid} {exit_code_description(worker.exitcode)}"
+            for worker in getattr(iterator, "_workers", [])
+            if worker.pid in pids and worker.exitcode is not None)
+        return Error(f"A torch DataLoader worker process ({how or text.strip()}) died "
+                     "while loading data. Its batch is lost: restart the epoch (or resume "
+                     "from a checkpoint, see docs/data.md).")
+    # Receiving a batch from a worker that died while sending it (torch passes tensors
+    # through sockets and file descriptors): the connection breaks.
+    dead = [worker for worker in getattr(iterator, "_workers", [])
+            if worker.exitcode not in (None, 0)]
+    if dead:
+        how = "; ".join(f"pid {worker.pid} {exit_code_description(worker.exitcode)}"
+                        for worker in dead)
+        return Error(f"A torch DataLoader worker process ({how}) died while loading data "
+                     f"({type(error).__name__}: {text}). Its batch is lost: restart the "
+                     "epoch (or resume from a checkpoint, see docs/data.md).")
     return None
 
 

@@ -87,10 +87,11 @@ class _PassIterator:
         except StopIteration:
             self.finished = True
             raise
-        except RuntimeError as error:
-            death = as_worker_death(error)
+        except (RuntimeError, OSError, EOFError) as error:
+            death = as_worker_death(error, self._inner)
             if death is None:
                 raise
+            _stop_torch_workers(self._inner)
             raise death from error
         self.consumed += 1
         return batch
@@ -326,6 +327,8 @@ class DataLoader(torch.utils.data.DataLoader):
     def __iter__(self):
         if self._accessor is not None:
             return iter(self._accessor)
+        if getattr(self._iterator, "_shutdown", False):
+            self._iterator = None  # its workers were stopped after one of them died
         resume, self._resume_next = self._resume_next, None
         skip = 0
         sampler = self._resumable_sampler()
@@ -420,6 +423,17 @@ class DataLoader(torch.utils.data.DataLoader):
         state["_iterator"] = None
         state["_pass"] = None
         return state
+
+
+def _stop_torch_workers(iterator: Any) -> None:
+    """Stops the workers of a torch iterator one of whose workers died (torch's SIGCHLD
+    handler would otherwise raise again at any later point of the program)."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        try:
+            shutdown()
+        except Exception:  # noqa: BLE001 - best effort: the death is being reported
+            pass
 
 
 def _length_or_none(dataset: Any) -> int | None:

@@ -198,7 +198,14 @@ class _Worker:
         except (_Stop, SystemExit):
             raise
         except BaseException as error:  # reported to the main process, which re-raises
-            self._report(epoch, error)
+            for _ in range(3):  # torch's SIGCHLD handler may raise again meanwhile
+                try:
+                    self._report(epoch, error, iterator)
+                    break
+                except (_Stop, SystemExit):
+                    raise
+                except BaseException as again:  # noqa: BLE001
+                    error = again
             return None
         finally:
             del iterator  # joins the data set's worker processes, if any
@@ -242,11 +249,15 @@ class _Worker:
         self._send(("batch", epoch, slot, skeleton, fresh, start))
         return None
 
-    def _report(self, epoch: int, error: BaseException) -> None:
+    def _report(self, epoch: int, error: BaseException, iterator: Any) -> None:
         description = (f"the AsynchronousDataAccessor worker process "
                        f"(pid {os.getpid()})")
-        death = as_worker_death(error)  # one of the data set's torch workers died
+        # one of the data set's torch workers died
+        death = as_worker_death(error, getattr(iterator, "_inner", iterator))
         if death is not None:
+            shutdown = getattr(iterator, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()  # no more SIGCHLD reports from its workers
             death.__traceback__ = error.__traceback__
             error = death
         error_type = pickled_type(error)
