@@ -20,14 +20,18 @@ from poptorch import DataLoaderMode
 pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create")]
 
 PROGRAM = textwrap.dedent('''
+    import os
     import sys
     import torch
     import poptorch
     from torch.utils.data import TensorDataset
 
-    CONFIGS = [(mode, workers, seed) for mode in ("Sync", "Async") for workers in (0, 2)
-               for seed in (7, None)]
-    K = 15  # 12 batches an epoch: the checkpoint falls inside the second epoch
+    # Sync and Async, 0 and 2 workers, each once with a seeded and once with an unseeded
+    # shuffle (all 8 combinations with POPTORCH_LONG_TESTS=1).
+    CONFIGS = [("Sync", 0, 7), ("Sync", 2, None), ("Async", 0, None), ("Async", 2, 7)]
+    if os.environ.get("POPTORCH_LONG_TESTS"):
+        CONFIGS += [("Sync", 0, None), ("Sync", 2, 7), ("Async", 0, 7), ("Async", 2, None)]
+    K = 13  # 12 batches an epoch: the checkpoint falls inside the second epoch
 
 
     class Net(torch.nn.Module):
@@ -155,7 +159,7 @@ def test_k_steps_checkpoint_new_process_k_steps_equals_2k_steps(tmp_path):
     run(str(script), "second", str(tmp_path / "first.pt"), str(tmp_path / "second.pt"))
     first = torch.load(tmp_path / "first.pt", weights_only=False)
     second = torch.load(tmp_path / "second.pt", weights_only=False)
-    assert len(second) == 8
+    assert len(second) >= 4
     for config, resumed in second.items():
         reference = first[config]["reference"]
         assert_bitwise_equal(resumed, reference)
@@ -210,7 +214,7 @@ def test_position_restores_the_shuffle_order(mode, count):
 def test_iterable_dataset_resumes_by_skipping_batches():
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):
-            return iter(torch.arange(20).split(1))
+            return iter([(item,) for item in torch.arange(20).split(1)])
 
     loader = poptorch.DataLoader(poptorch.Options(), Stream(), batch_size=2)
     head, saved = _stream(loader, 3)
