@@ -154,6 +154,11 @@ class AsynchronousDataAccessor:
         except ValueError:
             raise ValueError(f"sharing_strategy must be a poptorch.SharingStrategy; got "
                              f"{sharing_strategy!r}.") from None
+        if isinstance(miss_sleep_time_in_ms, bool) or \
+                not isinstance(miss_sleep_time_in_ms, (int, float)) or \
+                not miss_sleep_time_in_ms >= 0:
+            raise ValueError("miss_sleep_time_in_ms must be a number >= 0; got "
+                             f"{miss_sleep_time_in_ms!r}.")
         if miss_sleep_time_in_ms != 0.1:
             info_once("async_miss_sleep_time",
                       "AsynchronousDataAccessor: miss_sleep_time_in_ms=%s is recorded but "

@@ -177,6 +177,7 @@ class DataLoader(torch.utils.data.DataLoader):
             raise ValueError(f"mode must be a poptorch.DataLoaderMode; got {mode!r}.") \
                 from None
         shuffle = bool(shuffle)
+        _check_arguments(num_workers, rebatched_worker_size, async_options)
         if persistent_workers is None:
             persistent_workers = num_workers > 0
         micro_batches = device_iterations * replication_factor * gradient_accumulation
@@ -423,6 +424,22 @@ class DataLoader(torch.utils.data.DataLoader):
         state["_iterator"] = None
         state["_pass"] = None
         return state
+
+
+def _check_arguments(num_workers: Any, rebatched_worker_size: Any,
+                     async_options: Any) -> None:
+    """Rejects argument types torch would fail on later with an unrelated message."""
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or \
+            num_workers < 0:
+        raise ValueError(f"num_workers must be an integer >= 0; got {num_workers!r}.")
+    if rebatched_worker_size is not None and (
+            isinstance(rebatched_worker_size, bool) or
+            not isinstance(rebatched_worker_size, int) or rebatched_worker_size < 1):
+        raise ValueError("rebatched_worker_size must be None or an integer >= 1; got "
+                         f"{rebatched_worker_size!r}.")
+    if async_options is not None and not isinstance(async_options, dict):
+        raise TypeError("async_options must be a dict of AsynchronousDataAccessor keyword "
+                        f"arguments or None; got {type(async_options).__name__}.")
 
 
 def _stop_torch_workers(iterator: Any) -> None:
