@@ -95,7 +95,7 @@ class DeviceProgram:
                  output_mode: OutputMode, output_return_period: int,
                  params: list[torch.nn.Parameter], optimizer: Any, options: Any,
                  rng: RngScope, to_host: Callable[[Any], Any] | None,
-                 anchors: Callable[[int], None] | None) -> None:
+                 anchors: Callable[[int], None] | None, cross: Any = None) -> None:
         self.plan = plan
         self.runner = runner
         self.training = training
@@ -114,16 +114,19 @@ class DeviceProgram:
         self.wrappers: list = []
         self.finite_check: Callable[[Any, Any], None] | None = None
         self.named_params: list = []
-        self._configure_reduction(options)
+        # The cross-process side (distributed.replicas.CrossProcessReplicas) of a run of
+        # several processes, None in one process.
+        self.cross = cross
+        self._configure_reduction(options, cross.world.size if cross is not None else 1)
 
-    def _configure_reduction(self, options: Any) -> None:
+    def _configure_reduction(self, options: Any, processes: int) -> None:
         training = options.Training
         reduction = ReductionType(training.accumulation_and_replication_reduction_type)
         if reduction == ReductionType.NoReduction:
             raise Error(
                 "Training.accumulationAndReplicationReductionType(NoReduction) is not "
                 "valid for gradients: use ReductionType.Mean (the default) or Sum.")
-        n = self.plan.per_step
+        n = self.plan.per_step * processes  # micro-batches of a step, all processes
         mean = reduction == ReductionType.Mean and n > 1
         strategy = MeanReductionStrategy(
             training.meanAccumulationAndReplicationReductionStrategy)
@@ -158,13 +161,19 @@ class DeviceProgram:
         params = self.params
         for p in params:
             p.grad = None
+        if self.cross is not None:
+            self.cross.begin_step()
         outputs = self.runner(microbatches, self._loss_of)
+        if self.cross is not None:
+            self.cross.reduce_gradients()
         if self.divide_grads_by != 1:
             grads = [p.grad for p in params if p.grad is not None]
             if grads:
                 torch._foreach_div_(grads, float(self.divide_grads_by))
         if self.scaler is None or self.scaler.unscale_(params):
             self._step()
+        if self.cross is not None:
+            self.cross.sync_buffers()
         return outputs
 
     def _collect(self, collector: OutputCollector, i: int, outputs: list) -> None:
