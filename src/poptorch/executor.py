@@ -142,6 +142,11 @@ class PoplarExecutor:
             bar.update()
             self.__dict__["_program"] = self._build_program(plan, runner, device)
             self._install_program_extras(self._program)
+            if self.__dict__.get("_backend") == "inductor":
+                from ._runtime.compiled_step import compile_device_program
+                compile_device_program(self._program, runner, self._model, device,
+                                       self._model_name(),
+                                       bool(opts.show_compilation_progress_bar))
             if opts.synthetic_data:
                 from ._runtime.synthetic import SyntheticInputs
                 self.__dict__["_synthetic"] = SyntheticInputs(self._device)
@@ -170,10 +175,9 @@ class PoplarExecutor:
         self.__dict__["_device"] = device
         forward = self._model
         backend = _backend(self._options, device)
+        self.__dict__["_backend"] = backend
         if cache_dir is not None:
             configure_executable_cache(cache_dir, backend)
-        if backend == "inductor":
-            forward = torch.compile(self._model)
         return SequentialRunner(forward), device
 
     def _replicate_buffers(self, runner, plan: BatchPlan):
