@@ -1,0 +1,83 @@
+"""What a compiled model does across processes: start identical, stay identical.
+
+At compile time process 0's weights, buffers and optimizer state are sent to every
+process (a run may start from different random initialisations). During training the
+gradients of each step are summed over all processes before the update
+(:py:class:`~.reducer.GradientReducer`), so the updates agree. With ``broadcastBuffers``
+(the default) process 0's buffers (those of global replica 0) are sent to every process
+after each optimizer step (inference: each call), as replica 0's are to the local
+replicas; without it each process's buffers drift apart, as PopTorch's replicas do.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..program.replica_groups import GroupedParameter
+from ..program.runner import PerReplicaRunner, SequentialRunner
+from .collectives import broadcast_, failures_as_errors
+from .ddp import wrap_for_ddp
+from .reducer import GradientReducer
+from .world import World
+
+
+class CrossProcessReplicas:
+    """The cross-process side of a compiled model (see module docstring)."""
+
+    def __init__(self, world: World, model: torch.nn.Module,
+                 params: List[torch.nn.Parameter], broadcast_buffers: bool) -> None:
+        self.world = world
+        self.model = model
+        self.reducer: Any = GradientReducer(world, params)
+        self.buffers = [b for b in model.buffers()] if broadcast_buffers else []
+        self.ddp_runner: Any = None
+
+    def wrap_runner(self, runner: Any, per_step: int, device: torch.device) -> Any:
+        """Give a sequential runner (running the model itself, not a compiled copy)
+        DDP's overlapped reduction; other runners (model parallel, compiled, with
+        replica-grouped weights, whose shapes change per replica) keep the reduction
+        after the backward passes of the step."""
+        per_replica = isinstance(runner, PerReplicaRunner)
+        inner = runner.inner if per_replica else runner
+        if not isinstance(inner, SequentialRunner) or inner.forward is not self.model:
+            return runner
+        if per_replica and any(isinstance(s, GroupedParameter) for s in runner.states):
+            return runner
+        self.ddp_runner = wrap_for_ddp(inner, self.model, self.world.group, per_step, device)
+        self.reducer = None
+        if per_replica:
+            runner.inner = self.ddp_runner
+            return runner
+        return self.ddp_runner
+
+    def begin_step(self) -> None:
+        """Before the micro-batches of a training step."""
+        if self.ddp_runner is not None:
+            self.ddp_runner.begin_step()
+
+    def start_identical(self, optimizer: Optional[Any]) -> None:
+        """Give every process process 0's weights, buffers and optimizer state."""
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        broadcast_([t.data for t in tensors], self.world.group)
+        if optimizer is None:
+            return
+        # Process 0 decides for all (a collective must be called by every process).
+        has_state = self.world.rank == 0 and any(optimizer.state.values())
+        state = [optimizer.state_dict() if has_state else None]
+        with failures_as_errors("Broadcasting the optimizer state"):
+            dist.broadcast_object_list(state, src=0, group=self.world.group)
+        if state[0] is not None and self.world.rank != 0:
+            optimizer.load_state_dict(state[0])
+
+    def reduce_gradients(self) -> None:
+        """Sum this step's gradients over all processes (done already by DDP during
+        the backward pass when the runner uses it)."""
+        if self.reducer is not None:
+            self.reducer()
+
+    def sync_buffers(self) -> None:
+        """Send process 0's buffers to every process (no-op without broadcastBuffers)."""
+        if self.buffers:
+            broadcast_([b.data for b in self.buffers], self.world.group)
