@@ -351,8 +351,12 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), action="append",
                         help="only these workloads (default: all, one process each)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: on a shared machine, more threads "
+                        "than idle cores make every side spin on its thread pool)")
     parser.add_argument("--json", help=argparse.SUPPRESS)  # child process output
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     if args.json:
         rows = run_workload(args.workload[0], args.quick)
         with open(args.json, "w") as f:
@@ -363,7 +367,8 @@ def main(argv=None) -> int:
     for name in args.workload or ["tiny", "mlp", "cnn", "gpt"]:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             out = f.name
-        cmd = [sys.executable, os.path.abspath(__file__), "--workload", name, "--json", out]
+        cmd = [sys.executable, os.path.abspath(__file__), "--workload", name, "--json", out,
+               "--threads", str(args.threads)]
         if args.quick:
             cmd.append("--quick")
         t0 = time.perf_counter()

@@ -39,6 +39,7 @@ import types
 from typing import Any, Callable
 
 import torch
+from torch.optim import optimizer as torch_optimizer
 
 from ..._logging import info_once, logger
 from .. import context
@@ -92,6 +93,18 @@ def _detach(output: Any) -> Any:
     from torch.utils import _pytree as pytree
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t,
                            output)
+
+
+def _cuda_graph_replay(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """CUDA graph replays reuse their output memory: mark each replay as a new step
+    and copy the outputs out, since a call keeps several steps' outputs."""
+    from torch.utils import _pytree as pytree
+
+    def replay(*inputs: Any) -> Any:
+        torch.compiler.cudagraph_mark_step_begin()
+        return pytree.tree_map(
+            lambda t: t.clone() if isinstance(t, torch.Tensor) else t, compiled(*inputs))
+    return replay
 
 
 def _sum_grads(total: tuple | None, grads: tuple) -> tuple:
@@ -188,7 +201,6 @@ class CompiledCall:
         if program.scaler is not None:
             return "loss scaling skips steps depending on the gradients"
         optimizer = program.optimizer
-        from torch.optim import optimizer as torch_optimizer
         if (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
                 or torch_optimizer._global_optimizer_pre_hooks
                 or torch_optimizer._global_optimizer_post_hooks):
@@ -290,6 +302,8 @@ class CompiledCall:
                 options["triton.cudagraphs"] = True
             self._fn = torch.compile(fn, fullgraph=True, backend="inductor",
                                      options=options)
+        if self.device.type == "cuda":
+            self._fn = _cuda_graph_replay(self._fn)
         self._traced = False
 
     def _restore_grads(self) -> None:
