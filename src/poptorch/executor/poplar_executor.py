@@ -164,6 +164,11 @@ class PoplarExecutor(ExecutorInspection):
             bar.update()
             self.__dict__["_program"] = self._build_program(plan, runner, device, cross)
             self._install_program_extras(self._program)
+            if self.__dict__.get("_backend") == "inductor":
+                from .._runtime.program.compiled_step import compile_device_program
+                compile_device_program(self._program, runner, self._model, device,
+                                       self._model_name(),
+                                       bool(opts.show_compilation_progress_bar))
             if opts.synthetic_data:
                 from .._runtime.batching.synthetic import SyntheticInputs
                 self.__dict__["_synthetic"] = SyntheticInputs(self._device)
@@ -193,10 +198,9 @@ class PoplarExecutor(ExecutorInspection):
         self.__dict__["_device"] = device
         forward = self._model
         backend = _backend(self._options, device)
+        self.__dict__["_backend"] = backend
         if cache_dir is not None:
             configure_executable_cache(cache_dir, backend)
-        if backend == "inductor":
-            forward = torch.compile(self._model)
         return SequentialRunner(forward), device
 
     def _per_replica_state(self, runner, plan: BatchPlan, cross):
