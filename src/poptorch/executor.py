@@ -258,6 +258,8 @@ class PoplarExecutor:
         policy.prepare_optimizer(self.__dict__.get("_device_optimizer"))
         if policy.active:
             program.wrappers.append(policy)
+        self._install_casting(program, policy)
+        self._install_autocast(program)
         if policy.checks_finite:
             program.finite_check = policy.check_step
             program.named_params = list(self._model.named_parameters())
@@ -265,6 +267,29 @@ class PoplarExecutor:
             from ._runtime.tracing import CallProfiler
             program.wrappers.insert(0, CallProfiler(opts.profile_dir, self._model_name(),
                                                     self._device))
+
+    def _install_casting(self, program: DeviceProgram, policy) -> None:
+        """halfFloatCasting(Default): weights follow the activations' precision (only
+        on calls that need it, see ``_runtime/casting.py``)."""
+        from .enums import HalfFloatCastingBehavior
+        self.__dict__["_casting"] = None
+        if policy.half_float_casting != HalfFloatCastingBehavior.Default:
+            return
+        tensors = list(self._model.parameters()) + list(self._model.buffers())
+        if any(t.is_floating_point() for t in tensors):
+            from ._runtime.casting import DefaultCasting
+            casting = DefaultCasting(self._model)
+            self.__dict__["_casting"] = casting
+            program.wrappers.append(casting)
+
+    def _install_autocast(self, program: DeviceProgram) -> None:
+        """poptorch.autocast regions and policies (``autocasting.py``)."""
+        from .autocasting import prepare_model
+        for handle in self.__dict__.get("_autocast_hooks") or ():
+            handle.remove()
+        run, handles = prepare_model(self._model, self._user_model, self._options)
+        self.__dict__["_autocast_hooks"] = handles
+        program.wrappers.append(run)
 
     def compile(self, *args, **kwargs) -> None:
         """Compile the model for these inputs without running it (no-op if compiled)."""
@@ -284,6 +309,9 @@ class PoplarExecutor:
             args, kwargs = self._synthetic(args, kwargs)
         elif device.type != "cpu":
             args, kwargs = _to_device((args, kwargs), device)
+        casting = self.__dict__.get("_casting")
+        if casting is not None:
+            casting.observe(args, kwargs)
         opt_sync = self._optimizer_sync
         if opt_sync is not None:
             opt_sync.before_run()
