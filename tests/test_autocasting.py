@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import poptorch
 from poptorch import _logging
-from poptorch._runtime.autocast import AutocastRun, canonical_name, op_name
+from poptorch._runtime.numerics.autocast import AutocastRun, canonical_name, op_name
 
 HALF, FLOAT = torch.float16, torch.float32
 
@@ -206,7 +206,7 @@ def test_region_state_is_restored_after_an_exception():
             raise ValueError("boom")
     with pytest.raises(ValueError):
         poptorch.inferenceModel(Boom())(torch.randn(2))
-    from poptorch._runtime.autocast import region_stack
+    from poptorch._runtime.numerics.autocast import region_stack
     assert region_stack() == [] and torch._C._len_torch_function_stack() == 0
 
 
@@ -279,7 +279,7 @@ class PolicyModel(torch.nn.Module):
 
 def run_with_policy(model, policy, *inputs):
     """Run ``model`` as a PopTorch model would with ``policy`` (without options)."""
-    from poptorch._runtime.autocast import install_module_hooks
+    from poptorch._runtime.numerics.autocast import install_module_hooks
     rules = policy.rules()
     handles = install_module_hooks(
         [(m, getattr(m, "_poptorch_autocast", None)) for m in model.modules()], rules)
@@ -367,7 +367,7 @@ def test_policy_none_lists_take_defaults_and_explicit_entries_move():
     rules = P(fp32=[torch.bmm]).rules()
     assert "bmm" in rules.fp32_ops and "bmm" not in rules.fp16_ops
     assert "mm" in rules.fp16_ops and "cat" in rules.promote_ops
-    assert P([], [], [], []).rules() == poptorch._runtime.autocast.CastRules()
+    assert P([], [], [], []).rules() == poptorch._runtime.numerics.autocast.CastRules()
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -402,3 +402,75 @@ def test_autocast_on_each_backend_matches_explicit_casts(backend):
         h = F.linear(h, layer.weight.half(), layer.bias.half())
     assert out.dtype == HALF
     torch.testing.assert_close(out, h, rtol=1e-3, atol=1e-3)
+
+
+# --- options: autocastEnabled / autocastPolicy (seed 003) -----------------------------
+def test_seed_disable_snippet_gives_float32_results_exactly():
+    model = seed_layer_model()
+    model.autocast()
+    opts = poptorch.Options()
+    opts.Precision.autocastEnabled(False)
+    x = torch.randn(2, 1, 12, 12)
+    out, rec = run(model, x, opts=opts)
+    assert rec.dtypes("convolution") == [FLOAT, FLOAT]
+    assert torch.equal(out, model(x))
+    # Decorated functions and blocks are switched off too.
+    out, rec = run(BmmDefault(), torch.randn(1, 4, 4), torch.randn(1, 4, 4), opts=opts)
+    assert out.dtype == FLOAT and rec.dtypes("bmm") == [FLOAT]
+
+
+@pytest.mark.parametrize("setting", ["hff", "hfh", "fhf", "default"])
+def test_policy_through_options_matches_engine(setting):
+    P = poptorch.autocasting.Policy
+    policies = {"hff": P([torch.nn.Conv2d], [torch.mul, torch.relu]),
+                "hfh": P([torch.nn.Conv2d, torch.relu], [torch.mul]),
+                "fhf": P([torch.mul], [torch.nn.Conv2d, torch.relu]),
+                "default": P()}
+    opts = poptorch.Options()
+    opts.Precision.autocastPolicy(policies[setting])
+    model = PolicyModel().autocast()
+    x = torch.randn(1, 1, 20, 20)
+    out, rec = run(model, x, opts=opts)
+    codes = "hhh" if setting == "default" else setting
+    want = [HALF if c == "h" else FLOAT for c in codes]
+    assert [rec.dtypes(n)[0] for n in ("convolution", "mul", "relu")] == want
+    assert torch.equal(out, run_with_policy(model, policies[setting], x)[0])
+
+
+def test_seed_policy_snippet():
+    fp16 = [torch.nn.Conv2d, torch.relu]
+    fp32 = [torch.bmm]
+    promote = [torch.dot]
+    demote = []
+    policy = poptorch.autocasting.Policy(fp16, fp32, promote, demote)
+    opts = poptorch.Options()
+    opts.Precision.autocastPolicy(policy)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(1, 2, 3)
+
+        def forward(self, x, a, b, u, v):
+            return torch.relu(self.conv(x)), torch.bmm(a, b), torch.dot(u, v)
+    net = Net().autocast()
+    x = torch.randn(1, 1, 5, 5)
+    a, b = torch.randn(1, 3, 3).half(), torch.randn(1, 3, 3)
+    u, v = torch.randn(4).half(), torch.randn(4)
+    conv, bmm, dot = poptorch.inferenceModel(net, opts)(x, a, b, u, v)
+    w, bias = net.conv.weight.half(), net.conv.bias.half()
+    assert torch.equal(conv, torch.relu(F.conv2d(x.half(), w, bias)))
+    assert bmm.dtype == FLOAT and torch.equal(bmm, torch.bmm(a.float(), b))
+    assert dot.dtype == FLOAT and torch.equal(dot, torch.dot(u.float(), v))
+
+
+def test_bad_option_values_raise():
+    opts = poptorch.Options()
+    with pytest.raises(poptorch.Error, match="autocastEnabled"):
+        opts.Precision.autocastEnabled("no")
+    with pytest.raises(poptorch.Error, match="expected a poptorch.autocasting.Policy"):
+        opts.Precision.autocastPolicy([torch.relu])
+    assert opts.Precision.autocast_enabled is True
+    assert opts.Precision.autocast_policy is None
+    policy = poptorch.autocasting.Policy(fp16=[torch.mm])
+    assert opts.clone().Precision.autocastPolicy(policy).autocast_policy is policy

@@ -12,7 +12,7 @@
 * ``opts.Precision.autocastEnabled(False)`` turns all of it off.
 
 Autocasting happens while a model wrapped by ``poptorch.inferenceModel`` /
-``trainingModel`` runs; the engine is ``_runtime/autocast.py`` (a torch function mode,
+``trainingModel`` runs; the engine is ``_runtime/numerics/autocast.py`` (a torch function mode,
 so casts are recorded by autograd and float32 weights receive float32 gradients).
 """
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ._runtime.autocast import (AutocastRun, CastRules, enter_region, exit_region,
+from ._runtime.numerics.autocast import (AutocastRun, CastRules, enter_region, exit_region,
                                 canonical_name, install_module_hooks, op_name)
-from ._runtime.modelcopy import iter_module_pairs
+from ._runtime.weights.modelcopy import iter_module_pairs
 from .errors import Error
 
 __all__ = ["autocast", "Policy", "default", "default_fp16", "default_fp32",

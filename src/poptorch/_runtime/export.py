@@ -8,7 +8,7 @@ stored, so a file saved on a GPU loads on the CPU and vice versa.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -39,7 +39,7 @@ def save_executor(executor: Any, filename: str, export_model: bool,
     torch.save(payload, filename)
 
 
-def _read(filename: str) -> dict:
+def read_payload(filename: str) -> dict:
     try:
         payload = torch.load(filename, weights_only=False, map_location="cpu")
     except FileNotFoundError:
@@ -54,35 +54,12 @@ def _read(filename: str) -> dict:
 
 def importPoptorchMetadataFromFile(import_filename: str) -> dict:
     """The metadata of a saved model: version, training flag, options, model class."""
-    return _read(import_filename)["metadata"]
-
-
-def load(filename: str, edit_opts_fn: Callable[[Any], None] | None = None) -> Any:
-    """Rebuild the executor saved in ``filename`` (needs ``export_model=True``).
-
-    ``edit_opts_fn(options)`` may change the options first, e.g. to pick a device.
-    """
-    from .. import _factory as executor_factory
-    payload = _read(filename)
-    if payload["model"] is None:
-        raise Error(f"{filename} was saved with export_model=False: create the model with "
-                    "poptorch.trainingModel / inferenceModel and call "
-                    "loadExecutable(filename) on it instead.")
-    options = payload["options"].clone()
-    if edit_opts_fn is not None:
-        edit_opts_fn(options)
-    model = payload["model"]
-    if payload["metadata"]["training"]:
-        executor = executor_factory.trainingModel(model, options, payload["optimizer"])
-    else:
-        executor = executor_factory.inferenceModel(model, options)
-    executor.__dict__["_pending_rng_state"] = payload["rng_state"]
-    return executor
+    return read_payload(import_filename)["metadata"]
 
 
 def load_into(executor: Any, filename: str) -> None:
     """Restore weights, optimizer state and random state saved in ``filename``."""
-    payload = _read(filename)
+    payload = read_payload(filename)
     if payload["metadata"]["training"] != executor._training:
         kind = "training" if payload["metadata"]["training"] else "inference"
         raise Error(f"{filename} holds a {kind} model; load it into a "
