@@ -153,6 +153,8 @@ class PoplarExecutor:
         finally:
             bar.close()
         opts._freeze()  # also logs the options that have no effect here
+        from .ipu_environment import log_ipu_only_environment
+        log_ipu_only_environment()
         self.__dict__["_attached"] = True
         self.__dict__["_compile_seconds"] = time.perf_counter() - t0
         logger.debug("Compiled %s in %.3f s", self._model_name(), self._compile_seconds)
