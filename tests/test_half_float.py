@@ -170,3 +170,31 @@ def test_half_upcast_to_float_computes_weighted_layers_in_float():
     opts.Precision.halfFloatCasting(Cast.HalfUpcastToFloat)
     out = poptorch.inferenceModel(layer, opts)(x.half())
     assert out.dtype == torch.float32 and torch.equal(out, layer(x.half().float()))
+
+
+class TwoStage(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        with poptorch.Block(ipu_id=0):
+            h = torch.tanh(self.a(x))
+        with poptorch.Block(ipu_id=1):
+            return self.b(h)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_pipelined_stages_apply_the_rules_in_their_worker_threads(autocast):
+    torch.manual_seed(3)
+    model = TwoStage()
+    if autocast:
+        model.b.autocast()  # only the second stage, and the input is float32
+    opts = poptorch.Options().deviceIterations(2)
+    x = torch.randn(4, 4)
+    out = poptorch.inferenceModel(model, opts)(x if autocast else x.half())
+    low = torch.float16
+    h = torch.tanh(by_hand(model.a, x, torch.float32 if autocast else low))
+    expected = by_hand(model.b, h, low)
+    assert out.dtype == low and torch.equal(out, expected)

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -26,6 +27,37 @@ class running_on_ipu:
 
     def __exit__(self, *exc) -> None:
         _state.depth -= 1
+
+
+_worker_factories: list = []  # process-wide: worker threads of the running program
+_worker_lock = threading.Lock()
+
+
+class worker_contexts:
+    """While a program runs, make ``factories`` (callables returning context managers:
+    thread-local state such as torch function modes) available to its worker threads."""
+
+    def __init__(self, factories: list) -> None:
+        self.factories = list(factories)
+
+    def __enter__(self) -> "worker_contexts":
+        with _worker_lock:
+            _worker_factories.append(self.factories)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with _worker_lock:
+            _worker_factories.remove(self.factories)
+
+
+def worker_scope() -> contextlib.ExitStack:
+    """Enter, in a worker thread, the contexts published by the running program."""
+    stack = contextlib.ExitStack()
+    with _worker_lock:
+        factories = [f for group in _worker_factories for f in group]
+    for factory in factories:
+        stack.enter_context(factory())
+    return stack
 
 
 def _marked() -> list:

@@ -214,7 +214,8 @@ class ModelParallelRunner:
             args, kwargs = microbatches[m]
             run = StageRun(part, devices, m, units, gate, cut=True)
             scope = streaming.activation_scope(devices) if streaming else nullcontext()
-            with torch.set_grad_enabled(grad_enabled), context.running_on_ipu(), scope:
+            with torch.set_grad_enabled(grad_enabled), context.running_on_ipu(), scope, \
+                    context.worker_scope():
                 with listening(run), run:
                     run.start()
                     out = model(*args, **kwargs)

@@ -230,6 +230,10 @@ class DeviceProgram:
                 with contextlib.ExitStack() as stack:
                     for wrapper in self.wrappers:
                         stack.enter_context(wrapper)
+                    factories = [w.thread_context for w in self.wrappers
+                                 if hasattr(w, "thread_context")]
+                    if factories:  # worker threads (pipelines) need them too
+                        stack.enter_context(context.worker_contexts(factories))
                     t_prev = self._loop(steps, collector, t_prev)
             else:
                 t_prev = self._loop(steps, collector, t_prev)
