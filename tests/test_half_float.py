@@ -198,3 +198,19 @@ def test_pipelined_stages_apply_the_rules_in_their_worker_threads(autocast):
     h = torch.tanh(by_hand(model.a, x, torch.float32 if autocast else low))
     expected = by_hand(model.b, h, low)
     assert out.dtype == low and torch.equal(out, expected)
+
+
+def test_guide_half_inference_snippet():
+    # The guide's "How to run a model using half precision" (inference_half).
+    model = torch.nn.Linear(1, 10)
+    model.half()
+    t1 = torch.tensor([1.]).half()
+    opts = poptorch.Options()
+    inference_model = poptorch.inferenceModel(model, opts)
+    out = inference_model(t1)
+    assert out.dtype == torch.half
+    assert torch.equal(out, model(t1))
+    # Option 2 of the guide: float32 weights, float16 input.
+    model.float()
+    out = poptorch.inferenceModel(model, opts.clone())(t1)
+    assert out.dtype == torch.half and torch.equal(out, by_hand(model, t1, torch.half))

@@ -223,10 +223,11 @@ def options_settings(options: Any) -> tuple[bool, Policy]:
 
 
 def prepare_model(model: torch.nn.Module, user_model: torch.nn.Module,
-                  options: Any) -> tuple[AutocastRun, list]:
+                  options: Any, default_casting: Any = None) -> tuple[AutocastRun, list]:
     """Hook the compiled copy ``model`` for autocasting. Module switches are read from
     the user's modules (``user_model``), so ``layer.autocast()`` called after wrapping
-    still counts. Returns the program wrapper and the hook handles."""
+    still counts. ``default_casting`` (the float16 rules' wrapper, or None) is entered by
+    the same program wrapper. Returns the wrapper and the hook handles."""
     enabled, policy = options_settings(options)
     rules = policy.rules()
     handles: list = []
@@ -238,4 +239,4 @@ def prepare_model(model: torch.nn.Module, user_model: torch.nn.Module,
                 pairs.append((copy, getattr(orig, "_poptorch_autocast",
                                             getattr(copy, "_poptorch_autocast", None))))
         handles = install_module_hooks(pairs, rules)
-    return AutocastRun(enabled, rules), handles
+    return AutocastRun(enabled, rules, default_casting), handles

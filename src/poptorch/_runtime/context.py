@@ -29,32 +29,11 @@ class running_on_ipu:
         _state.depth -= 1
 
 
-_worker_factories: list = []  # process-wide: worker threads of the running program
-_worker_lock = threading.Lock()
-
-
-class worker_contexts:
-    """While a program runs, make ``factories`` (callables returning context managers:
-    thread-local state such as torch function modes) available to its worker threads."""
-
-    def __init__(self, factories: list) -> None:
-        self.factories = list(factories)
-
-    def __enter__(self) -> "worker_contexts":
-        with _worker_lock:
-            _worker_factories.append(self.factories)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        with _worker_lock:
-            _worker_factories.remove(self.factories)
-
-
-def worker_scope() -> contextlib.ExitStack:
-    """Enter, in a worker thread, the contexts published by the running program."""
+def worker_scope(factories: list) -> contextlib.ExitStack:
+    """Enter, in a worker thread, the thread-local contexts of the running program
+    (``factories``: callables returning context managers, such as torch function
+    modes, which do not follow a call into other threads)."""
     stack = contextlib.ExitStack()
-    with _worker_lock:
-        factories = [f for group in _worker_factories for f in group]
     for factory in factories:
         stack.enter_context(factory())
     return stack

@@ -271,7 +271,6 @@ class PoplarExecutor:
         if policy.active:
             program.wrappers.append(policy)
         self._install_casting(program, policy)
-        self._install_autocast(program)
         if policy.checks_finite:
             program.finite_check = policy.check_step
             program.named_params = list(self._model.named_parameters())
@@ -281,27 +280,25 @@ class PoplarExecutor:
                                                     self._device))
 
     def _install_casting(self, program: DeviceProgram, policy) -> None:
-        """halfFloatCasting(Default): weights follow the activations' precision (only
-        on calls that need it, see ``_runtime/numerics/casting.py``)."""
-        from ..enums import HalfFloatCastingBehavior
-        self.__dict__["_casting"] = None
-        if policy.half_float_casting != HalfFloatCastingBehavior.Default:
-            return
-        tensors = list(self._model.parameters()) + list(self._model.buffers())
-        if any(t.is_floating_point() for t in tensors):
-            from .._runtime.numerics.casting import DefaultCasting
-            casting = DefaultCasting(self._model)
-            self.__dict__["_casting"] = casting
-            program.wrappers.append(casting)
-
-    def _install_autocast(self, program: DeviceProgram) -> None:
-        """poptorch.autocast regions and policies (``autocasting.py``)."""
+        """float16 rules of halfFloatCasting(Default) (weights follow activations, only
+        on calls that need it: ``_runtime/numerics/casting.py``) and poptorch.autocast
+        regions and policies (``autocasting.py``), entered as one program wrapper."""
         from ..autocasting import prepare_model
+        from ..enums import HalfFloatCastingBehavior
+        casting = None
+        if policy.half_float_casting == HalfFloatCastingBehavior.Default:
+            tensors = list(self._model.parameters()) + list(self._model.buffers())
+            if any(t.is_floating_point() for t in tensors):
+                from .._runtime.numerics.casting import DefaultCasting
+                casting = DefaultCasting(self._model)
         for handle in self.__dict__.get("_autocast_hooks") or ():
             handle.remove()
-        run, handles = prepare_model(self._model, self._user_model, self._options)
+        run, handles = prepare_model(self._model, self._user_model, self._options,
+                                     casting)
         self.__dict__["_autocast_hooks"] = handles
-        program.wrappers.append(run)
+        self.__dict__["_casting"] = run  # entered around each call by __call__
+        if run.thread_context is not None:
+            program.thread_contexts.append(run.thread_context)
 
     def compile(self, *args, **kwargs) -> None:
         """Compile the model for these inputs without running it (no-op if compiled)."""
@@ -322,13 +319,16 @@ class PoplarExecutor:
         elif device.type != "cpu":
             args, kwargs = _to_device((args, kwargs), device)
         casting = self.__dict__.get("_casting")
-        if casting is not None:
-            casting.observe(args, kwargs)
         opt_sync = self._optimizer_sync
         if opt_sync is not None:
             opt_sync.before_run()
         try:
-            result = self._program.run(args, kwargs)
+            if casting is None:
+                result = self._program.run(args, kwargs)
+            else:
+                casting.observe(args, kwargs)
+                with casting:
+                    result = self._program.run(args, kwargs)
         except BaseException:
             if first:
                 snapshot.restore()

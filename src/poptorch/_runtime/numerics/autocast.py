@@ -128,28 +128,29 @@ def _low_dtype(tensors: list) -> torch.dtype:
 # Per-thread region stack and run configuration
 
 _REGION, _SCOPE = 0, 1
-_tls = threading.local()
-_global_runs: list = []  # runs entered in any thread (worker threads fall back to them)
-_global_lock = threading.Lock()
+class _ThreadState(threading.local):
+    stack: list | None = None   # open regions, innermost last
+    mode: Any = None            # the AutocastMode pushed in this thread, if any
+    owner: Any = None           # who pushed it: a stack depth or an AutocastRun
+    run: Any = None             # the AutocastRun of the call running in this thread
+
+
+_tls = _ThreadState()
+_global_run = None  # the run entered last in any thread (worker threads fall back to it)
 
 
 def region_stack() -> list:
     """This thread's open regions, innermost last: ``(REGION, enabled)`` or
     ``(SCOPE, dtype or None)`` entries."""
-    stack = getattr(_tls, "stack", None)
+    stack = _tls.stack
     if stack is None:
         stack = _tls.stack = []
-        _tls.mode = None
-        _tls.owner = None
     return stack
 
 
 def _current_run() -> "AutocastRun | None":
-    runs = getattr(_tls, "runs", None)
-    if runs:
-        return runs[-1]
-    with _global_lock:
-        return _global_runs[-1] if _global_runs else None
+    run = _tls.run
+    return run if run is not None else _global_run
 
 
 def _region_open() -> bool:
@@ -203,29 +204,43 @@ def exit_region() -> None:
 
 
 class AutocastRun:
-    """Program wrapper: marks one executor call as running with ``enabled`` / ``rules``."""
+    """Entered around each call of one compiled model: marks the call as running with
+    ``enabled`` / ``rules``, and enters ``default_casting`` (the float16 rules of
+    ``_runtime/numerics/casting.py``, or None) too, so that one wrapper does both."""
 
-    def __init__(self, enabled: bool, rules: CastRules) -> None:
+    def __init__(self, enabled: bool, rules: CastRules, default_casting: Any = None) -> None:
         self.enabled = bool(enabled)
         self.rules = rules
+        self.default_casting = default_casting
+        # Worker threads (pipelines) need the float16 rules' mode too.
+        self.thread_context = (None if default_casting is None
+                               else default_casting.thread_context)
+        self._saved: list = []
+
+    def observe(self, args: tuple, kwargs: dict) -> None:
+        """Tell the float16 rules the inputs of the coming call."""
+        if self.default_casting is not None:
+            self.default_casting.observe(args, kwargs)
 
     def __enter__(self) -> None:
-        runs = getattr(_tls, "runs", None)
-        if runs is None:
-            runs = _tls.runs = []
-        runs.append(self)
-        with _global_lock:
-            _global_runs.append(self)
-        stack = region_stack()
-        if stack and _tls.mode is None and self.enabled:
+        global _global_run
+        if self.default_casting is not None:
+            self.default_casting.__enter__()
+        tls = _tls
+        self._saved.append((tls.run, _global_run))
+        tls.run = _global_run = self
+        if tls.stack and tls.mode is None and self.enabled:
             _start_mode(self, owner=self)  # called inside ``with poptorch.autocast():``
 
     def __exit__(self, *exc: Any) -> None:
-        if _tls.mode is not None and _tls.owner is self:
-            _stop_mode()
-        _tls.runs.pop()
-        with _global_lock:
-            _global_runs.remove(self)
+        global _global_run
+        try:
+            if _tls.mode is not None and _tls.owner is self:
+                _stop_mode()
+        finally:
+            _tls.run, _global_run = self._saved.pop()
+            if self.default_casting is not None:
+                self.default_casting.__exit__(*exc)
 
 
 class AutocastMode(TorchFunctionMode):

@@ -105,8 +105,11 @@ class WeightsFollowActivations(TorchFunctionMode):
 
 def _signature(args: tuple, kwargs: dict) -> tuple:
     """The dtypes of the tensor inputs of a call (their order included)."""
-    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
-        return tuple(a.dtype for a in args)
+    if not kwargs:
+        try:  # fast path: every argument is a tensor
+            return tuple([a.dtype for a in args])
+        except AttributeError:
+            pass
     from torch.utils import _pytree as pytree
     leaves = pytree.tree_leaves((args, kwargs))
     return tuple(t.dtype if isinstance(t, torch.Tensor) else None for t in leaves)
@@ -133,7 +136,7 @@ class DefaultCasting:
 
     def __enter__(self) -> None:
         mode = None
-        if self.needed():
+        if self._signature not in self.not_needed:
             mode = WeightsFollowActivations(self.buffer_ids)
             mode.__enter__()
         self._modes.append((mode, self._signature))
