@@ -472,3 +472,39 @@ def test_bad_option_values_raise():
     assert opts.Precision.autocast_policy is None
     policy = poptorch.autocasting.Policy(fp16=[torch.mm])
     assert opts.clone().Precision.autocastPolicy(policy).autocast_policy is policy
+
+
+def test_seed_003_page_in_order():
+    """The seed page's snippets one after the other, each model then called."""
+    x, y = torch.randn(1, 10, 10), torch.randn(1, 10, 10)
+    model = BmmDefault()
+    model.autocast()
+    poptorch_model = poptorch.inferenceModel(model)
+    assert poptorch_model(x, y).dtype == HALF
+
+    model = seed_layer_model()
+    model.autocast()
+    model.relu1.autocast(False)
+    model.conv2.autocast(False)
+
+    with poptorch.autocast():
+        z = torch.bmm(x, y)
+    assert torch.equal(z, torch.bmm(x, y))
+
+    opts = poptorch.Options()
+    opts.Precision.autocastEnabled(False)
+    poptorch_model = poptorch.inferenceModel(model, opts)
+    image = torch.randn(1, 1, 12, 12)
+    assert torch.equal(poptorch_model(image), model(image))
+
+    fp16 = [torch.nn.Conv2d, torch.relu]
+    fp32 = [torch.bmm]
+    promote = [torch.dot]
+    demote = []
+    policy = poptorch.autocasting.Policy(fp16, fp32, promote, demote)
+    opts = poptorch.Options()
+    opts.Precision.autocastPolicy(policy)
+    poptorch_model = poptorch.inferenceModel(model, opts)
+    out = poptorch_model(image)
+    assert out.dtype == HALF
+    torch.testing.assert_close(out.float(), model(image), rtol=2e-2, atol=2e-2)
