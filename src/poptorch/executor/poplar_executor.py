@@ -177,6 +177,8 @@ class PoplarExecutor(ExecutorInspection):
         finally:
             bar.close()
         opts._freeze()  # also logs the options that have no effect here
+        from .ipu_environment import log_ipu_only_environment
+        log_ipu_only_environment()
         self.__dict__["_attached"] = True
         self.__dict__["_compile_seconds"] = time.perf_counter() - t0
         logger.debug("Compiled %s in %.3f s", self._model_name(), self._compile_seconds)
@@ -307,6 +309,7 @@ class PoplarExecutor(ExecutorInspection):
         policy.prepare_optimizer(self.__dict__.get("_device_optimizer"))
         if policy.active:
             program.wrappers.append(policy)
+        self._install_casting(program, policy)
         if policy.checks_finite:
             program.finite_check = policy.check_step
             program.named_params = list(self._model.named_parameters())
@@ -314,6 +317,27 @@ class PoplarExecutor(ExecutorInspection):
             from .._runtime.tracing import CallProfiler
             program.wrappers.insert(0, CallProfiler(opts.profile_dir, self._model_name(),
                                                     self._device))
+
+    def _install_casting(self, program: DeviceProgram, policy) -> None:
+        """float16 rules of halfFloatCasting(Default) (weights follow activations, only
+        on calls that need it: ``_runtime/numerics/casting.py``) and poptorch.autocast
+        regions and policies (``autocasting.py``), entered as one program wrapper."""
+        from ..autocasting import prepare_model
+        from ..enums import HalfFloatCastingBehavior
+        casting = None
+        if policy.half_float_casting == HalfFloatCastingBehavior.Default:
+            tensors = list(self._model.parameters()) + list(self._model.buffers())
+            if any(t.is_floating_point() for t in tensors):
+                from .._runtime.numerics.casting import DefaultCasting
+                casting = DefaultCasting(self._model)
+        for handle in self.__dict__.get("_autocast_hooks") or ():
+            handle.remove()
+        run, handles = prepare_model(self._model, self._user_model, self._options,
+                                     casting)
+        self.__dict__["_autocast_hooks"] = handles
+        self.__dict__["_casting"] = run  # entered around each call by __call__
+        if run.thread_context is not None:
+            program.thread_contexts.append(run.thread_context)
 
     def compile(self, *args, **kwargs) -> None:
         """Compile the model for these inputs without running it (no-op if compiled)."""
@@ -335,12 +359,18 @@ class PoplarExecutor(ExecutorInspection):
             args, kwargs = self._synthetic(args, kwargs)
         elif device.type != "cpu":
             args, kwargs = _to_device((args, kwargs), device)
+        casting = self.__dict__.get("_casting")
         opt_sync = self._optimizer_sync
         if opt_sync is not None:
             opt_sync.before_run()
         try:
             with self._mode:
-                result = self._program.run(args, kwargs)
+                if casting is None:
+                    result = self._program.run(args, kwargs)
+                else:
+                    casting.observe(args, kwargs)
+                    with casting:
+                        result = self._program.run(args, kwargs)
         except BaseException:
             if first:  # a failed first call leaves nothing compiled or changed
                 snapshot.restore()

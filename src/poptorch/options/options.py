@@ -447,10 +447,12 @@ class Options(OptionsDict):
         for sub in self._sub_objects().values():
             sub._freeze()
         _logging.apply_options(self)
+        from .ipu_only import ipu_meaning
         for name, value in self._ignored_options().items():
             _logging.info_once(("ignored option", name, repr(value)),
-                               "Option %s=%r has no meaning on this device and is ignored "
-                               "(see docs/options.md).", name, value)
+                               "Option %s=%r: on an IPU it %s; on this device it has no "
+                               "effect and is ignored (see docs/options.md).", name, value,
+                               ipu_meaning(name))
 
     def _ignored_options(self) -> dict[str, Any]:
         """``{name: value}`` of the options set that have no meaning on our devices."""

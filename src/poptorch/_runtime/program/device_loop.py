@@ -100,6 +100,9 @@ class DeviceProgram:
         # Context managers entered around the device loop of every call (profiling,
         # precision), and the check run after every step; empty / None when unused.
         self.wrappers: list = []
+        # Thread-local contexts of callers (the executor's casting) for worker threads.
+        self.thread_contexts: list = []
+        self._contexts_shared = False
         self.finite_check: Callable[[Any, Any], None] | None = None
         self.named_params: list = []
         # The whole call as one compiled graph (``compiled_step.CompiledCall``), set
@@ -224,6 +227,19 @@ class DeviceProgram:
         self.last_compute_seconds = t_end - t_start
         return result
 
+    def _share_thread_contexts(self) -> None:
+        """Give runners that use worker threads (pipelines) the thread-local part of
+        the wrappers (``thread_context()``: torch function modes)."""
+        factories = list(self.thread_contexts) + [
+            f for f in (getattr(w, "thread_context", None) for w in self.wrappers)
+            if f is not None]
+        runner = self.runner
+        while runner is not None:
+            if hasattr(runner, "worker_contexts"):
+                runner.worker_contexts = factories
+            runner = getattr(runner, "inner", None)
+        self._contexts_shared = True
+
     def run(self, args: tuple, kwargs: dict) -> Any:
         """Run one call on inputs already on the device; return host outputs."""
         compiled = self.compiled
@@ -242,6 +258,8 @@ class DeviceProgram:
         t_prev = t_start
         context.take_marked_losses()  # drop marks left by runs outside the executor
         with context.running_on_ipu(), self.rng:
+            if not self._contexts_shared:
+                self._share_thread_contexts()
             if self.wrappers:
                 with contextlib.ExitStack() as stack:
                     for wrapper in self.wrappers:
