@@ -15,13 +15,13 @@ from torch.utils import _pytree as pytree
 from .. import _devices
 from . import hooks as _hooks, optimizer_rules
 from .processes import join_processes
-from .timings import TimingsMixin
+from .inspection import ExecutorInspection
 from .replica_grouping import GroupableParameter
 from .._logging import info_once, logger
 from .._runtime import context
 from .._runtime.batching.plan import BatchPlan, resolve_output_mode, split_inputs
 from .._runtime.batching.signature import InputSignature, detach_inputs
-from .._runtime.weights.modelcopy import shallow_copy_module
+from .._runtime.weights.modelcopy import TrainingMode, shallow_copy_module
 from .._runtime.program.optimizer import (DeviceOptimizerSync, attach_optimizer,
                                  make_loss_scaler)
 from .._runtime.program.device_loop import DeviceProgram, RngScope
@@ -48,7 +48,7 @@ def isRunningOnIpu() -> bool:
     return context.is_running_on_ipu()
 
 
-class PoplarExecutor(TimingsMixin):
+class PoplarExecutor(ExecutorInspection):
     """A wrapped model that runs whole device programs per call.
 
     Do not create it directly: use :py:func:`poptorch.trainingModel` or
@@ -85,11 +85,12 @@ class PoplarExecutor(TimingsMixin):
         d["_poptorch_version"] = version
         d["_optimizer"] = optimizer
         d["_model"] = shallow_copy_module(model)
-        if not (training and user_model.training):
-            d["_model"].train(training)
-        # else: a trainingModel of a model in train mode keeps the submodules the user
-        # put in eval mode (frozen BatchNorm / Dropout when fine-tuning), as PopTorch
-        # does; the copy's mode flags are fixed when the model is wrapped.
+        d["_model"].training = training  # the copy's own flag; submodules: per call
+        # A trainingModel of a model in train mode keeps the submodules the user put in
+        # eval mode (frozen BatchNorm / Dropout when fine-tuning), as PopTorch does.
+        keep_eval = [m for m in user_model.modules() if not m.training] \
+            if training and user_model.training else []
+        d["_mode"] = TrainingMode(d["_model"], training, keep_eval)
         d["_program"] = None
         d["_weights"] = None
         d["_attached"] = False
@@ -167,6 +168,11 @@ class PoplarExecutor(TimingsMixin):
             bar.update()
             self.__dict__["_program"] = self._build_program(plan, runner, device, cross)
             self._install_program_extras(self._program)
+            if self.__dict__.get("_backend") == "inductor":
+                from .._runtime.program.compiled_step import compile_device_program
+                compile_device_program(self._program, runner, self._model, device,
+                                       self._model_name(),
+                                       bool(opts.show_compilation_progress_bar))
             if opts.synthetic_data:
                 from .._runtime.batching.synthetic import SyntheticInputs
                 self.__dict__["_synthetic"] = SyntheticInputs(self._device)
@@ -175,6 +181,8 @@ class PoplarExecutor(TimingsMixin):
         finally:
             bar.close()
         opts._freeze()  # also logs the options that have no effect here
+        from .ipu_environment import log_ipu_only_environment
+        log_ipu_only_environment()
         self.__dict__["_attached"] = True
         self.__dict__["_compile_seconds"] = time.perf_counter() - t0
         logger.debug("Compiled %s in %.3f s", self._model_name(), self._compile_seconds)
@@ -196,10 +204,9 @@ class PoplarExecutor(TimingsMixin):
         self.__dict__["_device"] = device
         forward = self._model
         backend = _backend(self._options, device)
+        self.__dict__["_backend"] = backend
         if cache_dir is not None:
             configure_executable_cache(cache_dir, backend)
-        if backend == "inductor":
-            forward = torch.compile(self._model)
         return SequentialRunner(forward), device
 
     def _per_replica_state(self, runner, plan: BatchPlan, cross):
@@ -306,6 +313,7 @@ class PoplarExecutor(TimingsMixin):
         policy.prepare_optimizer(self.__dict__.get("_device_optimizer"))
         if policy.active:
             program.wrappers.append(policy)
+        self._install_casting(program, policy)
         if policy.checks_finite:
             program.finite_check = policy.check_step
             program.named_params = list(self._model.named_parameters())
@@ -313,6 +321,27 @@ class PoplarExecutor(TimingsMixin):
             from .._runtime.tracing import CallProfiler
             program.wrappers.insert(0, CallProfiler(opts.profile_dir, self._model_name(),
                                                     self._device))
+
+    def _install_casting(self, program: DeviceProgram, policy) -> None:
+        """float16 rules of halfFloatCasting(Default) (weights follow activations, only
+        on calls that need it: ``_runtime/numerics/casting.py``) and poptorch.autocast
+        regions and policies (``autocasting.py``), entered as one program wrapper."""
+        from ..autocasting import prepare_model
+        from ..enums import HalfFloatCastingBehavior
+        casting = None
+        if policy.half_float_casting == HalfFloatCastingBehavior.Default:
+            tensors = list(self._model.parameters()) + list(self._model.buffers())
+            if any(t.is_floating_point() for t in tensors):
+                from .._runtime.numerics.casting import DefaultCasting
+                casting = DefaultCasting(self._model)
+        for handle in self.__dict__.get("_autocast_hooks") or ():
+            handle.remove()
+        run, handles = prepare_model(self._model, self._user_model, self._options,
+                                     casting)
+        self.__dict__["_autocast_hooks"] = handles
+        self.__dict__["_casting"] = run  # entered around each call by __call__
+        if run.thread_context is not None:
+            program.thread_contexts.append(run.thread_context)
 
     def compile(self, *args, **kwargs) -> None:
         """Compile the model for these inputs without running it (no-op if compiled)."""
@@ -337,11 +366,18 @@ class PoplarExecutor(TimingsMixin):
             args, kwargs = self._synthetic(args, kwargs)
         elif device.type != "cpu":
             args, kwargs = _to_device((args, kwargs), device)
+        casting = self.__dict__.get("_casting")
         opt_sync = self._optimizer_sync
         if opt_sync is not None:
             opt_sync.before_run()
         try:
-            result = self._program.run(args, kwargs)
+            with self._mode:
+                if casting is None:
+                    result = self._program.run(args, kwargs)
+                else:
+                    casting.observe(args, kwargs)
+                    with casting:
+                        result = self._program.run(args, kwargs)
         except BaseException:
             if first:  # a failed first call leaves nothing compiled or changed
                 snapshot.restore()
@@ -421,6 +457,12 @@ class PoplarExecutor(TimingsMixin):
         self.__dict__["_optimizer"] = optimizer
 
     # ------------------------------------------------------------------ device
+    @property
+    def _executable(self) -> DeviceProgram | None:
+        """The compiled program, None before compilation and after ``destroy()`` (the
+        attribute libraries such as lightning-graphcore test, as upstream's)."""
+        return self._program
+
     def isCompiled(self) -> bool:
         """True once the model is compiled (and not destroyed)."""
         return self._program is not None
@@ -452,6 +494,7 @@ class PoplarExecutor(TimingsMixin):
             self._weights.to_host_if_needed()
         for name in ("_program", "_weights", "_device", "_replica_buffers", "_synthetic"):
             self.__dict__[name] = None
+        self._mode.forget()
         self.__dict__["_attached"] = False
         self.__dict__["_compile_seconds"] = None
 
@@ -460,29 +503,6 @@ class PoplarExecutor(TimingsMixin):
             raise Error(f"{what}: Model has not been compiled or has been destroyed. "
                         "Call it (or compile(*inputs)) first.")
         return self._program
-
-    # ------------------------------------------------------------------ tensors
-    def getTensorNames(self) -> list[str]:
-        """Names of the tensors that can be anchored: parameters, their gradients
-        (``Gradient___<name>``, training only) and buffers."""
-        self._require_compiled("getTensorNames")
-        from .._runtime.batching.anchors import tensor_names
-        return tensor_names(self._model, self._training)
-
-    def _anchor_recorder(self, plan: BatchPlan):
-        from .._runtime.batching.anchors import AnchorRecorder
-        recorder = AnchorRecorder(self._model, self._options, plan, self._training)
-        self.__dict__["_anchors"] = recorder
-        return recorder
-
-    def getAnchoredTensor(self, short_name: str) -> torch.Tensor:
-        """The value of an anchored tensor (``Options.anchorTensor``) after the last call."""
-        self._require_compiled("getAnchoredTensor")
-        if not self._anchors:
-            raise Error(f"getAnchoredTensor: no tensor is anchored as '{short_name}'; "
-                        "anchor it with opts.anchorTensor(short_name, long_name) before "
-                        "compiling.")
-        return self._anchors.get(short_name)
 
     # ------------------------------------------------------------------ export
     def save(self, filename: str, export_model: bool = True,

@@ -278,9 +278,11 @@ class LAMB(Optimizer, torch.optim.Optimizer):
     Weight decay (default 0.01) is added to the Adam direction before the trust ratio.
     """
 
-    _group_attrs = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
-    _optimizer_attrs = {"loss_scaling": 1.0, "bias_correction": True,
-                        "max_weight_norm": None}
+    # max_weight_norm is per param group, as upstream (optimum-graphcore gives biases
+    # max_weight_norm=0.0: phi = 0, trust ratio 1, i.e. no layer-wise scaling)
+    _group_attrs = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2,
+                    "max_weight_norm": None}
+    _optimizer_attrs = {"loss_scaling": 1.0, "bias_correction": True}
     _structural_attrs = dict(_MOMENT_TYPES)
 
     def __init__(self, params: Iterable[Any], lr: Optional[float] = None,
@@ -300,9 +302,11 @@ class LAMB(Optimizer, torch.optim.Optimizer):
         if not all(0.0 <= b < 1.0 for b in hp["betas"]):
             raise ValueError(f"Invalid betas for LAMB: {hp['betas']} (each must be in "
                              f"[0, 1)).")
-        if max_weight_norm is not None and not max_weight_norm > 0:
-            raise ValueError(f"Invalid max_weight_norm for LAMB: {max_weight_norm} "
-                             f"(must be > 0, or None to disable the cap).")
+        for group in [hp] + [g for g in params if isinstance(g, dict)]:
+            norm = group.get("max_weight_norm")
+            if norm is not None and not norm >= 0:
+                raise ValueError(f"Invalid max_weight_norm for LAMB: {norm} (must be >= 0, "
+                                 f"or None to disable the cap).")
         torch.optim.Optimizer.__init__(self, params, dict(hp))
         self._finish(passed)
 
@@ -323,7 +327,7 @@ class LAMB(Optimizer, torch.optim.Optimizer):
                 if p in grads:
                     updates.lamb(p, grads[p], group, self.state[p],
                                  bias_correction=self.bias_correction,
-                                 max_weight_norm=self.max_weight_norm,
+                                 max_weight_norm=group["max_weight_norm"],
                                  first_dtype=self.first_order_momentum_accum_type,
                                  second_dtype=self.second_order_momentum_accum_type)
         return loss

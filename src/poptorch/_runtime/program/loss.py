@@ -8,14 +8,18 @@ PopTorch trains on the loss the model computes. In order of preference:
 3. the last element of a returned tuple or list, when it is a one-element tensor
    (the ``(output, loss)`` convention) that depends on the parameters, or when no
    other element does;
-4. otherwise the last one-element tensor of the tuple that depends on the parameters
-   (``(loss, accuracy)``: the accuracy has no gradient, the loss has).
+4. otherwise the last one-element element of the tuple that depends on the parameters
+   (``(loss, accuracy)``: the accuracy has no gradient, the loss has; Hugging Face's
+   ``(loss, logits, ...)`` convention), else its first element when that is one;
+5. the ``"loss"`` entry of a returned mapping (a dict, or a dict-like output such as
+   Hugging Face's ``ModelOutput``), when it is a one-element tensor.
 
 A loss that depends on no trainable parameter is accepted, as in PopTorch: its
 gradients are zero (see ``DeviceProgram``).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -46,6 +50,10 @@ def find_loss(output: Any, marked: list) -> torch.Tensor:
             with_grad = [t for t in output if _is_scalar(t) and t.requires_grad]
             if with_grad:
                 candidate = with_grad[-1]
+            elif not _is_scalar(candidate) and _is_scalar(output[0]):
+                candidate = output[0]
+    elif isinstance(output, Mapping):
+        candidate = output.get("loss")
     if _is_scalar(candidate):
         return candidate if candidate.dim() == 0 else candidate.reshape(())
     return _raise_no_loss(output)
@@ -59,7 +67,11 @@ def _raise_no_loss(output: Any) -> torch.Tensor:
     if isinstance(output, torch.Tensor):
         what = f"a tensor of shape {tuple(output.shape)} (not a scalar)"
     elif isinstance(output, (tuple, list)):
-        what = f"a {type(output).__name__} of {len(output)} elements whose last is not a scalar tensor"
+        what = (f"a {type(output).__name__} of {len(output)} elements whose first and last "
+                "are not scalar tensors")
+    elif isinstance(output, Mapping):
+        what = (f"a {type(output).__name__} with keys {list(output.keys())} and no scalar "
+                "tensor under 'loss'")
     else:
         what = f"an object of type {type(output).__name__}"
     raise Error(_NO_LOSS.format(what=what))

@@ -1,16 +1,24 @@
-"""Timings of a compiled model: compilation time, performance counters, latencies and
-the cycle count (a mixin of :py:class:`PoplarExecutor`; see
-``_runtime/program/perf.py`` for the counters' shape)."""
+"""What a user reads off a compiled model after a call: compilation time, performance
+counters and latencies, cycle count, tensor names and anchored tensors. A base class of
+:py:class:`~poptorch.PoplarExecutor`, kept apart so that the executor module stays about
+running the model."""
 from __future__ import annotations
 
 import datetime
+from typing import Any
 
+import torch
+
+from .._runtime.batching.plan import BatchPlan
 from ..errors import Error
 
 
-class TimingsMixin:
-    """The timing methods of ``PoplarExecutor`` (needs ``_require_compiled``)."""
+class ExecutorInspection:
+    """Read-only views of the last call (see module docstring)."""
 
+    _require_compiled: Any  # provided by PoplarExecutor
+
+    # ------------------------------------------------------------------ timings
     def compilationTime(self) -> datetime.timedelta:
         """How long compilation took."""
         self._require_compiled("compilationTime")
@@ -55,3 +63,27 @@ class TimingsMixin:
             raise Error("cycleCount: enable it before compiling with "
                         "opts.logCycleCount(True).")
         return int(program.last_compute_seconds * 1e9)
+
+    # ------------------------------------------------------------------ tensors
+    def getTensorNames(self) -> list[str]:
+        """Names of the tensors that can be anchored: parameters, their gradients
+        (``Gradient___<name>``, training only) and buffers."""
+        self._require_compiled("getTensorNames")
+        from .._runtime.batching.anchors import tensor_names
+        return tensor_names(self._model, self._training)
+
+    def _anchor_recorder(self, plan: BatchPlan):
+        from .._runtime.batching.anchors import AnchorRecorder
+        recorder = AnchorRecorder(self._model, self._options, plan, self._training)
+        self.__dict__["_anchors"] = recorder
+        return recorder
+
+    def getAnchoredTensor(self, short_name: str) -> torch.Tensor:
+        """The value of an anchored tensor (``Options.anchorTensor``) after the last call."""
+        self._require_compiled("getAnchoredTensor")
+        if not self._anchors:
+            raise Error(f"getAnchoredTensor: no tensor is anchored as '{short_name}'; "
+                        "anchor it with opts.anchorTensor(short_name, long_name) before "
+                        "compiling.")
+        return self._anchors.get(short_name)
+
