@@ -33,7 +33,6 @@ from .._runtime.weights.sync import WeightSync
 from ..enums import CommGroupType, OutputMode
 from ..errors import Error
 from ..optim.optimizers import SGD
-from ..annotations.strategies import PipelinedExecution, ShardedExecution
 from ..options.options import Options
 
 __all__ = ["PoplarExecutor", "isRunningOnIpu"]
@@ -65,7 +64,7 @@ class PoplarExecutor(ExecutorInspection):
         # this model) and the model works on its own copy, whose Default output mode is
         # resolved (Final for training, All for inference).
         if not training:
-            _check_inference_accumulation(options)
+            optimizer_rules.check_inference_accumulation(options)
         options._freeze()
         options = options.clone()
         if options.defaultOutputMode():
@@ -456,7 +455,6 @@ class PoplarExecutor(ExecutorInspection):
                                                       self._program.scaler))
         self.__dict__["_optimizer"] = optimizer
 
-    # ------------------------------------------------------------------ device
     @property
     def _executable(self) -> DeviceProgram | None:
         """The compiled program, None before compilation and after ``destroy()`` (the
@@ -504,7 +502,6 @@ class PoplarExecutor(ExecutorInspection):
                         "Call it (or compile(*inputs)) first.")
         return self._program
 
-    # ------------------------------------------------------------------ export
     def save(self, filename: str, export_model: bool = True,
              save_rng_state: bool = True) -> None:
         """Save the compiled model (and, with export_model, the torch model) to a file."""
@@ -523,7 +520,6 @@ class PoplarExecutor(ExecutorInspection):
         from .._runtime.export import load_into
         load_into(self, filename)
 
-    # ------------------------------------------------------------------ module-like
     def train(self, mode: bool = True) -> "PoplarExecutor":
         """A wrapper keeps the mode it was created in: trainingModel trains and
         inferenceModel evaluates. Returns self when the mode matches."""
@@ -553,23 +549,6 @@ class PoplarExecutor(ExecutorInspection):
         BeginBlock annotations), as in PopTorch."""
         from ..ops.module_repr import module_repr
         return module_repr(self.model)
-
-
-def _check_inference_accumulation(options: Options) -> None:
-    """PopTorch refuses an inferenceModel whose options accumulate gradients, when the
-    model is wrapped."""
-    g = options.Training.gradient_accumulation
-    if g == 1:
-        return
-    message = ("You must set poptorch.Options().Training.gradientAccumulation to 1 or leave "
-               "it as its default value (1) when running a poptorch.inferenceModel().")
-    strategy = options._execution_strategy
-    if isinstance(strategy, PipelinedExecution) and \
-            not isinstance(strategy, ShardedExecution):
-        message += (" Use poptorch.Options().deviceIterations() to process a sufficient "
-                    "number of batches each run for pipelined execution instead.")
-    raise Error(f"{message} (It is {g}; for example use opts.clone() then "
-                "opts.Training.gradientAccumulation(1) for inference.)")
 
 
 def _backend(options: Options, device: torch.device) -> str:
@@ -608,11 +587,13 @@ class _Snapshot:
         self.tensors = [(t, t.detach().clone()) for t in
                         list(model.parameters()) + list(model.buffers())]
         self.optimizer = optimizer
-        self.opt_state = None if optimizer is None else optimizer.state_dict()
+        self.opt_state = None if optimizer is None else getattr(  # host state only
+            optimizer, "get_state_dict", optimizer.state_dict)()
 
     def restore(self) -> None:
         with torch.no_grad():
             for t, saved in self.tensors:
                 t.copy_(saved)
         if self.optimizer is not None:
-            self.optimizer.load_state_dict(self.opt_state)
+            getattr(self.optimizer, "set_state_dict", self.optimizer.load_state_dict)(
+                self.opt_state)
