@@ -21,7 +21,6 @@ from ._runtime.modelcopy import shallow_copy_module
 from ._runtime.optimizer import (DeviceOptimizerSync, attach_optimizer, default_optimizer,
                                  make_loss_scaler)
 from ._runtime.program import DeviceProgram, RngScope
-from ._runtime.tracing import configure_executable_cache
 from ._runtime.runner import ReplicaBuffers, ReplicatedBuffersRunner, SequentialRunner
 from ._runtime.weights import WeightSync
 from .enums import CommGroupType
@@ -80,6 +79,8 @@ class PoplarExecutor:
         d["_replica_buffers"] = None
         d["_precision"] = None
         d["_optimizer_sync"] = None
+        d["_backend"] = None
+        d["_source"] = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -134,6 +135,9 @@ class PoplarExecutor:
         try:
             plan = self._plan()
             split_inputs(plan, args, kwargs)  # check batch sizes before anything else
+            precompiled = self.__dict__.get("_pending_precompiled")
+            if precompiled is not None and precompiled["signature"] is not None:
+                precompiled["signature"].check(args, kwargs)  # loaded: fixed inputs
             bar.update()
             runner, device = self._build_runner()
             bar.update()
@@ -142,10 +146,14 @@ class PoplarExecutor:
             bar.update()
             self.__dict__["_program"] = self._build_program(plan, runner, device)
             self._install_program_extras(self._program)
+            self._program_source(args, kwargs)
             if opts.synthetic_data:
                 from ._runtime.synthetic import SyntheticInputs
                 self.__dict__["_synthetic"] = SyntheticInputs(self._device)
             bar.update()
+        except BaseException:
+            self.__dict__["_program"] = None
+            raise
         finally:
             bar.close()
         opts._freeze()  # also logs the options that have no effect here
@@ -159,19 +167,16 @@ class PoplarExecutor:
     def _build_runner(self):
         from ._runtime.placement import build_runner
         runner = build_runner(self._model, self._options, self._training)
-        cache_dir = self._options.executable_cache_dir
         if runner is not None:
             device = getattr(runner, "output_device", torch.device("cpu"))
             self.__dict__["_device"] = getattr(runner, "input_device", device)
-            if cache_dir is not None:
-                configure_executable_cache(cache_dir, _backend(self._options, device))
+            self.__dict__["_backend"] = None  # model parallelism runs eagerly
             return runner, device
         device = _devices.acquire_devices(self._options, 1)[0]
         self.__dict__["_device"] = device
         forward = self._model
         backend = _backend(self._options, device)
-        if cache_dir is not None:
-            configure_executable_cache(cache_dir, backend)
+        self.__dict__["_backend"] = backend
         if backend == "inductor":
             forward = torch.compile(self._model)
         return SequentialRunner(forward), device
@@ -261,10 +266,28 @@ class PoplarExecutor:
         if policy.checks_finite:
             program.finite_check = policy.check_step
             program.named_params = list(self._model.named_parameters())
-        if opts.profile_dir is not None:
-            from ._runtime.tracing import CallProfiler
-            program.wrappers.insert(0, CallProfiler(opts.profile_dir, self._model_name(),
-                                                    self._device))
+        from ._runtime.tracing import profile_directory
+        directory = profile_directory(opts)
+        if directory is not None:
+            from ._runtime.tracing import CallProfiler, TracingRunner
+            plan = program.plan
+            runner = TracingRunner(program.runner, plan.per_step, plan.replication_factor)
+            program.runner = runner
+            program.wrappers.insert(0, CallProfiler(directory, self._model_name(),
+                                                    program, runner))
+
+    def _program_source(self, args: tuple, kwargs: dict) -> None:
+        """Precompiled file or executable cache (``_runtime/precompiled.py``)."""
+        from ._runtime.precompiled import ProgramSource
+        from ._runtime.signature import InputSignature
+        source = ProgramSource(
+            backend=self._backend, signature=InputSignature.of(args, kwargs),
+            precompiled=self.__dict__.pop("_pending_precompiled", None),
+            cache_dir=self._options.executable_cache_dir,
+            key_parts={"inputs": (args, kwargs), "training": self._training,
+                       "options": self._options, "model": self._model,
+                       "optimizer": self._optimizer, "version": self._poptorch_version})
+        self.__dict__["_source"] = source
 
     def compile(self, *args, **kwargs) -> None:
         """Compile the model for these inputs without running it (no-op if compiled)."""
@@ -277,6 +300,8 @@ class PoplarExecutor:
         if first:
             self._compile(args, kwargs)
             snapshot = _Snapshot(self._model, self.__dict__.get("_device_optimizer"))
+        else:
+            self._source.check(args, kwargs)
         if not self._attached:
             self.attachToDevice()
         device = self._device
@@ -288,7 +313,11 @@ class PoplarExecutor:
         if opt_sync is not None:
             opt_sync.before_run()
         try:
-            result = self._program.run(args, kwargs)
+            if self._source.fresh:
+                with self._source.first_call():
+                    result = self._program.run(args, kwargs)
+            else:
+                result = self._program.run(args, kwargs)
         except BaseException:
             if first:
                 snapshot.restore()
@@ -467,8 +496,15 @@ class PoplarExecutor:
 
     def compileAndExport(self, filename: str, *args, export_model: bool = True,
                          **kwargs) -> None:
-        """Compile for these inputs and save the result to ``filename``."""
-        self.compile(*args, **kwargs)
+        """Compile for these inputs and save the result to ``filename``.
+
+        The file holds the compiled program (on a compiling backend) and the input
+        signature: ``poptorch.load(filename)`` in another process runs its first call
+        without compiling kernels, on inputs of exactly these shapes and dtypes. The
+        model's state is left as it was (compiling may run one call, which is undone).
+        """
+        from ._runtime.export import compile_by_running
+        compile_by_running(self, args, kwargs)
         self.save(filename, export_model=export_model)
 
     def loadExecutable(self, filename: str) -> None:
