@@ -89,7 +89,7 @@ def test_geometric_parsers_without_torch_geometric(caplog, monkeypatch):
 
 def test_geometric_parser_on_a_data_like_object():
     """The torch_geometric parser only relies on ``stores`` (mappings of attributes)."""
-    from poptorch._argparsers import _GeometricDataParser
+    from poptorch.executor.argparsers import _GeometricDataParser
 
     class Store(dict):
         pass

@@ -230,7 +230,7 @@ class TwoBuffers(nn.Module):
 
 
 def test_weight_sync_copies_only_the_named_buffers():
-    from poptorch._runtime.weights import WeightSync
+    from poptorch._runtime.weights.sync import WeightSync
     host = TwoBuffers()
     device_copy = copy.deepcopy(host)  # separate tensors, as on an accelerator
     sync = WeightSync(host, device_copy, torch.device("cpu"))
@@ -423,7 +423,7 @@ def test_executable_caching_stores_the_inductor_program(tmp_path):
 
 # ------------------------------------------------------- optimizer state on accelerators
 def test_device_optimizer_sync_reads_back_and_sends_loaded_state():
-    from poptorch._runtime.optimizer import DeviceOptimizerSync
+    from poptorch._runtime.program.optimizer import DeviceOptimizerSync
     torch.manual_seed(0)
     host = MLP()
     device_model = copy.deepcopy(host)  # stands for the device copy of an accelerator
@@ -458,8 +458,8 @@ def test_device_optimizer_sync_reads_back_and_sends_loaded_state():
 
 
 def test_set_optimizer_keeps_the_automatic_loss_scale():
-    from poptorch._runtime.loss_scaling import LossScaler
-    from poptorch._runtime.optimizer import make_loss_scaler
+    from poptorch._runtime.numerics.loss_scaling import LossScaler
+    from poptorch._runtime.program.optimizer import make_loss_scaler
     model = MLP()
     opts = poptorch.Options()
     opts.Training.setAutomaticLossScaling(True)

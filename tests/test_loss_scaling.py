@@ -5,7 +5,7 @@ import torch
 
 import poptorch
 from poptorch import optim
-from poptorch._runtime.loss_scaling import LossScaler
+from poptorch._runtime.numerics.loss_scaling import LossScaler
 
 
 def make_model(dtype=torch.float32):

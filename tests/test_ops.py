@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import poptorch
-from poptorch._ops_print import format_tensor
-from poptorch._ops_scopes import current_name_scope
+from poptorch.ops.print_tensor import format_tensor
+from poptorch.ops.scopes import current_name_scope
 from poptorch._runtime import context
 
 
@@ -205,7 +205,7 @@ def test_serialized_matmul_errors():
 # --- hints ----------------------------------------------------------------------------------
 
 def test_hint_ops_are_identities_that_record(caplog):
-    from poptorch._ops_hints import recorded_hints
+    from poptorch.ops.hints import recorded_hints
     x = torch.randn(3)
     before = recorded_hints().get("set_available_memory", {"calls": 0})["calls"]
     with caplog.at_level(logging.INFO, logger="poptorch::python"):
@@ -511,7 +511,7 @@ def test_ops_module_reexports_block_api():
 # --- small utilities: compile hooks, at-exit cleanups, testing.allclose ---------------------
 
 def test_compile_hooks_run_in_order_and_are_removable():
-    from poptorch import _hooks
+    from poptorch.executor import hooks as _hooks
     calls = []
     first = poptorch.registerPreCompileHook(lambda: calls.append("pre1"))
     second = poptorch.registerPreCompileHook(lambda: calls.append("pre2"))
@@ -531,7 +531,7 @@ def test_compile_hooks_run_in_order_and_are_removable():
 
 
 def test_at_exit_runs_cleanups_once_newest_first(caplog, monkeypatch):
-    from poptorch import _hooks
+    from poptorch.executor import hooks as _hooks
     monkeypatch.setattr(_hooks, "_at_exit", [])  # leave the session's real cleanups alone
     calls = []
     _hooks.register_at_exit(lambda: calls.append("first"))

@@ -13,7 +13,7 @@ import torch
 
 import poptorch
 from poptorch import optim
-from poptorch._optimizer_attributes import (check_update, copy_hyperparameters,
+from poptorch.optim.attributes import (check_update, copy_hyperparameters,
                                             snapshot_constants)
 
 STEPS = 20

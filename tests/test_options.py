@@ -453,7 +453,7 @@ def test_distributed_env_vars(monkeypatch):
 
 
 def test_attribute_records_attributes():
-    from poptorch.options import current_attributes
+    from poptorch.options.attribute import current_attributes
     assert current_attributes() == {}
     with poptorch.Attribute(__outline={"layer": "a"}, x=1) as outer:
         assert isinstance(outer, poptorch.Attribute)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import poptorch
-from poptorch._runtime.placement import build_runner
+from poptorch._runtime.placement.build import build_runner
 
 FEAT = 6
 

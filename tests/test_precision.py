@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 import poptorch
 from poptorch import _logging
-from poptorch._runtime.modelcopy import shallow_copy_module
-from poptorch._runtime.precision import PrecisionPolicy, stochastic_round
+from poptorch._runtime.weights.modelcopy import shallow_copy_module
+from poptorch._runtime.numerics.precision import PrecisionPolicy, stochastic_round
 
 CPU = torch.device("cpu")
 Cast = poptorch.HalfFloatCastingBehavior

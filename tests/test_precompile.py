@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import poptorch
-from poptorch._runtime import artifacts, executable_cache
+from poptorch._runtime.executable import artifacts, cache as executable_cache
 
 
 class Net(torch.nn.Module):
@@ -208,7 +208,7 @@ def test_a_sound_cache_entry_reads_back():
 
 def test_cache_key_covers_options_model_inputs_and_versions():
     model = Net()
-    sig = poptorch._runtime.signature.InputSignature.of(*((torch.zeros(8, 6),), {}))
+    sig = poptorch._runtime.executable.signature.InputSignature.of(*((torch.zeros(8, 6),), {}))
 
     def key(**change):
         parts = dict(backend="inductor", training=True, options=train_opts(), model=model,
@@ -225,7 +225,7 @@ def test_cache_key_covers_options_model_inputs_and_versions():
     wider = Net()
     wider.fc2 = torch.nn.Linear(8, 4)
     assert key(model=wider) != base
-    other_sig = poptorch._runtime.signature.InputSignature.of((torch.zeros(4, 6),), {})
+    other_sig = poptorch._runtime.executable.signature.InputSignature.of((torch.zeros(4, 6),), {})
     assert key(signature=other_sig) != base
     assert key(optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) != base
 

@@ -33,18 +33,17 @@ from .ops import (CPU, MultiConv, NameScope, accessAttributes, attributes_lists,
                   for_loop, fps, getIpuTensorId, identity_loss, ipu_print_tensor, nearest,
                   nop, serializedMatMul, set_available_memory, set_overlap_for_input,
                   set_overlap_for_output)
-from ._ops_printing import module_repr, print
-from ._hooks import poptorchAtExit, registerPostCompileHook, registerPreCompileHook
-from ._argparsers import (ICustomArgParser, registerCustomArgParser,
-                          registerGeometricCustomArgParsers)
+from .ops.module_repr import module_repr, print
+from .executor.hooks import poptorchAtExit, registerPostCompileHook, registerPreCompileHook
+from .executor.argparsers import (ICustomArgParser, registerCustomArgParser,
+                                  registerGeometricCustomArgParsers)
 from . import ops, profiling
 
 # --- optimizers (issue 5) ----------------------------------------------------------
 from . import optim
 
 # --- executor (issue 3) -----------------------------------------------------------
-from ._factory import inferenceModel, trainingModel
-from ._runtime.export import importPoptorchMetadataFromFile, load
-from .executor import PoplarExecutor, isRunningOnIpu
+from .executor import PoplarExecutor, inferenceModel, isRunningOnIpu, load, trainingModel
+from ._runtime.export import importPoptorchMetadataFromFile
 
 __version__ = "3.4.0"

@@ -3,7 +3,7 @@
 A file holds one ``torch.save`` payload: metadata, the options, the model's state dict,
 the optimizer (hyperparameters and state), the random state, the *input signature* the
 program was compiled for and, on a compiling backend, the *compiled program*
-(``_runtime/artifacts.py``: torch's compiler-cache entries and the kernel binaries).
+(``_runtime/executable/artifacts.py``: torch's compiler-cache entries and the kernel binaries).
 With ``export_model=True`` the torch model itself is pickled too, together with the
 optimizer so that it keeps referring to the model's parameters.
 
@@ -16,7 +16,7 @@ device-independent: a file saved on a GPU loads on the CPU and vice versa.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -71,7 +71,7 @@ def compile_by_running(executor: Any, args: tuple, kwargs: dict) -> None:
 def save_executor(executor: Any, filename: str, export_model: bool,
                   save_rng_state: bool) -> None:
     """Write ``executor`` to ``filename`` (see module docstring)."""
-    from . import artifacts
+    from .executable import artifacts
     executor.copyWeightsToHostIfNeeded()
     source = executor.__dict__["_source"]
     compiled = None
@@ -97,7 +97,7 @@ def save_executor(executor: Any, filename: str, export_model: bool,
     torch.save(payload, filename)
 
 
-def _read(filename: str) -> dict:
+def read_payload(filename: str) -> dict:
     try:
         payload = torch.load(filename, weights_only=False, map_location="cpu")
     except FileNotFoundError:
@@ -112,34 +112,10 @@ def _read(filename: str) -> dict:
 
 def importPoptorchMetadataFromFile(import_filename: str) -> dict:
     """The metadata of a saved model: version, training flag, options, model class."""
-    return _read(import_filename)["metadata"]
+    return read_payload(import_filename)["metadata"]
 
 
-def load(filename: str, edit_opts_fn: Callable[[Any], None] | None = None) -> Any:
-    """Rebuild the executor saved in ``filename`` (needs ``export_model=True``).
-
-    ``edit_opts_fn(options)`` may change the options first, e.g. to pick a device.
-    """
-    from .. import _factory as executor_factory
-    payload = _read(filename)
-    if payload["model"] is None:
-        raise Error(f"{filename} was saved with export_model=False: create the model with "
-                    "poptorch.trainingModel / inferenceModel and call "
-                    "loadExecutable(filename) on it instead.")
-    options = payload["options"].clone()
-    if edit_opts_fn is not None:
-        edit_opts_fn(options)
-    model = payload["model"]
-    if payload["metadata"]["training"]:
-        executor = executor_factory.trainingModel(model, options, payload["optimizer"])
-    else:
-        executor = executor_factory.inferenceModel(model, options)
-    executor.__dict__["_pending_rng_state"] = payload["rng_state"]
-    _stash_precompiled(executor, payload)
-    return executor
-
-
-def _stash_precompiled(executor: Any, payload: dict) -> None:
+def stash_precompiled(executor: Any, payload: dict) -> None:
     """Hand the signature and compiled program to the executor's next compile."""
     executor.__dict__["_pending_precompiled"] = {
         "signature": payload.get("signature"), "artifacts": payload.get("compiled")}
@@ -151,7 +127,7 @@ def _stash_precompiled(executor: Any, payload: dict) -> None:
 
 def load_into(executor: Any, filename: str) -> None:
     """Restore weights, optimizer state and random state saved in ``filename``."""
-    payload = _read(filename)
+    payload = read_payload(filename)
     if payload["metadata"]["training"] != executor._training:
         kind = "training" if payload["metadata"]["training"] else "inference"
         raise Error(f"{filename} holds a {kind} model; load it into a "
@@ -160,7 +136,7 @@ def load_into(executor: Any, filename: str) -> None:
     if executor._training and payload["optimizer_state"] is not None:
         executor._optimizer.load_state_dict(payload["optimizer_state"])
     executor.__dict__["_pending_rng_state"] = payload["rng_state"]
-    _stash_precompiled(executor, payload)
+    stash_precompiled(executor, payload)
     if executor.isCompiled():
         _apply_pending_rng(executor)
 

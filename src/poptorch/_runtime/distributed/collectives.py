@@ -1,0 +1,92 @@
+"""Coalesced collectives: many small tensors travel as a few flat buffers.
+
+One collective per tensor costs a round trip each; PyTorch's DDP packs gradients into
+buckets for the same reason. Tensors are grouped by (device, dtype) into buckets of at
+most ``BUCKET_BYTES`` and each bucket is sent as one flat tensor.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterable, Iterator, List, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ...errors import Error
+
+BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
+
+
+def buckets(tensors: Sequence[torch.Tensor],
+            bucket_bytes: int = BUCKET_BYTES) -> List[List[int]]:
+    """Indices of ``tensors`` grouped by device and dtype into buckets of bounded size
+    (each tensor in exactly one bucket, in order within a bucket)."""
+    open_buckets: dict = {}  # (device, dtype) -> [indices, bytes] of the filling bucket
+    result: List[List[int]] = []
+    for i, t in enumerate(tensors):
+        size = t.numel() * t.element_size()
+        bucket = open_buckets.get((t.device, t.dtype))
+        if bucket is None or (bucket[0] and bucket[1] + size > bucket_bytes):
+            bucket = open_buckets[(t.device, t.dtype)] = [[], 0]
+            result.append(bucket[0])
+        bucket[0].append(i)
+        bucket[1] += size
+    return result
+
+
+@contextlib.contextmanager
+def failures_as_errors(what: str) -> Iterator[None]:
+    """Turn a failed collective (a process died, the network broke, the timeout
+    expired) into a :py:class:`poptorch.Error` that says so."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise Error(f"{what} across processes failed: another process of this run has "
+                    "probably stopped or the connection between them broke (collectives "
+                    "wait at most POPTORCH_DISTRIBUTED_TIMEOUT seconds). The error from "
+                    f"torch.distributed: {exc}") from exc
+
+
+def _flat(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+    offset = 0
+    for t in like:
+        n = t.numel()
+        yield flat[offset:offset + n].view_as(t)
+        offset += n
+
+
+def broadcast_(tensors: Sequence[torch.Tensor], group: Any, src: int = 0) -> None:
+    """Overwrite ``tensors`` on every process with process ``src``'s values."""
+    if not tensors:
+        return
+    with torch.no_grad(), failures_as_errors("Broadcasting tensors"):
+        for bucket in buckets(tensors):
+            members = [tensors[i] for i in bucket]
+            flat = _flat(members)
+            dist.broadcast(flat, src=src, group=group)
+            torch._foreach_copy_(members, list(_views(flat, members)))
+
+
+def all_reduce_sum(tensors: Sequence[torch.Tensor], group: Any) -> List[torch.Tensor]:
+    """The sums over all processes of ``tensors``, as views into flat buffers (the
+    inputs are not modified). All buckets are in flight at once."""
+    if not tensors:
+        return []
+    pending = []
+    with failures_as_errors("Summing gradients"):
+        for bucket in buckets(tensors):
+            members = [tensors[i] for i in bucket]
+            flat = _flat(members)
+            pending.append((bucket, members, flat,
+                            dist.all_reduce(flat, group=group, async_op=True)))
+    result: List[Any] = [None] * len(tensors)
+    with failures_as_errors("Summing gradients"):
+        for bucket, members, flat, work in pending:
+            work.wait()
+            for i, view in zip(bucket, _views(flat, members)):
+                result[i] = view
+    return result

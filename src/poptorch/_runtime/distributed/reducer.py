@@ -1,0 +1,38 @@
+"""The gradient reduction of one optimizer step over the replicas of every process.
+
+Each process has summed its own micro-batches' gradients (``g x local replicas`` of
+them) into ``.grad``; the reducer adds up those sums over all processes, once per
+optimizer step, so that every process holds the same gradient: the sum over all
+``g x replicas x processes`` micro-batches. The division of a Mean reduction is applied
+by the device program afterwards (it knows the global count). A parameter that got no
+gradient on any process keeps ``grad = None`` (optimizers then skip it, as in one
+process); one that got a gradient on some process only is reduced with zeros elsewhere.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from .collectives import all_reduce_sum
+from .world import World
+
+
+class GradientReducer:
+    """Sums ``params``' gradients over all processes of ``world`` (see module doc)."""
+
+    def __init__(self, world: World, params: List[torch.nn.Parameter]) -> None:
+        self.group = world.group
+        self.params = params
+
+    def __call__(self) -> None:
+        params = self.params
+        if not params:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        present = torch.tensor([p.grad is not None for p in params], dtype=torch.float32,
+                               device=params[0].device)
+        reduced = all_reduce_sum(grads + [present], self.group)
+        counts = reduced[-1].tolist()
+        for p, grad, count in zip(params, reduced, counts):
+            p.grad = grad if count > 0 else None

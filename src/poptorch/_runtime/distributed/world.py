@@ -1,0 +1,96 @@
+"""This process's place among the processes of a run, on ``torch.distributed``.
+
+A run started by ``torchrun`` (or any launcher that sets ``RANK`` / ``WORLD_SIZE`` /
+``MASTER_ADDR`` / ``MASTER_PORT``), or configured with
+``Options.Distributed.configureProcessId``, has several processes; each holds
+``replicationFactor`` local replicas, so the run has ``replicationFactor x processes``
+global replicas. The executor joins the default process group at its first compile:
+gloo for CPU devices, NCCL for CUDA devices; a group the user already made is reused.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ... import _logging
+from ...errors import Error
+
+TIMEOUT_ENV = "POPTORCH_DISTRIBUTED_TIMEOUT"
+DEFAULT_TIMEOUT_SECONDS = 300.0
+
+
+@dataclass(frozen=True)
+class World:
+    """The processes of a run. ``group`` is None for a run of one process."""
+
+    rank: int
+    size: int
+    group: Optional[Any] = None
+
+    @property
+    def distributed(self) -> bool:
+        """True when there is more than one process."""
+        return self.size > 1
+
+
+SINGLE_PROCESS = World(0, 1, None)
+
+
+def timeout() -> datetime.timedelta:
+    """How long a collective may wait for the other processes before it fails
+    (``POPTORCH_DISTRIBUTED_TIMEOUT`` seconds, default 300): a dead process then ends
+    the run with an error instead of a hang."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return datetime.timedelta(seconds=DEFAULT_TIMEOUT_SECONDS)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise Error(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds.") from None
+    if seconds <= 0:
+        raise Error(f"{TIMEOUT_ENV} must be positive, got {raw!r}.")
+    return datetime.timedelta(seconds=seconds)
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL when the replicas run on CUDA devices, gloo otherwise."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def join(process_id: int, num_processes: int, device: torch.device) -> World:
+    """The world of this process: the default process group when one exists or is
+    needed (``num_processes > 1``), joined here if nobody has yet."""
+    if dist.is_available() and dist.is_initialized():
+        rank, size = dist.get_rank(), dist.get_world_size()
+        if num_processes > 1 and (rank, size) != (process_id, num_processes):
+            raise Error(
+                f"Options.Distributed says process {process_id} of {num_processes}, but "
+                f"the torch.distributed process group says rank {rank} of {size}: leave "
+                "Options.Distributed at its default under torchrun, or make them agree.")
+        return World(rank, size, dist.group.WORLD) if size > 1 else SINGLE_PROCESS
+    if num_processes == 1:
+        return SINGLE_PROCESS
+    if not dist.is_available():
+        raise Error("Running over several processes needs torch.distributed, which this "
+                    "build of PyTorch does not have.")
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
+    if missing:
+        raise Error(
+            f"Options.Distributed asks for {num_processes} processes but "
+            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: start "
+            "the program with torchrun (torchrun --nproc_per_node=N prog.py), or set "
+            "MASTER_ADDR and MASTER_PORT to the address of process 0.")
+    backend = backend_for(device)
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=process_id, world_size=num_processes,
+                            timeout=timeout())
+    _logging.info_once(("process group", process_id, num_processes),
+                       "Joined the %s process group as process %d of %d.", backend,
+                       process_id, num_processes)
+    return World(process_id, num_processes, dist.group.WORLD)

@@ -1,0 +1,2 @@
+"""Numerics: precision policy (half/float casting, stochastic rounding, FP checks) and
+loss scaling."""

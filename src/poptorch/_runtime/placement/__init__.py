@@ -1,0 +1,2 @@
+"""Model parallelism: block markers, partitioning into stages and phases, and the
+pipelined, sharded and phased runners."""

@@ -1,0 +1,253 @@
+"""Model parallelism: the step runners of the four execution strategies.
+
+:func:`build_runner` is called by the executor at compile time. The returned runner
+traces the model on its first call (``partition.trace_blocks``), resolves the
+partition and enforces the rules (``partition.resolve_partition``), acquires the
+devices playing the IPUs, places every stage's weights on its device, and then runs
+each step with the strategy's schedule:
+
+* ``PipelinedExecution``: a real pipeline. Each micro-batch runs in its own worker
+  thread; the forward pass is cut at stage boundaries and every stage admits forward
+  and backward ops of the micro-batches in 1F1B order (training; GPipe on request) or
+  GPipe order, so stages of different micro-batches run at the same time.
+* ``ShardedExecution``: stage after stage, one device busy at a time.
+* ``SerialPhasedExecution`` / ``ParallelPhasedExecution``: phase after phase, weights
+  streamed between host memory and the devices (``phased.StreamingMemory``).
+
+The schedule a step executed is kept in ``runner.last_schedule`` and in
+``strategy.last_schedule`` (a :class:`~.pipeline.ScheduleRecord`; ``print`` it).
+"""
+from __future__ import annotations
+
+import inspect
+import threading
+from contextlib import nullcontext
+from typing import Any, Callable, List, Optional
+
+import torch
+
+from .strategy import (PARALLEL_PHASED, PIPELINED, SHARDED, ExecutionStrategy, is_phased,
+                       kind_of)
+from .. import context
+from .partition import (Partition, has_static_annotations, resolve_partition, trace_blocks)
+from .phased import StreamingMemory, parallel_phased_schedule
+from .pipeline import (BACKWARD, FORWARD, LaneScheduler, ScheduleEvent, ScheduleRecord,
+                       gpipe_schedule, one_f_one_b_schedule, run_workers,
+                       sequential_schedule)
+from .stagerun import StageRun, listening
+
+LossOf = Callable[[Any], torch.Tensor]
+_BLOCK_WORDS = ("Block(", "Block.start", "BlockFunction", "IPU(")
+
+
+def build_runner(model: torch.nn.Module, options: Any, training: bool,
+                 devices: Optional[List[torch.device]] = None) -> Optional["ModelParallelRunner"]:
+    """A runner for the model's execution strategy, or None when the model has no block
+    annotations and no strategy was set (the executor then runs it on one device).
+
+    ``options._execution_strategy`` is the strategy in force (the default one when
+    ``options.execution_strategy`` is None)."""
+    if options.execution_strategy is None and not (
+            has_static_annotations(model) or _forward_uses_blocks(model)):
+        return None
+    return ModelParallelRunner(model, options, training, options._execution_strategy, devices)
+
+
+def _forward_uses_blocks(model: torch.nn.Module) -> bool:
+    """Whether some ``forward`` of the model mentions Block / BlockFunction / IPU (these
+    annotations only show when the model runs; the first call then checks for real)."""
+    seen = set()
+    for module in model.modules():
+        cls = type(module)
+        if cls in seen or cls.__module__.startswith("torch."):
+            continue
+        seen.add(cls)
+        try:
+            source = inspect.getsource(cls)
+        except (OSError, TypeError):
+            continue
+        if any(word in source for word in _BLOCK_WORDS):
+            return True
+    return False
+
+
+class ModelParallelRunner:
+    """StepRunner for the execution strategies (module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, options: Any, training: bool,
+                 strategy: ExecutionStrategy,
+                 devices: Optional[List[torch.device]] = None) -> None:
+        self.model = model
+        self.options = options
+        self.training = training
+        self.strategy = strategy
+        self.partition: Optional[Partition] = None
+        self.devices = devices
+        self.streaming: Optional[StreamingMemory] = None
+        self.last_schedule: Optional[ScheduleRecord] = None
+        self._plain = False
+        first = devices[0] if devices else _ipu_device(0, options)
+        self.input_device = first
+        self.output_device = first
+
+    # ------------------------------------------------------------------ compile
+    def compile(self, microbatch: tuple) -> Partition:
+        """Trace the model on ``microbatch`` and set up the partition (first call)."""
+        args, kwargs = microbatch
+        trace = trace_blocks(self.model, args, kwargs, self.strategy)
+        part = resolve_partition(trace, self.strategy, self.options, self.training, 0)
+        self.partition = part
+        if not part.has_blocks and not is_phased(self.strategy):
+            self._plain = True
+        if self.devices is None:
+            from ... import _devices  # pylint: disable=import-outside-toplevel
+            self.devices = _devices.acquire_devices(self.options, part.num_ipus)
+        elif len(self.devices) < part.num_ipus:
+            from ...errors import Error  # pylint: disable=import-outside-toplevel
+            raise Error(f"The model needs {part.num_ipus} IPUs but only "
+                        f"{len(self.devices)} devices were given.")
+        if is_phased(self.strategy):
+            self.streaming = StreamingMemory(self.model, part, self.devices, self.options)
+        else:
+            self._place_weights(part)
+        self.output_device = self.devices[part.stages[-1].ipu]
+        return part
+
+    def _place_weights(self, part: Partition) -> None:
+        with torch.no_grad():
+            for t in list(self.model.parameters()) + list(self.model.buffers()):
+                stage = part.weight_stage.get(id(t))
+                if stage is not None:
+                    device = self.devices[part.stages[stage].ipu]
+                    if t.device != device:
+                        t.data = t.data.to(device)
+
+    # ------------------------------------------------------------------ run
+    def __call__(self, microbatches: List[tuple], loss_of: Optional[LossOf]) -> List[Any]:
+        if self.partition is None:
+            self.compile(microbatches[0])
+        if self._plain:
+            return self._run_plain(microbatches, loss_of)
+        if is_phased(self.strategy):
+            return self._run_phased(microbatches, loss_of)
+        if kind_of(self.strategy) == SHARDED:
+            return self._run_sharded(microbatches, loss_of)
+        return self._run_pipelined(microbatches, loss_of)
+
+    def _run_plain(self, microbatches, loss_of):
+        outputs = []
+        for args, kwargs in microbatches:
+            out = self.model(*args, **kwargs)
+            if loss_of is not None:
+                loss_of(out).backward()
+            outputs.append(out)
+        return outputs
+
+    def _run_sharded(self, microbatches, loss_of):
+        part = self.partition
+        record = ScheduleRecord(part.num_stages)
+        outputs = []
+        for m, (args, kwargs) in enumerate(microbatches):
+            run = StageRun(part, self.devices, m, list(range(part.num_stages)), None, cut=False)
+            with listening(run), run:
+                run.start()
+                out = self.model(*args, **kwargs)
+                loss = loss_of(out) if loss_of is not None else None
+            for stage in _dedupe(run.stage_trail):
+                record.events.append(ScheduleEvent(0, FORWARD, stage, m, 0.0))
+            if loss is not None:
+                loss.backward()
+                for stage in reversed(_dedupe(run.stage_trail)):
+                    record.events.append(ScheduleEvent(0, BACKWARD, stage, m, 0.0))
+            outputs.append(out)
+        self._keep(record)
+        return outputs
+
+    def _run_pipelined(self, microbatches, loss_of):
+        part = self.partition
+        n, count = part.num_stages, len(microbatches)
+        training = loss_of is not None
+        if training and _schedule_name(self.strategy) == "1F1B":
+            lanes = one_f_one_b_schedule(n, count)
+        else:
+            lanes = gpipe_schedule(n, count, training)
+        gate = LaneScheduler(lanes, n)
+        units = list(range(n))
+        outputs = self._run_threads(microbatches, loss_of, gate, units)
+        self._keep(gate.record)
+        return outputs
+
+    def _run_phased(self, microbatches, loss_of):
+        part = self.partition
+        count, training = len(microbatches), loss_of is not None
+        phases = part.num_phases
+        if kind_of(self.strategy) == PARALLEL_PHASED:
+            lanes = parallel_phased_schedule(phases, count, training)
+        else:
+            lanes = sequential_schedule(list(range(phases)), count, training)
+        streaming = self.streaming
+        lane_phase: dict = {}
+        lane_of = {op: i for i, ops in enumerate(lanes) for op in ops}
+        lock = threading.Lock()
+
+        def on_start(op):
+            lane = lane_of[op]
+            with lock:
+                streaming.enter(op[1], lane_phase.get(lane))
+                lane_phase[lane] = op[1]
+
+        gate = LaneScheduler(lanes, phases, on_start=on_start)
+        units = [s.phase for s in part.stages]
+        try:
+            outputs = self._run_threads(microbatches, loss_of, gate, units)
+        finally:
+            streaming.offload_all()
+        self._keep(gate.record)
+        return outputs
+
+    def _run_threads(self, microbatches, loss_of, gate, units):
+        part, devices, model = self.partition, self.devices, self.model
+        grad_enabled = torch.is_grad_enabled()
+        streaming = self.streaming
+
+        def work(m: int):
+            args, kwargs = microbatches[m]
+            run = StageRun(part, devices, m, units, gate, cut=True)
+            scope = streaming.activation_scope(devices) if streaming else nullcontext()
+            with torch.set_grad_enabled(grad_enabled), context.running_on_ipu(), scope:
+                with listening(run), run:
+                    run.start()
+                    out = model(*args, **kwargs)
+                    run.finish_forward()
+                    if loss_of is not None:
+                        run.loss = loss_of(out)
+                    run.release_forward()
+                if loss_of is not None:
+                    for unit in reversed(range(run.num_units)):
+                        gate.acquire(BACKWARD, unit, m)
+                        run.backward_unit(unit)
+                        gate.release(BACKWARD, unit, m)
+            return out
+
+        return run_workers(len(microbatches), work, gate)
+
+    def _keep(self, record: ScheduleRecord) -> None:
+        self.last_schedule = record
+        self.strategy.last_schedule = record
+
+
+def _dedupe(trail: List[int]) -> List[int]:
+    out: List[int] = []
+    for s in trail:
+        if not out or out[-1] != s:
+            out.append(s)
+    return out
+
+
+def _schedule_name(strategy: ExecutionStrategy) -> str:
+    return getattr(strategy, "pipeline_schedule", "1F1B")
+
+
+def _ipu_device(ipu: int, options: Any) -> torch.device:
+    from ... import _devices  # pylint: disable=import-outside-toplevel
+    return _devices.ipu_device(ipu, options)

@@ -1,0 +1,85 @@
+"""How block annotations reach the runtime: the per-thread *block listener*.
+
+The public annotations (``poptorch.BeginBlock``, ``Block``, ``BlockFunction``, ``IPU``,
+``recomputationCheckpoint``) do nothing by themselves: they report block boundaries to
+the listener of the current thread, which the model-parallel runtime installs while it
+runs the model (a tracer at compile time, a :class:`~.stagerun.StageRun` on each call).
+Outside a PopTorch executor no listener is installed and an annotated model behaves
+exactly like the plain model. This module is the meeting point of both sides, so that
+the runtime never imports the public annotations.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any, Optional
+
+import torch
+
+_listener_state = threading.local()
+# Order in which BeginBlock annotations were made (the guide's ordering rule).
+_annotation_counter = itertools.count()
+_BEGIN_BLOCK_ATTR = "_poptorch_begin_block"
+# Class attribute of modules that start a block whenever they are called (the legacy
+# wrapper form of BeginBlock and poptorch.IPU).
+STARTS_BLOCK_ATTR = "_poptorch_starts_block"
+
+
+def current_listener() -> Any:
+    """The block listener of this thread, or None outside a model-parallel run."""
+    return getattr(_listener_state, "listener", None)
+
+
+def set_listener(listener: Any) -> Any:
+    """Install ``listener`` for this thread; returns the previous one (to restore)."""
+    previous = getattr(_listener_state, "listener", None)
+    _listener_state.listener = listener
+    return previous
+
+
+def begin_block(user_id: Any, ipu_id: Optional[int], layer: Any = None) -> None:
+    """Report the start of a block to the listener, if any."""
+    listener = current_listener()
+    if listener is not None:
+        listener.begin_block(user_id, ipu_id, layer=layer)
+
+
+class BeginBlockHook:
+    """Forward pre-hook starting a block each time the annotated layer is called."""
+
+    def __init__(self, user_id: Any, ipu_id: Optional[int], layer_name: str) -> None:
+        self.user_id = user_id
+        self.ipu_id = ipu_id
+        self.order = next(_annotation_counter)
+        self.layer_name = layer_name
+
+    def __call__(self, module: torch.nn.Module, args: tuple) -> None:
+        begin_block(self.user_id, self.ipu_id, layer=module)
+
+
+def attach_begin_block(module: torch.nn.Module, user_id: Any, ipu_id: Optional[int]) -> None:
+    """Annotate ``module`` in place (replacing an earlier annotation)."""
+    detach_begin_block(module)
+    hook = BeginBlockHook(user_id, ipu_id, type(module).__name__)
+    handle = module.register_forward_pre_hook(hook)
+    module.__dict__[_BEGIN_BLOCK_ATTR] = (hook, handle.id)
+
+
+def detach_begin_block(module: torch.nn.Module) -> bool:
+    """Remove the BeginBlock annotation of ``module``; False when it had none."""
+    mark = module.__dict__.pop(_BEGIN_BLOCK_ATTR, None)
+    if mark is None:
+        return False
+    module._forward_pre_hooks.pop(mark[1], None)
+    return True
+
+
+def begin_block_of(module: torch.nn.Module) -> Optional[BeginBlockHook]:
+    """The BeginBlock annotation of ``module`` (None when it has none)."""
+    mark = module.__dict__.get(_BEGIN_BLOCK_ATTR)
+    return None if mark is None else mark[0]
+
+
+def starts_block(module: torch.nn.Module) -> bool:
+    """Whether calling ``module`` starts a block (a visible, static annotation)."""
+    return begin_block_of(module) is not None or getattr(type(module), STARTS_BLOCK_ATTR, False)

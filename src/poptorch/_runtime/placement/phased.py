@@ -1,0 +1,140 @@
+"""Phased execution: schedules and streaming memory.
+
+Phases run one after another (serial), or alternate between the even and the odd IPUs
+(parallel: two lanes, so phase ``p + 1`` of one micro-batch can overlap phase ``p`` of
+the next). All micro-batches go through a phase before the next phase starts, so a
+phase's weights are loaded once per step.
+
+*Streaming memory* is host memory. A phase's weights are *streamed* when the strategy's
+:py:class:`~poptorch.Liveness` is not ``AlwaysLive`` or when
+``opts.TensorLocations`` puts weights off chip (``onChip: False``, tensors of at least
+``minElementsForOffChip`` elements): they are on their IPU's device only while their
+phase runs, and in host memory (where the optimizer then updates them) otherwise.
+Activations saved for the backward pass are kept in host memory between the forward
+and backward passes when the liveness is ``OffChipAfterFwd``,
+``OffChipAfterFwdNoOverlap`` or ``OffChipAfterEachPhase`` or when activations are put
+off chip.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from ...enums import Liveness
+from .partition import Partition
+from .pipeline import BACKWARD, FORWARD, Op
+
+HOST = torch.device("cpu")
+
+
+def parallel_phased_schedule(num_phases: int, num_microbatches: int,
+                             training: bool) -> List[List[Op]]:
+    """Two lanes (even / odd phases), each running its phases phase-major."""
+    lanes: List[List[Op]] = [[], []]
+    for p in range(num_phases):
+        lanes[p % 2] += [(FORWARD, p, m) for m in range(num_microbatches)]
+    if training:
+        for p in reversed(range(num_phases)):
+            lanes[p % 2] += [(BACKWARD, p, m) for m in range(num_microbatches)]
+    return [lane for lane in lanes if lane]
+
+
+def _location_off_chip(settings: Any, numel: int) -> bool:
+    if not isinstance(settings, dict) or settings.get("onChip", True):
+        return False
+    return numel >= int(settings.get("minElementsForOffChip", 0))
+
+
+class StreamingMemory:
+    """Moves each phase's weights between host memory and the phase's devices, and
+    accounts for what is resident (``peak_resident_bytes``, ``streamed_bytes``)."""
+
+    def __init__(self, model: torch.nn.Module, partition: Partition,
+                 devices: List[torch.device], options: Any) -> None:
+        strategy = partition.strategy
+        self.liveness: Liveness = strategy.tensors_liveness
+        locations = getattr(options, "TensorLocations", None)
+        weight_loc = getattr(locations, "location_weight", {}) or {}
+        act_loc = getattr(locations, "location_activation", {}) or {}
+        self.stream_activations = (self.liveness != Liveness.AlwaysLive
+                                   or _location_off_chip(act_loc, 1))
+        self._device_of: Dict[int, torch.device] = {}
+        self._phase_weights: Dict[int, List[torch.Tensor]] = {}
+        self._pinned: List[torch.Tensor] = []
+        weights = list(model.parameters()) + list(model.buffers())
+        for t in weights:
+            stage = partition.weight_stage.get(id(t))
+            if stage is None:
+                continue
+            plan = partition.stages[stage]
+            self._device_of[id(t)] = devices[plan.ipu]
+            streamed = (self.liveness != Liveness.AlwaysLive
+                        or _location_off_chip(weight_loc, t.numel()))
+            if streamed:
+                self._phase_weights.setdefault(plan.phase, []).append(t)
+            else:
+                self._pinned.append(t)
+        self.resident: Dict[int, bool] = {p: False for p in self._phase_weights}
+        self.resident_bytes = 0
+        self.peak_resident_bytes = 0
+        self.streamed_bytes = 0
+        self.loads: List[int] = []  # phases loaded, in order
+        for t in self._pinned:
+            self._move(t, self._device_of[id(t)])
+        self.resident_bytes = sum(_nbytes(t) for t in self._pinned)
+        self.peak_resident_bytes = self.resident_bytes
+        for phase in self._phase_weights:
+            self._offload_phase(phase, count=False)
+
+    @property
+    def streamed_phases(self) -> List[int]:
+        return sorted(self._phase_weights)
+
+    def enter(self, phase: int, lane_previous: Optional[int]) -> None:
+        """A lane starts running ``phase`` after ``lane_previous``."""
+        if lane_previous is not None and lane_previous != phase:
+            self._offload_phase(lane_previous)
+        if phase in self.resident and not self.resident[phase]:
+            for t in self._phase_weights[phase]:
+                self._move(t, self._device_of[id(t)])
+                self.streamed_bytes += _nbytes(t)
+            self.resident[phase] = True
+            self.resident_bytes += sum(_nbytes(t) for t in self._phase_weights[phase])
+            self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
+            self.loads.append(phase)
+
+    def offload_all(self) -> None:
+        """End of a step: streamed weights (and their gradients) go back to the host,
+        where the optimizer updates them."""
+        for phase in list(self.resident):
+            self._offload_phase(phase)
+
+    def _offload_phase(self, phase: Optional[int], count: bool = True) -> None:
+        if phase not in self.resident or (count and not self.resident[phase]):
+            return
+        for t in self._phase_weights[phase]:
+            self._move(t, HOST)
+            if count:
+                self.streamed_bytes += _nbytes(t)
+        if count:
+            self.resident_bytes -= sum(_nbytes(t) for t in self._phase_weights[phase])
+        self.resident[phase] = False
+
+    @staticmethod
+    def _move(t: torch.Tensor, device: torch.device) -> None:
+        if t.device != device:
+            t.data = t.data.to(device)
+            if t.grad is not None:
+                t.grad = t.grad.to(device)
+
+    def activation_scope(self, devices: List[torch.device]):
+        """Saved activations go to host memory between forward and backward."""
+        if self.stream_activations and any(d.type != "cpu" for d in devices):
+            return torch.autograd.graph.save_on_cpu(pin_memory=False)
+        return contextlib.nullcontext()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -1,0 +1,426 @@
+"""Recomputation: activations between checkpoints are recomputed in the backward pass.
+
+``poptorch.recomputationCheckpoint`` cuts a training forward pass into *segments*.
+While an executor runs a model that uses checkpoints, a dispatch mode records every
+operation of the forward pass (a *tape*, holding only the tensors that come from outside
+the segment: weights, inputs, earlier checkpoints), and a saved-tensors hook decides
+what autograd keeps for the backward pass:
+
+* tensors made inside the segment are dropped when the segment closes (at the next
+  checkpoint, or when the model's forward returns); the first backward node that needs
+  one replays the segment's tape from its inputs (no grad, same random numbers) and
+  the recomputed values are handed out, each freed once used;
+* the checkpointed tensors, and tensors from outside the segment, are kept as usual
+  (through any enclosing saved-tensors hooks, e.g. ``save_on_cpu``).
+
+A forward pass that calls no checkpoint keeps everything. The recording starts and
+stops with the model's forward: forward hooks on the outermost module, installed the
+first time the model calls a checkpoint inside an executor (that first forward pass is
+therefore not recomputed; every later one is).
+"""
+from __future__ import annotations
+
+import collections
+import sys
+import threading
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from ...errors import Error
+from .. import context
+
+__all__ = ["checkpoint", "ForwardRecording"]
+
+Ref = Tuple[int, int]  # (index of the op in the tape, index of the output tensor)
+
+_state = threading.local()
+_hooked_models: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+_hook_lock = threading.Lock()
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
+
+
+def checkpoint(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Mark ``tensors`` as kept for the backward pass and start a new segment.
+
+    Outside a training forward pass of an executor this does nothing.
+    """
+    recording = getattr(_state, "recording", None)
+    if recording is not None:
+        recording.checkpoint(tensors)
+    elif context.is_running_on_ipu() and not torch.compiler.is_compiling():
+        _hook_outermost_module()
+    return tensors
+
+
+# ---------------------------------------------------------------- forward boundaries
+def _hook_outermost_module() -> None:
+    """Install the recording hooks on the outermost module running on this thread."""
+    frame = sys._getframe(2)
+    model = None
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL:
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, torch.nn.Module):
+                model = candidate
+        frame = frame.f_back
+    if model is None:
+        return
+    with _hook_lock:
+        if model in _hooked_models:
+            return
+        _hooked_models.add(model)
+    model.register_forward_pre_hook(_start_forward)
+    model.register_forward_hook(_end_forward, always_call=True)
+
+
+def _start_forward(module: torch.nn.Module, args: Any) -> None:
+    recording = getattr(_state, "recording", None)
+    if recording is not None:
+        if recording.owner is module:
+            recording.depth += 1
+        return
+    if context.is_running_on_ipu() and torch.is_grad_enabled():
+        _state.recording = ForwardRecording(module)
+        _state.recording.start()
+
+
+def _end_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
+    recording = getattr(_state, "recording", None)
+    if recording is None or recording.owner is not module:
+        return
+    if recording.depth > 0:
+        recording.depth -= 1
+        return
+    _state.recording = None
+    recording.finish()
+
+
+# ---------------------------------------------------------------- one forward pass
+class ForwardRecording:
+    """Records one forward pass of ``owner`` cut into segments at checkpoints."""
+
+    def __init__(self, owner: torch.nn.Module) -> None:
+        self.owner = owner
+        self.depth = 0
+        self.checkpoints = 0
+        self.outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        self.segment = _Segment(self.outer)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._mode = _TapeMode(self)
+
+    def start(self) -> None:
+        self._hooks.__enter__()
+        self._mode.__enter__()
+
+    def finish(self) -> None:
+        try:
+            self._mode.__exit__(None, None, None)
+            self._hooks.__exit__(None, None, None)
+        finally:
+            self.segment.close(recompute=self.checkpoints > 0)
+
+    def checkpoint(self, tensors: List[torch.Tensor]) -> None:
+        self.checkpoints += 1
+        self.segment.keep(tensors)
+        self.segment.close(recompute=True)
+        self.segment = _Segment(self.outer)
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        return self.segment.pack(tensor)
+
+
+class _TapeMode(TorchDispatchMode):
+    """Appends every operation to the open segment's tape."""
+
+    def __init__(self, recording: ForwardRecording) -> None:
+        super().__init__()
+        self.recording = recording
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        segment = self.recording.segment
+        entry = segment.before(func, args, kwargs)
+        out = func(*args, **kwargs)
+        segment.after(entry, out)
+        return out
+
+
+# ---------------------------------------------------------------- saved tensors
+class _Kept:
+    """A saved tensor kept as usual (optionally through the enclosing hooks)."""
+
+    __slots__ = ("payload", "unpack", "version", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, outer: Optional[tuple]) -> None:
+        self.version = tensor._version
+        if outer is None:
+            self.tensor, self.payload, self.unpack = tensor, None, None
+        else:
+            self.tensor, self.payload, self.unpack = None, outer[0](tensor), outer[1]
+
+    def get(self) -> torch.Tensor:
+        if self.unpack is not None:
+            return self.unpack(self.payload)
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified "
+                f"by an inplace operation: it is at version {self.tensor._version}; "
+                f"expected version {self.version} instead.")
+        return self.tensor
+
+
+class _Pending:
+    """A tensor made inside a segment: held until the segment closes, then either
+    kept or dropped (and recomputed when unpacked)."""
+
+    __slots__ = ("segment", "ref", "tensor", "kept", "__weakref__")
+
+    def __init__(self, segment: "_Segment", ref: Ref, tensor: torch.Tensor) -> None:
+        self.segment = segment
+        self.ref = ref
+        self.tensor: Optional[torch.Tensor] = tensor
+        self.kept: Optional[_Kept] = None
+
+    def get(self) -> torch.Tensor:
+        if self.kept is not None:
+            return self.kept.get()
+        if self.tensor is not None:  # unpacked before its segment closed
+            return self.tensor
+        return self.segment.recomputed(self.ref)
+
+
+def _unpack(saved: Any) -> torch.Tensor:
+    return saved.get()
+
+
+# ---------------------------------------------------------------- the tape
+class _Segment:
+    """The tape of the operations between two checkpoints, and its saved tensors."""
+
+    def __init__(self, outer: Optional[tuple]) -> None:
+        self.outer = outer
+        self.ops: List[tuple] = []  # (func, leaves, spec)
+        self.binding = WeakTensorKeyDictionary()  # tensor made here -> Ref
+        self.externals: List[torch.Tensor] = []
+        self.external_index: Dict[int, int] = {}
+        self.snapshots: Dict[int, torch.Tensor] = {}  # external -> value before a write
+        self.versions: List[int] = []
+        self.rng: Optional[tuple] = None  # (op index, cpu state, cuda states)
+        self.pending: List[_Pending] = []
+        self.kept_refs: set = set()
+        self.wanted: collections.Counter = collections.Counter()
+        self.cache: Dict[Ref, torch.Tensor] = {}
+        self.left: collections.Counter = collections.Counter()
+        self.drop_after: List[List[Ref]] = []
+
+    # recording ------------------------------------------------------------------
+    def before(self, func, args: tuple, kwargs: dict) -> tuple:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        writes = _written_leaves(func, args, kwargs)
+        refs = []
+        for n, leaf in enumerate(leaves):
+            if not isinstance(leaf, torch.Tensor):
+                refs.append(leaf)
+                continue
+            ref = self.binding.get(leaf)
+            if ref is not None:
+                if n in writes:
+                    self._check_not_external_view(leaf)
+                refs.append(_Internal(ref))
+                continue
+            index = self._external(leaf)
+            if n in writes and index not in self.snapshots:
+                self.snapshots[index] = leaf.detach().clone()
+            refs.append(_External(index))
+        if self.rng is None and torch.Tag.nondeterministic_seeded in func.tags:
+            cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+            self.rng = (len(self.ops), torch.get_rng_state(), cuda)
+        return func, refs, spec
+
+    def after(self, entry: tuple, out: Any) -> None:
+        i = len(self.ops)
+        self.ops.append(entry)
+        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        for j, t in enumerate(outputs):
+            self.binding[t] = (i, j)
+
+    def _check_not_external_view(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage().data_ptr()
+        if any(t.untyped_storage().data_ptr() == storage for t in self.externals):
+            raise Error(
+                "An in-place update of a view of a tensor made before this recomputation "
+                "segment (before the last poptorch.recomputationCheckpoint) cannot be "
+                "recomputed. Update a copy instead (e.g. x = x.clone() before the update).")
+
+    def _external(self, tensor: torch.Tensor) -> int:
+        index = self.external_index.get(id(tensor))
+        if index is None:
+            index = len(self.externals)
+            self.externals.append(tensor)
+            self.external_index[id(tensor)] = index
+        return index
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        ref = self.binding.get(tensor)
+        if ref is None:
+            return _Kept(tensor, self.outer)
+        pending = _Pending(self, ref, tensor)
+        self.pending.append(pending)
+        return pending
+
+    def keep(self, tensors: List[torch.Tensor]) -> None:
+        for t in tensors:
+            ref = self.binding.get(t)
+            if ref is not None:
+                self.kept_refs.add(ref)
+
+    def close(self, recompute: bool) -> None:
+        """Decide for every tensor saved in this segment: keep it or recompute it."""
+        for pending in self.pending:
+            if not recompute or pending.ref in self.kept_refs:
+                pending.kept = _Kept(pending.tensor, self.outer)
+            else:
+                self.wanted[pending.ref] += 1
+            pending.tensor = None
+        self.pending = []
+        self.binding = WeakTensorKeyDictionary()
+        self.versions = [t._version for t in self.externals]
+        if self.wanted:
+            self._plan_frees()
+        else:  # nothing to recompute: the tape is not needed
+            self.ops, self.externals, self.snapshots = [], [], {}
+        self.external_index = {}
+
+    def _plan_frees(self) -> None:
+        last_use: Dict[Ref, int] = {}
+        for i, (_, refs, _) in enumerate(self.ops):
+            for r in refs:
+                if isinstance(r, _Internal):
+                    last_use[r.ref] = i
+        self.drop_after = [[] for _ in self.ops]
+        for ref, i in last_use.items():
+            if ref not in self.wanted:
+                self.drop_after[i].append(ref)
+
+    # replay ---------------------------------------------------------------------
+    def recomputed(self, ref: Ref) -> torch.Tensor:
+        """The recomputed value of ``ref`` (replays the tape on first use)."""
+        if ref not in self.cache:
+            self.cache = self._replay()
+            self.left = collections.Counter(self.wanted)
+        value = self.cache[ref]
+        self.left[ref] -= 1
+        if self.left[ref] <= 0:
+            del self.cache[ref]
+        return value
+
+    def _replay(self) -> Dict[Ref, torch.Tensor]:
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
+            raise Error("Recomputation does not support a backward pass with "
+                        "create_graph=True (double backward): remove the "
+                        "poptorch.recomputationCheckpoint calls for this model.")
+        for index, (tensor, version) in enumerate(zip(self.externals, self.versions)):
+            if index not in self.snapshots and tensor._version != version:
+                raise Error(
+                    "A tensor used by a recomputed part of the model (between "
+                    "poptorch.recomputationCheckpoint calls) was modified in place after "
+                    "the forward pass, so the activations cannot be recomputed. Avoid the "
+                    "in-place update, or pass that tensor to recomputationCheckpoint.")
+        externals = [self.snapshots[i].clone() if i in self.snapshots else t
+                     for i, t in enumerate(self.externals)]
+        values: Dict[Ref, torch.Tensor] = {}
+        with torch.no_grad(), _disable_current_modes(), torch._C.DisableTorchFunction(), \
+                torch._C._DisableAutocast(), _ReplayRng(self.rng) as rng:
+            for i, (func, refs, spec) in enumerate(self.ops):
+                rng.before(i)
+                leaves = [values[r.ref] if isinstance(r, _Internal) else
+                          externals[r.index] if isinstance(r, _External) else r
+                          for r in refs]
+                args, kwargs = pytree.tree_unflatten(leaves, spec)
+                out = func(*args, **kwargs)
+                outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+                for j, t in enumerate(outputs):
+                    values[(i, j)] = t
+                for ref in self.drop_after[i]:
+                    values.pop(ref, None)
+        return {ref: values[ref] for ref in self.wanted}
+
+
+class _Internal:
+    __slots__ = ("ref", )
+
+    def __init__(self, ref: Ref) -> None:
+        self.ref = ref
+
+
+class _External:
+    __slots__ = ("index", )
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+_write_cache: Dict[Any, Tuple[frozenset, frozenset]] = {}
+# Ops that update their running statistics without saying so in their schema.
+_UNANNOTATED_WRITES = {
+    torch.ops.aten.native_batch_norm: ("running_mean", "running_var"),
+    torch.ops.aten.cudnn_batch_norm: ("running_mean", "running_var"),
+    torch.ops.aten.miopen_batch_norm: ("running_mean", "running_var"),
+}
+
+
+def _written_leaves(func, args: tuple, kwargs: dict) -> set:
+    """Leaf positions (in the flattened ``(args, kwargs)``) of the arguments that
+    ``func`` writes to (from its schema, e.g. ``self`` of ``add_``, ``out=``)."""
+    cached = _write_cache.get(func)
+    if cached is None:
+        arguments = func._schema.arguments
+        extra = _UNANNOTATED_WRITES.get(func.overloadpacket, ())
+        positions = frozenset(n for n, a in enumerate(arguments)
+                              if (a.alias_info is not None and a.alias_info.is_write)
+                              or a.name in extra)
+        cached = _write_cache[func] = (positions,
+                                       frozenset(arguments[n].name for n in positions))
+    positions, names = cached
+    if not positions:
+        return set()
+    written, leaf = set(), 0
+    for key, value in [*enumerate(args), *kwargs.items()]:
+        count = len(pytree.tree_leaves(value))
+        if key in positions or key in names:
+            written.update(range(leaf, leaf + count))
+        leaf += count
+    return written
+
+
+class _ReplayRng:
+    """Puts the random generators in the recorded state before the first random op of
+    the tape, and restores them after the replay."""
+
+    def __init__(self, rng: Optional[tuple]) -> None:
+        self.rng = rng
+        self.saved: Optional[tuple] = None
+
+    def __enter__(self) -> "_ReplayRng":
+        return self
+
+    def before(self, i: int) -> None:
+        if self.rng is None or self.rng[0] != i:
+            return
+        cuda = self.rng[2]
+        self.saved = (torch.get_rng_state(),
+                      torch.cuda.get_rng_state_all() if cuda is not None else None)
+        torch.set_rng_state(self.rng[1])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+    def __exit__(self, *exc) -> None:
+        if self.saved is not None:
+            torch.set_rng_state(self.saved[0])
+            if self.saved[1] is not None:
+                torch.cuda.set_rng_state_all(self.saved[1])

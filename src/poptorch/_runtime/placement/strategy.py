@@ -1,0 +1,39 @@
+"""What the runtime needs to know of an execution strategy.
+
+The strategy classes users configure (``poptorch.PipelinedExecution``,
+``ShardedExecution``, ``SerialPhasedExecution``, ``ParallelPhasedExecution``) live in
+the public layer (``poptorch.annotations.strategies``). The runtime reads them through
+this small protocol instead of importing them: each class names its schedule with a
+``schedule_kind`` class attribute.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Protocol
+
+PIPELINED = "pipelined"
+SHARDED = "sharded"
+SERIAL_PHASED = "serial_phased"
+PARALLEL_PHASED = "parallel_phased"
+PHASED_KINDS = (SERIAL_PHASED, PARALLEL_PHASED)
+
+
+class ExecutionStrategy(Protocol):
+    """The attributes of a strategy object that the runtime reads."""
+
+    schedule_kind: str
+
+    def onStartTracing(self) -> None: ...
+
+    def onEndTracing(self) -> None: ...
+
+    def _explicit_stages(self) -> List[Any]: ...
+
+
+def kind_of(strategy: ExecutionStrategy) -> str:
+    """The schedule of ``strategy``: one of the ``*_KIND`` constants of this module."""
+    return strategy.schedule_kind
+
+
+def is_phased(strategy: ExecutionStrategy) -> bool:
+    """True for the serial and parallel phased strategies."""
+    return strategy.schedule_kind in PHASED_KINDS

@@ -1,0 +1,2 @@
+"""The device loop of one call: runners of micro-batches, the loss, and the optimizer
+step on the device."""

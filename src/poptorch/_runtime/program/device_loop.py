@@ -1,0 +1,244 @@
+"""The device program: what one call of a compiled executor runs.
+
+One call performs ``d`` device iterations. In training each is one optimizer step over
+``g * r`` micro-batches: forward and backward for each (through the step runner), the
+gradient reduction, loss-scale checks and the optimizer update. Outputs are kept only as
+the output mode needs them.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable
+
+import torch
+
+from ...enums import MeanReductionStrategy, OutputMode, ReductionType
+from ...errors import Error
+from .. import context
+from ..batching.plan import BatchPlan, OutputCollector, split_inputs
+from .loss import find_loss
+from .optimizer import fast_step
+from .runner import StepRunner
+
+
+def detach(output: Any) -> Any:
+    """Detach every tensor of an output structure (fast paths for common shapes)."""
+    if isinstance(output, torch.Tensor):
+        return output.detach()
+    if isinstance(output, tuple) and all(isinstance(t, torch.Tensor) for t in output):
+        return tuple(t.detach() for t in output)
+    from torch.utils import _pytree as pytree
+    return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t,
+                           output)
+
+
+class RngScope:
+    """Runs the device program on its own random-number stream.
+
+    With ``Options.randomSeed`` set, the executor owns a generator state seeded once;
+    each call swaps it in and out of torch's default generator, so the same seed gives
+    the same results run to run and the host's random stream is left untouched.
+    """
+
+    def __init__(self, seed: int | None, device: torch.device) -> None:
+        self.enabled = seed is not None
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.state: torch.Tensor | None = None
+        self.cuda_state: torch.Tensor | None = None
+        if self.enabled:
+            self.seed = int(seed)
+            self.state = torch.Generator().manual_seed(self.seed).get_state()
+            if self.cuda:
+                g = torch.Generator(device=device).manual_seed(self.seed)
+                self.cuda_state = g.get_state()
+
+    def __enter__(self) -> None:
+        if not self.enabled:
+            return
+        self._saved = torch.get_rng_state()
+        torch.set_rng_state(self.state)
+        if self.cuda:
+            self._saved_cuda = torch.cuda.get_rng_state(self.device)
+            torch.cuda.set_rng_state(self.cuda_state, self.device)
+
+    def __exit__(self, *exc) -> None:
+        if not self.enabled:
+            return
+        self.state = torch.get_rng_state()
+        torch.set_rng_state(self._saved)
+        if self.cuda:
+            self.cuda_state = torch.cuda.get_rng_state(self.device)
+            torch.cuda.set_rng_state(self._saved_cuda, self.device)
+
+
+class PerfCounters:
+    """Host timestamps (seconds) of the last call, one entry per device iteration."""
+
+    def __init__(self) -> None:
+        self.counters: dict[str, list[float]] = {
+            "input": [], "input_complete": [], "output": [], "output_complete": []}
+
+    def latencies(self, start: str, end: str) -> tuple[float, float, float]:
+        """(min, max, mean) of ``end - start`` over the iterations of the last call."""
+        spans = [b - a for a, b in zip(self.counters[start], self.counters[end])]
+        if not spans:
+            raise Error("No performance counters yet: run the model first.")
+        return min(spans), max(spans), sum(spans) / len(spans)
+
+
+class DeviceProgram:
+    """Runs the calls of one compiled executor (see module docstring)."""
+
+    def __init__(self, *, plan: BatchPlan, runner: StepRunner, training: bool,
+                 output_mode: OutputMode, output_return_period: int,
+                 params: list[torch.nn.Parameter], optimizer: Any, options: Any,
+                 rng: RngScope, to_host: Callable[[Any], Any] | None,
+                 anchors: Callable[[int], None] | None, cross: Any = None) -> None:
+        self.plan = plan
+        self.runner = runner
+        self.training = training
+        self.output_mode = output_mode
+        self.output_return_period = output_return_period
+        self.params = params
+        self.optimizer = optimizer  # a property: also picks the fast step function
+        self.rng = rng
+        self.to_host = to_host
+        self.anchors = anchors
+        self.perf = PerfCounters()
+        self.scaler = None
+        self.last_compute_seconds = 0.0
+        # Context managers entered around the device loop of every call (profiling,
+        # precision), and the check run after every step; empty / None when unused.
+        self.wrappers: list = []
+        self.finite_check: Callable[[Any, Any], None] | None = None
+        self.named_params: list = []
+        # The cross-process side (distributed.replicas.CrossProcessReplicas) of a run of
+        # several processes, None in one process.
+        self.cross = cross
+        self._configure_reduction(options, cross.world.size if cross is not None else 1)
+
+    def _configure_reduction(self, options: Any, processes: int) -> None:
+        training = options.Training
+        reduction = ReductionType(training.accumulation_and_replication_reduction_type)
+        if reduction == ReductionType.NoReduction:
+            raise Error(
+                "Training.accumulationAndReplicationReductionType(NoReduction) is not "
+                "valid for gradients: use ReductionType.Mean (the default) or Sum.")
+        n = self.plan.per_step * processes  # micro-batches of a step, all processes
+        mean = reduction == ReductionType.Mean and n > 1
+        strategy = MeanReductionStrategy(
+            training.meanAccumulationAndReplicationReductionStrategy)
+        # Post: sum the gradients, divide once before the update. Running / PostAndLoss:
+        # scale each micro-batch loss by 1/n (the same mean, rounded differently).
+        self.divide_grads_by = n if mean and strategy == MeanReductionStrategy.Post else 1
+        self.loss_multiplier = 1.0 / n if mean and self.divide_grads_by == 1 else 1.0
+
+    @property
+    def optimizer(self) -> Any:
+        """The optimizer that updates the device parameters."""
+        return self._optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: Any) -> None:
+        self._optimizer = optimizer
+        self._step = None if optimizer is None else fast_step(optimizer)
+
+    def set_scaler(self, scaler: Any) -> None:
+        """Install (or remove, with None) the loss scaler used by training steps."""
+        self.scaler = scaler
+
+    def _loss_of(self, output: Any) -> torch.Tensor:
+        loss = find_loss(output, context.take_marked_losses())
+        if self.loss_multiplier != 1.0:
+            loss = loss * self.loss_multiplier
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        return loss
+
+    def _train_step(self, microbatches: list) -> list:
+        params = self.params
+        for p in params:
+            p.grad = None
+        outputs = self.runner(microbatches, self._loss_of)
+        if self.cross is not None:
+            self.cross.reduce_gradients()
+        if self.divide_grads_by != 1:
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads:
+                torch._foreach_div_(grads, float(self.divide_grads_by))
+        if self.scaler is None or self.scaler.unscale_(params):
+            self._step()
+        if self.cross is not None:
+            self.cross.sync_buffers()
+        return outputs
+
+    def _collect(self, collector: OutputCollector, i: int, outputs: list) -> None:
+        for n, out in enumerate(outputs):
+            if collector.wants(i, n):
+                collector.add(n, detach(out))
+        if self.finite_check is not None:
+            self.finite_check(outputs, self.named_params)
+        if self.anchors is not None:
+            self.anchors(i)
+
+    def _infer(self, microbatches: list) -> list:
+        with torch.no_grad():
+            outputs = self.runner(microbatches, None)
+        context.take_marked_losses()
+        return outputs
+
+    def _loop(self, steps: list, collector: OutputCollector, t_prev: float) -> float:
+        """The device iterations of one call; returns the time the last one ended."""
+        perf = self.perf.counters
+        if self.training or self.anchors is not None:
+            # One runner call per iteration: training updates the weights in between,
+            # and anchors read the model after each iteration.
+            iterate = self._train_step if self.training else self._infer
+            for i, microbatches in enumerate(steps):
+                perf["input"].append(t_prev)
+                perf["input_complete"].append(time.perf_counter())
+                self._collect(collector, i, iterate(microbatches))
+                t_prev = time.perf_counter()
+                perf["output"].append(t_prev)
+            return t_prev
+        # No update between inference iterations: one runner call takes all d * r
+        # micro-batches, so a pipeline stays full across iterations.
+        perf["input"].extend([t_prev] * len(steps))
+        perf["input_complete"].extend([time.perf_counter()] * len(steps))
+        outputs = self._infer([mb for step in steps for mb in step])
+        per = self.plan.per_step
+        for i in range(len(steps)):
+            self._collect(collector, i, outputs[i * per:(i + 1) * per])
+        t_prev = time.perf_counter()
+        perf["output"].extend([t_prev] * len(steps))
+        return t_prev
+
+    def run(self, args: tuple, kwargs: dict) -> Any:
+        """Run one call on inputs already on the device; return host outputs."""
+        t_start = time.perf_counter()
+        steps = split_inputs(self.plan, args, kwargs)  # raises before anything runs
+        collector = OutputCollector(self.plan, self.output_mode, self.output_return_period)
+        perf = self.perf.counters
+        for key in perf:
+            perf[key].clear()
+        t_prev = t_start
+        context.take_marked_losses()  # drop marks left by runs outside the executor
+        with context.running_on_ipu(), self.rng:
+            if self.wrappers:
+                with contextlib.ExitStack() as stack:
+                    for wrapper in self.wrappers:
+                        stack.enter_context(wrapper)
+                    t_prev = self._loop(steps, collector, t_prev)
+            else:
+                t_prev = self._loop(steps, collector, t_prev)
+            if self.cross is not None and not self.training:
+                self.cross.sync_buffers()
+        result = collector.result()
+        if self.to_host is not None:
+            result = self.to_host(result)
+        t_end = time.perf_counter()
+        perf["output_complete"].extend([t_end] * len(perf["output"]))
+        self.last_compute_seconds = t_prev - t_start
+        return result

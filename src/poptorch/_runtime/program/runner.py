@@ -1,0 +1,102 @@
+"""Step runners: run the micro-batches of one optimizer step (or inference iteration).
+
+A :py:class:`StepRunner` is any callable
+``runner(microbatches, loss_of) -> outputs``: it runs the model on every micro-batch
+and, in training, calls ``loss_of(output).backward()`` for each of them, choosing when.
+Model parallelism (``_runtime/placement/``) supplies runners that pipeline, shard or
+phase the model; the default below runs micro-batches one after the other.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import torch
+
+from ..batching.plan import Microbatch
+
+LossOf = Callable[[Any], torch.Tensor]
+
+
+class StepRunner(Protocol):
+    """Runs forward (and backward) over the micro-batches of one step."""
+
+    def __call__(self, microbatches: list[Microbatch],
+                 loss_of: LossOf | None) -> list[Any]:
+        ...
+
+
+class SequentialRunner:
+    """Runs each micro-batch's forward, then its backward, on one device."""
+
+    def __init__(self, forward: Callable[..., Any]) -> None:
+        self.forward = forward
+
+    def __call__(self, microbatches: list[Microbatch],
+                 loss_of: LossOf | None) -> list[Any]:
+        outputs = []
+        forward = self.forward
+        for args, kwargs in microbatches:
+            out = forward(*args, **kwargs)
+            if loss_of is not None:
+                loss_of(out).backward()
+            outputs.append(out)
+        return outputs
+
+
+class ReplicaBuffers:
+    """One copy of the model's buffers per simulated replica, as ``r`` devices would hold.
+
+    Replica 0's copy is the model's own storage (what the host sees); the others are
+    clones. :py:meth:`select` points every buffer at a replica's copy by swapping its
+    ``.data``, so in-place updates in ``forward`` (BatchNorm's running statistics)
+    reach that replica's copy only.
+    """
+
+    def __init__(self, model: torch.nn.Module, replicas: int) -> None:
+        self.buffers = list(model.buffers())
+        self.copies = [[b.data for b in self.buffers]] + [
+            [b.detach().clone() for b in self.buffers] for _ in range(replicas - 1)]
+        self.current = 0
+
+    def select(self, replica: int) -> None:
+        """Make the model use ``replica``'s buffers."""
+        if replica != self.current:
+            for buffer, data in zip(self.buffers, self.copies[replica]):
+                buffer.data = data
+            self.current = replica
+
+    def broadcast(self) -> None:
+        """Copy replica 0's buffers to every other replica (and select replica 0)."""
+        self.select(0)
+        with torch.no_grad():
+            for copies in self.copies[1:]:
+                torch._foreach_copy_(copies, self.copies[0])
+
+
+class ReplicatedBuffersRunner:
+    """Wraps a runner so that micro-batch ``n`` (replica ``n % r``) runs with that
+    replica's buffers; with ``broadcast`` replica 0's buffers are copied to all replicas
+    after every ``per_step`` micro-batches (one optimizer step or inference iteration).
+    The model is left on replica 0's buffers."""
+
+    def __init__(self, runner: SequentialRunner, buffers: ReplicaBuffers, replicas: int,
+                 per_step: int, broadcast: bool) -> None:
+        self.inner = runner
+        self.buffers = buffers
+        self.replicas = replicas
+        self.per_step = per_step
+        self.broadcast = broadcast
+
+    def __call__(self, microbatches: list[Microbatch],
+                 loss_of: LossOf | None) -> list[Any]:
+        outputs: list[Any] = []
+        buffers, run = self.buffers, self.inner
+        try:
+            for n, microbatch in enumerate(microbatches):
+                buffers.select(n % self.replicas)
+                outputs.extend(run([microbatch], loss_of))
+                if self.broadcast and (n + 1) % self.per_step == 0:
+                    buffers.broadcast()
+        finally:
+            buffers.select(0)
+        return outputs

@@ -1,0 +1,1 @@
+"""Weights: PopTorch's shallow model copy and host <-> device weight sync."""

@@ -1,0 +1,11 @@
+"""Feeding a PopTorch model: ``poptorch.DataLoader`` and ``AsynchronousDataAccessor``.
+
+``loader``: the DataLoader (combined batches, modes); ``samplers``: combined batches and
+the share of each process; ``accessor`` / ``worker``: the asynchronous loader (a worker
+process filling a ring of shared-memory buffers); ``tree``: flattening nested batches.
+"""
+# ruff: noqa: F401
+from .accessor import AsynchronousDataAccessor
+from .loader import DataLoader
+
+__all__ = ["DataLoader", "AsynchronousDataAccessor"]

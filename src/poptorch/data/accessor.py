@@ -1,0 +1,322 @@
+"""``AsynchronousDataAccessor``: load batches in another process while the model runs.
+
+The accessor starts one worker process (see ``worker``) that iterates the data set
+and fills a ring of ``buffer_size`` shared-memory slots. Iterating the accessor returns
+the tensors of a slot in place: they stay valid until the next batch is requested, after
+which the slot is refilled (clone a tensor to keep it).
+
+The worker is shut down by :meth:`AsynchronousDataAccessor.terminate`, when the accessor
+is garbage collected, and at interpreter exit (also after Ctrl-C). A worker that dies is
+noticed within a second and reported as a :py:class:`poptorch.Error`; an exception raised
+by the data set is re-raised in the main process with the worker named and the original
+traceback in its message.
+"""
+from __future__ import annotations
+
+import atexit
+import multiprocessing.util  # noqa: F401  (registers its atexit hook before ours)
+import os
+import pickle
+import queue
+import tempfile
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.multiprocessing
+
+from .tree import unflatten
+from .worker import DatasetFile, WorkerConfig, run_worker
+from .._logging import info_once
+from ..enums import SharingStrategy
+from ..errors import Error
+
+__all__ = ["AsynchronousDataAccessor"]
+
+_START_METHODS = {
+    SharingStrategy.SharedMemory: "spawn",
+    SharingStrategy.FileSystem: "spawn",
+    SharingStrategy.Fork: "fork",
+    SharingStrategy.ForkServer: "forkserver",
+}
+_LIVENESS_CHECK_S = 0.5
+_POLITE_JOIN_S = 1.0   # a worker waiting on its queue stops at once
+_JOIN_TIMEOUT_S = 5.0  # after SIGTERM, which the worker turns into a clean exit
+
+# Finalizers of the live accessors. Our atexit hook is registered after multiprocessing's
+# own (imported above), so it runs first: multiprocessing joins non-daemonic children at
+# exit, which would wait forever for a worker nobody told to stop.
+_live_workers: set[weakref.finalize] = set()
+
+
+@atexit.register
+def _terminate_all_workers() -> None:
+    for finalizer in list(_live_workers):
+        finalizer()
+
+
+def _shutdown_worker(owner_pid: int, process, commands, results,
+                     dataset_file: str | None) -> None:
+    """Stops the worker: politely, then SIGTERM (clean exit), then SIGKILL."""
+    if os.getpid() != owner_pid:  # a forked copy of the owner: not ours to stop
+        return
+    try:
+        if process.is_alive():
+            try:
+                commands.put(("stop",))
+            except (ValueError, OSError):
+                pass
+            process.join(_POLITE_JOIN_S)
+        if process.is_alive():
+            process.terminate()
+            process.join(_JOIN_TIMEOUT_S)
+        if process.is_alive():
+            process.kill()
+            process.join()
+    finally:
+        for channel in (commands, results):
+            channel.cancel_join_thread()
+            channel.close()
+        if dataset_file is not None and os.path.exists(dataset_file):
+            os.unlink(dataset_file)
+
+
+class AsynchronousDataAccessor:
+    """A data loader which launches the data loading process on a separate
+    process to allow for the data to be preprocessed asynchronously on CPU while the
+    model runs.
+
+    This works by loading the data into a ring buffer of shared memory. When the model
+    needs another batch it uses the data ready in the ring buffer. The memory is shared
+    so will be used in-place and won't be freed until the next batch is requested.
+    Behind the scenes the worker process fills the unready elements of the ring buffer.
+
+    .. note:: When using a ``torch.utils.data.Dataset`` with ``rebatched_size``
+        the accessor will default to ``drop_last=True``, to change that
+        behaviour wrap the dataset into a
+        ``poptorch.DataLoader(..., drop_last=False)``.
+
+    Args:
+        dataset: The data set to pull data from: any iterable, typically a
+            ``poptorch.DataLoader`` or ``torch.utils.data.DataLoader``.
+        buffer_size: Number of batches the ring buffer holds.
+        miss_sleep_time_in_ms: Upstream, how long the worker sleeps before checking
+            again when the buffer is full. Here the worker blocks until a slot is freed
+            and wakes at once, so the value is recorded but has no effect.
+        load_indefinitely: If True, the worker starts the next pass over the data set
+            as soon as one ends, preloading the next epoch; if False, it waits until
+            the accessor is iterated again.
+        early_preload: If True, start filling the ring buffer as soon as the worker is
+            created; if False, when the accessor is first iterated.
+        sharing_strategy: How the data set reaches the worker process:
+            ``Fork`` and ``ForkServer`` start it with the matching multiprocessing
+            start method; ``SharedMemory`` spawns it and passes the data set's
+            tensors through shared memory; ``FileSystem`` spawns it and passes the
+            data set through a temporary file. All but ``Fork`` pickle the data set.
+        rebatched_size: If not None, the batches of ``dataset`` are concatenated and
+            cut into batches of exactly this many rows (the last one is dropped
+            unless ``dataset.rebatched_drop_last`` is False).
+    """
+
+    def __init__(self, dataset: Iterable, buffer_size: int = 3,
+                 miss_sleep_time_in_ms: float = 0.1, load_indefinitely: bool = True,
+                 early_preload: bool = False,
+                 sharing_strategy: SharingStrategy = SharingStrategy.ForkServer,
+                 rebatched_size: int | None = None) -> None:
+        if not isinstance(dataset, Iterable):
+            raise TypeError("AsynchronousDataAccessor needs an iterable data set (for "
+                            "example a poptorch.DataLoader); got "
+                            f"{type(dataset).__name__}.")
+        _check_positive_int("buffer_size", buffer_size)
+        if rebatched_size is not None:
+            _check_positive_int("rebatched_size", rebatched_size)
+        try:
+            sharing_strategy = SharingStrategy(sharing_strategy)
+        except ValueError:
+            raise ValueError(f"sharing_strategy must be a poptorch.SharingStrategy; got "
+                             f"{sharing_strategy!r}.") from None
+        if miss_sleep_time_in_ms != 0.1:
+            info_once("async_miss_sleep_time",
+                      "AsynchronousDataAccessor: miss_sleep_time_in_ms=%s is recorded but "
+                      "has no effect: the worker blocks until a buffer slot is freed "
+                      "instead of polling.", miss_sleep_time_in_ms)
+        self.rebatched_size = rebatched_size
+        self.miss_sleep_time_in_ms = miss_sleep_time_in_ms
+        self.load_indefinitely = load_indefinitely
+        self.early_preload = early_preload
+        self.sharing_strategy = sharing_strategy
+        self.buffer_size = buffer_size
+        self._drop_last = bool(getattr(dataset, "rebatched_drop_last", True))
+        self._length = self._compute_length(dataset)
+        self._epoch = -1           # epoch being consumed
+        self._in_epoch = False     # True between __iter__ and the epoch's end
+        self._held_slot: int | None = None
+        self._slots: list[list[torch.Tensor] | None] = [None] * buffer_size
+        self._start_worker(dataset)
+
+    # -- worker lifetime --------------------------------------------------------------
+    def _start_worker(self, dataset: Iterable) -> None:
+        context = torch.multiprocessing.get_context(_START_METHODS[self.sharing_strategy])
+        self._commands = context.Queue()
+        self._results = context.Queue()
+        dataset_file = None
+        source: Any = dataset
+        if self.sharing_strategy == SharingStrategy.FileSystem:
+            handle, dataset_file = tempfile.mkstemp(prefix="poptorch_dataset_",
+                                                    suffix=".pkl")
+            with os.fdopen(handle, "wb") as out:
+                pickle.dump(dataset, out)
+            source = DatasetFile(dataset_file)
+        config = WorkerConfig(self.buffer_size, bool(self.load_indefinitely),
+                              bool(self.early_preload), self.rebatched_size,
+                              self._drop_last)
+        self._process = context.Process(
+            target=run_worker, args=(source, self._commands, self._results, config),
+            name="poptorch-async-data", daemon=False)
+        try:
+            self._process.start()
+        except Exception as error:
+            if dataset_file is not None and os.path.exists(dataset_file):
+                os.unlink(dataset_file)
+            raise Error(
+                f"AsynchronousDataAccessor could not start its worker with "
+                f"{self.sharing_strategy!r}: {error}. Strategies other than "
+                "SharingStrategy.Fork pickle the data set: make it picklable "
+                "(defined at module level) or use SharingStrategy.Fork.") from error
+        self._finalizer = weakref.finalize(self, _shutdown_worker, os.getpid(),
+                                           self._process, self._commands,
+                                           self._results, dataset_file)
+        _live_workers.difference_update([f for f in _live_workers if not f.alive])
+        _live_workers.add(self._finalizer)
+
+    def terminate(self) -> None:
+        """Stops the worker process (also done on garbage collection and at exit)."""
+        self._finalizer()
+        self._in_epoch = False
+
+    def _check_alive(self) -> None:
+        if not self._finalizer.alive:
+            raise Error("This AsynchronousDataAccessor has been terminated: create a new "
+                        "one (or a new poptorch.DataLoader) to load more data.")
+
+    # -- iteration --------------------------------------------------------------------
+    def __len__(self) -> int:
+        if self._length is None:
+            raise TypeError("The data set of this AsynchronousDataAccessor has no len().")
+        return self._length
+
+    def __iter__(self) -> "AsynchronousDataAccessor":
+        """Starts a new pass over the data set (abandoning an unfinished one)."""
+        self._check_alive()
+        self._release_slot()
+        self._epoch += 1
+        self._in_epoch = True
+        self._commands.put(("start", self._epoch))
+        return self
+
+    def __next__(self) -> Any:
+        self._check_alive()
+        if not self._in_epoch:
+            if self._epoch >= 0:
+                raise StopIteration
+            self.__iter__()
+        self._release_slot()
+        while True:
+            message = self._receive()
+            kind, epoch = message[0], message[1]
+            if kind == "batch":
+                _, _, slot, skeleton, fresh = message
+                if fresh is not None:
+                    self._slots[slot] = fresh
+                if epoch != self._epoch:  # left over from an abandoned pass
+                    self._commands.put(("free", slot))
+                    continue
+                self._held_slot = slot
+                return unflatten(skeleton, self._slots[slot])
+            if epoch != self._epoch:
+                continue
+            self._in_epoch = False
+            if kind == "end":
+                raise StopIteration
+            raise _rebuild_error(*message[2:])
+
+    def _release_slot(self) -> None:
+        if self._held_slot is not None:
+            self._commands.put(("free", self._held_slot))
+            self._held_slot = None
+
+    def _receive(self) -> tuple:
+        while True:
+            try:
+                return self._results.get(timeout=_LIVENESS_CHECK_S)
+            except queue.Empty:
+                if self._process.is_alive():
+                    continue
+            except (OSError, EOFError) as error:
+                # Receiving a batch's shared memory needs the worker: it died mid-send.
+                self._process.join(_LIVENESS_CHECK_S)
+                if self._process.is_alive():
+                    raise Error("Lost the connection to the AsynchronousDataAccessor "
+                                f"worker process (pid {self._process.pid}): {error}") \
+                        from error
+                raise self._worker_died() from error
+            try:  # it may have written its last words just before exiting
+                return self._results.get(timeout=_LIVENESS_CHECK_S)
+            except (queue.Empty, OSError, EOFError):
+                raise self._worker_died() from None
+
+    def _worker_died(self) -> Error:
+        code = self._process.exitcode
+        self.terminate()
+        return Error(
+            f"The AsynchronousDataAccessor worker process (pid {self._process.pid}) "
+            f"exited unexpectedly with exit code {code} (a negative code is the signal "
+            "that killed it, e.g. -9 when the system ran out of memory).")
+
+    def _compute_length(self, dataset: Iterable) -> int | None:
+        try:
+            length = len(dataset)  # type: ignore[arg-type]
+        except TypeError:
+            return None
+        if self.rebatched_size is None:
+            return length
+        inner = getattr(dataset, "dataset", None)
+        try:
+            rows = len(inner)
+        except TypeError:
+            rows = length * (getattr(dataset, "batch_size", None) or 1)
+        full, rest = divmod(rows, self.rebatched_size)
+        return full if self._drop_last or rest == 0 else full + 1
+
+
+def _rebuild_error(description: str, text: str, error_type: bytes | None,
+                   message: str) -> BaseException:
+    """The main-process exception for an error raised in the worker: the original type
+    where it can be rebuilt from a message (as torch's DataLoader does), else
+    ``poptorch.Error``; the message names the worker and holds the original traceback."""
+    full = (f"Caught {_type_name(error_type)} in {description}: {message}\n"
+            f"Original traceback in the worker:\n{text}")
+    try:
+        cls = pickle.loads(error_type) if error_type is not None else None
+    except Exception:
+        cls = None
+    if cls is not None and issubclass(cls, Exception):
+        try:
+            return cls(full)
+        except Exception:
+            pass
+    return Error(full)
+
+
+def _type_name(error_type: bytes | None) -> str:
+    try:
+        return pickle.loads(error_type).__name__ if error_type else "an exception"
+    except Exception:
+        return "an exception"
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1; got {value!r}.")
+

@@ -1,0 +1,137 @@
+"""Batches as trees: split a batch into its tensors and a picklable skeleton, and back.
+
+The asynchronous loader moves only the tensors of a batch through shared memory; the rest
+of the batch (its nesting of tuples, lists, dicts and named tuples, and any non-tensor
+values) travels as a small pickled *skeleton* in which every tensor is replaced by a
+:class:`TensorRef` holding its position in the flat list of tensors.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..errors import Error
+
+__all__ = ["TensorRef", "flatten", "unflatten", "Rebatcher"]
+
+
+class TensorRef(int):
+    """Position of a tensor in the flat tensor list of a batch skeleton."""
+
+    def __repr__(self) -> str:
+        return f"TensorRef({int(self)})"
+
+    def __reduce__(self):
+        return (TensorRef, (int(self),))
+
+
+def _is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "_fields")
+
+
+def flatten(batch: Any) -> tuple[Any, list[torch.Tensor]]:
+    """Returns ``(skeleton, tensors)``: ``batch`` with each tensor replaced by a
+    :class:`TensorRef`, and the tensors in depth-first order."""
+    tensors: list[torch.Tensor] = []
+
+    def visit(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            tensors.append(node.detach())
+            return TensorRef(len(tensors) - 1)
+        if _is_namedtuple(node):
+            return type(node)(*(visit(child) for child in node))
+        if isinstance(node, (tuple, list)):
+            return type(node)(visit(child) for child in node)
+        if isinstance(node, Mapping):
+            return type(node)((key, visit(value)) for key, value in node.items())
+        return node
+
+    return visit(batch), tensors
+
+
+def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    """Inverse of :func:`flatten`."""
+    if isinstance(skeleton, TensorRef):
+        return tensors[int(skeleton)]
+    if _is_namedtuple(skeleton):
+        return type(skeleton)(*(unflatten(child, tensors) for child in skeleton))
+    if isinstance(skeleton, (tuple, list)):
+        return type(skeleton)(unflatten(child, tensors) for child in skeleton)
+    if isinstance(skeleton, Mapping):
+        return type(skeleton)((key, unflatten(value, tensors))
+                              for key, value in skeleton.items())
+    return skeleton
+
+
+class Rebatcher:
+    """Concatenates incoming batches along dimension 0 and cuts them into batches of
+    exactly ``size`` rows (the last one may be smaller, see :meth:`flush`).
+
+    Every leaf of the incoming batches must be a tensor with a batch dimension, and all
+    batches must share one structure: rebatching cannot merge other values.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._skeleton: Any = None
+        self._pending: list[list[torch.Tensor]] = []
+        self._rows = 0
+
+    def push(self, batch: Any) -> list[Any]:
+        """Adds ``batch``; returns the complete batches it made available."""
+        skeleton, tensors = flatten(batch)
+        self._check(skeleton, tensors)
+        if tensors[0].shape[0] == 0:
+            return []
+        self._pending.append(tensors)
+        self._rows += tensors[0].shape[0]
+        ready = []
+        while self._rows >= self.size:
+            ready.append(self._take(self.size))
+        return ready
+
+    def flush(self, drop_last: bool) -> list[Any]:
+        """Ends an epoch: returns the leftover rows as one smaller batch unless
+        ``drop_last``, and forgets them either way."""
+        leftover = [] if drop_last or self._rows == 0 else [self._take(self._rows)]
+        self._pending, self._rows, self._skeleton = [], 0, None
+        return leftover
+
+    def _take(self, rows: int) -> Any:
+        columns = [torch.cat(parts) for parts in zip(*self._pending)]
+        taken = [column[:rows] for column in columns]
+        rest = [column[rows:] for column in columns]
+        self._rows -= rows
+        self._pending = [rest] if self._rows else []
+        return unflatten(self._skeleton, taken)
+
+    def _check(self, skeleton: Any, tensors: list[torch.Tensor]) -> None:
+        if not tensors or _has_non_tensor_leaf(skeleton):
+            raise Error(
+                "Rebatching (DataLoaderMode.AsyncRebatched or rebatched_size) needs every "
+                "value of a batch to be a tensor with a batch dimension; got a batch of "
+                f"structure {skeleton!r}. Return tensors from the data set, or use "
+                "DataLoaderMode.Async.")
+        rows = {t.shape[0] if t.dim() else None for t in tensors}
+        if len(rows) != 1 or None in rows:
+            raise Error(
+                "Rebatching needs all tensors of a batch to have the same size in "
+                f"dimension 0; got shapes {[tuple(t.shape) for t in tensors]}.")
+        if self._skeleton is None:
+            self._skeleton = skeleton
+        elif skeleton != self._skeleton:
+            raise Error(
+                "Rebatching needs every batch to have the same structure; got "
+                f"{skeleton!r} after {self._skeleton!r}.")
+
+
+def _has_non_tensor_leaf(skeleton: Any) -> bool:
+    if isinstance(skeleton, TensorRef):
+        return False
+    if isinstance(skeleton, (tuple, list)):
+        return any(_has_non_tensor_leaf(child) for child in skeleton)
+    if isinstance(skeleton, Mapping):
+        return any(_has_non_tensor_leaf(value) for value in skeleton.values())
+    return True

@@ -1,0 +1,207 @@
+"""The process behind :py:class:`poptorch.AsynchronousDataAccessor`.
+
+It iterates the data set and writes each batch into a ring of ``buffer_size`` slots of
+shared-memory tensors. The main process reads a slot in place and hands it back when it
+asks for the next batch. Protocol (all messages are tuples on two queues):
+
+* main -> worker (``commands``): ``("start", epoch)`` begin epoch ``epoch`` (abandoning an
+  older one still running), ``("free", slot)`` the main process is done with ``slot``,
+  ``("stop",)`` shut down.
+* worker -> main (``results``): ``("batch", epoch, slot, skeleton, tensors_or_None)``
+  (``tensors`` is sent only when the slot's shared tensors had to be (re)allocated),
+  ``("end", epoch)``, ``("error", epoch, description, traceback, pickled_type, message)``.
+
+The worker ignores SIGINT (the main process decides when it stops), turns SIGTERM into a
+clean exit (so the data set's own worker processes are joined), and exits by itself when
+the main process disappears.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import multiprocessing
+import os
+import pickle
+import queue
+import signal
+import traceback
+from typing import Any
+
+import torch
+
+from .tree import Rebatcher, flatten
+
+__all__ = ["WorkerConfig", "DatasetFile", "run_worker"]
+
+_LIVENESS_CHECK_S = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig:
+    buffer_size: int
+    load_indefinitely: bool
+    early_preload: bool
+    rebatched_size: int | None
+    rebatched_drop_last: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetFile:
+    """A data set pickled to ``path`` (``SharingStrategy.FileSystem``); the worker loads
+    it and deletes the file."""
+    path: str
+
+    def load(self) -> Any:
+        try:
+            with open(self.path, "rb") as handle:
+                return pickle.load(handle)
+        finally:
+            os.unlink(self.path)
+
+
+class _Stop(Exception):
+    """The main process asked the worker to stop (or went away)."""
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(0)
+
+
+def run_worker(source: Any, commands, results, config: WorkerConfig) -> None:
+    """Entry point of the worker process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    # Like torch's own DataLoader workers: leave the cores to the model.
+    torch.set_num_threads(1)
+    try:
+        dataset = source.load() if isinstance(source, DatasetFile) else source
+        _Worker(dataset, commands, results, config).run()
+    except _Stop:
+        pass
+    finally:
+        results.cancel_join_thread()
+        commands.cancel_join_thread()
+
+
+class _Worker:
+
+    def __init__(self, dataset, commands, results, config: WorkerConfig) -> None:
+        self.dataset = dataset
+        self.commands = commands
+        self.results = results
+        self.config = config
+        self.free = collections.deque(range(config.buffer_size))
+        self.slots: list[list[torch.Tensor] | None] = [None] * config.buffer_size
+        self.layouts: list[list[tuple] | None] = [None] * config.buffer_size
+        self.latest_start = -1  # newest epoch the main process asked for
+        self.parent = multiprocessing.parent_process()
+
+    def run(self) -> None:
+        epoch = 0 if self.config.early_preload else None
+        while True:
+            if epoch is None:
+                epoch = self._wait_for_start()
+            epoch = self._run_epoch(epoch)
+
+    # -- commands -------------------------------------------------------------------
+    def _next_command(self, block: bool):
+        while True:
+            try:
+                return self.commands.get(block=block, timeout=_LIVENESS_CHECK_S)
+            except queue.Empty:
+                if not block:
+                    return None
+                if self.parent is not None and not self.parent.is_alive():
+                    raise _Stop()
+
+    def _handle(self, command, running: int | None) -> int | None:
+        """Applies ``command``; returns an epoch to switch to, if it asks for one."""
+        kind = command[0]
+        if kind == "stop":
+            raise _Stop()
+        if kind == "free":
+            self.free.append(command[1])
+            return None
+        epoch = command[1]  # "start"
+        if epoch > self.latest_start:
+            self.latest_start = epoch
+            if running is None or epoch > running:
+                return epoch
+        return None
+
+    def _wait_for_start(self) -> int:
+        while True:
+            switch = self._handle(self._next_command(block=True), None)
+            if switch is not None:
+                return switch
+
+    def _poll(self, running: int) -> int | None:
+        switch = None
+        while (command := self._next_command(block=False)) is not None:
+            requested = self._handle(command, running)
+            if requested is not None:
+                switch = requested
+        return switch
+
+    # -- one pass over the data set -------------------------------------------------
+    def _run_epoch(self, epoch: int) -> int | None:
+        """Streams one epoch; returns the next epoch to run (None: wait for a start)."""
+        self.latest_start = max(self.latest_start, epoch)
+        rebatcher = (Rebatcher(self.config.rebatched_size)
+                     if self.config.rebatched_size else None)
+        iterator = None
+        try:
+            iterator = iter(self.dataset)
+            for batch in iterator:
+                ready = rebatcher.push(batch) if rebatcher else [batch]
+                for out in ready:
+                    switch = self._emit(epoch, out)
+                    if switch is not None:
+                        return switch
+                switch = self._poll(epoch)
+                if switch is not None:
+                    return switch
+            for out in (rebatcher.flush(self.config.rebatched_drop_last)
+                        if rebatcher else []):
+                switch = self._emit(epoch, out)
+                if switch is not None:
+                    return switch
+        except (_Stop, SystemExit):
+            raise
+        except BaseException as error:  # reported to the main process, which re-raises
+            self._report(epoch, error)
+            return None
+        finally:
+            del iterator  # joins the data set's worker processes, if any
+        self.results.put(("end", epoch))
+        return epoch + 1 if self.config.load_indefinitely else None
+
+    def _emit(self, epoch: int, batch: Any) -> int | None:
+        skeleton, tensors = flatten(batch)
+        while not self.free:
+            switch = self._handle(self._next_command(block=True), epoch)
+            if switch is not None:
+                return switch
+        slot = self.free.popleft()
+        layout = [(t.shape, t.dtype) for t in tensors]
+        if layout == self.layouts[slot]:
+            for target, tensor in zip(self.slots[slot], tensors):
+                target.copy_(tensor)
+            fresh = None
+        else:
+            fresh = [t.clone(memory_format=torch.contiguous_format).share_memory_()
+                     for t in tensors]
+            self.slots[slot], self.layouts[slot] = fresh, layout
+        self.results.put(("batch", epoch, slot, skeleton, fresh))
+        return None
+
+    def _report(self, epoch: int, error: BaseException) -> None:
+        description = (f"the AsynchronousDataAccessor worker process "
+                       f"(pid {os.getpid()})")
+        try:
+            error_type = pickle.dumps(type(error))
+        except Exception:  # a local class: the main process falls back to poptorch.Error
+            error_type = None
+        text = "".join(traceback.format_exception(type(error), error,
+                                                  error.__traceback__))
+        self.results.put(("error", epoch, description, text, error_type, str(error)))

@@ -1,0 +1,12 @@
+"""The compiled model a user holds: ``trainingModel`` / ``inferenceModel`` make a
+:py:class:`PoplarExecutor`; ``load`` rebuilds one from a file.
+
+``poplar_executor``: the PoplarExecutor object (delegates to ``poptorch._runtime``);
+``factory``: trainingModel, inferenceModel, load; ``hooks``: pre/post compile hooks;
+``argparsers``: custom argument parsers.
+"""
+# ruff: noqa: F401
+from .factory import inferenceModel, load, trainingModel
+from .poplar_executor import PoplarExecutor, isRunningOnIpu
+
+__all__ = ["PoplarExecutor", "isRunningOnIpu", "trainingModel", "inferenceModel", "load"]

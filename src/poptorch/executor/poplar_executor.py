@@ -1,0 +1,591 @@
+"""PoplarExecutor: the object ``trainingModel`` / ``inferenceModel`` return.
+
+It is the user-facing side of a compiled model and holds little logic itself: batching
+and the device loop live in ``_runtime/batching/`` and ``_runtime/program/``, weight
+sharing in ``_runtime/weights/``, model parallelism in ``_runtime/placement/``.
+"""
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .. import _devices
+from . import hooks as _hooks
+from .processes import join_processes
+from .._logging import info_once, logger
+from .._runtime import context
+from .._runtime.batching.plan import BatchPlan, resolve_output_mode, split_inputs
+from .._runtime.weights.modelcopy import shallow_copy_module
+from .._runtime.program.optimizer import (DeviceOptimizerSync, attach_optimizer,
+                                 make_loss_scaler)
+from .._runtime.program.device_loop import DeviceProgram, RngScope
+from .._runtime.program.runner import ReplicaBuffers, ReplicatedBuffersRunner, SequentialRunner
+from .._runtime.weights.sync import WeightSync
+from ..enums import CommGroupType
+from ..errors import Error
+from ..optim.optimizers import SGD
+from ..options.options import Options
+
+__all__ = ["PoplarExecutor", "isRunningOnIpu"]
+
+
+def isRunningOnIpu() -> bool:
+    """True while the model runs inside an executor ("on the IPU"), False otherwise.
+
+    Lets a model take a different code path on the device:
+    ``if poptorch.isRunningOnIpu(): ...``.
+    """
+    return context.is_running_on_ipu()
+
+
+class PoplarExecutor:
+    """A wrapped model that runs whole device programs per call.
+
+    Do not create it directly: use :py:func:`poptorch.trainingModel` or
+    :py:func:`poptorch.inferenceModel`.
+    """
+
+    def __init__(self, model: torch.nn.Module, options: Options | None, training: bool,
+                 poptorch_version: str, optimizer: Any = None,
+                 user_model: torch.nn.Module | None = None) -> None:
+        options = Options() if options is None else options
+        if not isinstance(options, Options):
+            raise Error(f"options must be a poptorch.Options, not {type(options).__name__}.")
+        if not isinstance(model, torch.nn.Module):
+            raise Error(f"The model must be a torch.nn.Module, not {type(model).__name__}.")
+        if training and optimizer is None:
+            optimizer = SGD(model.parameters(), lr=0.01)  # PopTorch's default
+        self._init_state(model, options, training, poptorch_version, optimizer,
+                         user_model or model)
+
+    def _init_state(self, model, options, training, version, optimizer, user_model) -> None:
+        d = self.__dict__  # bypass __setattr__ forwarding rules during set-up
+        d["_user_model"] = user_model
+        d["_options"] = options
+        d["_training"] = training
+        d["_poptorch_version"] = version
+        d["_optimizer"] = optimizer
+        d["_model"] = shallow_copy_module(model)
+        d["_model"].train(training)
+        d["_program"] = None
+        d["_weights"] = None
+        d["_attached"] = False
+        d["_compile_seconds"] = None
+        d["_anchors"] = {}
+        d["_device"] = None
+        d["_constants"] = None
+        d["_synthetic"] = None
+        d["_replica_buffers"] = None
+        d["_precision"] = None
+        d["_optimizer_sync"] = None
+        d["_backend"] = None
+        d["_source"] = None
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def model(self) -> torch.nn.Module:
+        """The wrapped torch model (the user's module, with trained weights)."""
+        if self._weights is not None:
+            self._weights.to_host_if_needed()
+        return self._user_model
+
+    @property
+    def options(self) -> Options:
+        """The options this model was created with."""
+        return self._options
+
+    @property
+    def rng_state(self) -> list:
+        """The seed and generator state of the device program's random stream."""
+        program = self._require_compiled("rng_state")
+        rng = program.rng
+        if not rng.enabled:
+            return [None, torch.get_rng_state()]
+        return [rng.seed, rng.state.clone()]
+
+    @rng_state.setter
+    def rng_state(self, state: list) -> None:
+        program = self._require_compiled("rng_state")
+        seed, generator_state = state
+        rng = program.rng
+        if not rng.enabled:
+            rng.enabled, rng.seed = True, seed
+        rng.state = generator_state.clone()
+
+    # ------------------------------------------------------------------ compile
+    def _plan(self) -> BatchPlan:
+        opts = self._options
+        g = opts.Training.gradient_accumulation
+        if not self._training and g != 1:
+            raise Error(
+                f"An inferenceModel needs Training.gradientAccumulation(1), but the options "
+                f"have {g}: use a separate Options object for inference (for example "
+                "opts.clone() then opts.Training.gradientAccumulation(1)).")
+        return BatchPlan(opts.device_iterations, g, opts.replication_factor,
+                         opts.input_group_size, CommGroupType(opts.input_cgt))
+
+    def _compile(self, args: tuple, kwargs: dict) -> None:
+        from tqdm import tqdm
+        opts = self._options
+        t0 = time.perf_counter()
+        _hooks.run_pre_compile_hooks()
+        bar = tqdm(total=4, desc="Graph compilation", leave=False, unit="stage",
+                   disable=not opts.show_compilation_progress_bar)
+        try:
+            plan = self._plan()
+            split_inputs(plan, args, kwargs)  # check batch sizes before anything else
+            precompiled = self.__dict__.get("_pending_precompiled")
+            if precompiled is not None and precompiled["signature"] is not None:
+                precompiled["signature"].check(args, kwargs)  # loaded: fixed inputs
+            bar.update()
+            runner, device = self._build_runner()
+            bar.update()
+            self._weights_and_optimizer(device)
+            runner = self._replicate_buffers(runner, plan)
+            cross = self._join_processes(device)
+            bar.update()
+            self.__dict__["_program"] = self._build_program(plan, runner, device, cross)
+            self._install_program_extras(self._program)
+            self._program_source(args, kwargs)
+            if opts.synthetic_data:
+                from .._runtime.batching.synthetic import SyntheticInputs
+                self.__dict__["_synthetic"] = SyntheticInputs(self._device)
+            bar.update()
+        except BaseException:
+            self.__dict__["_program"] = None
+            raise
+        finally:
+            bar.close()
+        opts._freeze()  # also logs the options that have no effect here
+        self.__dict__["_attached"] = True
+        self.__dict__["_compile_seconds"] = time.perf_counter() - t0
+        logger.debug("Compiled %s in %.3f s", self._model_name(), self._compile_seconds)
+        from .._runtime.export import _apply_pending_rng
+        _apply_pending_rng(self)
+        _hooks.run_post_compile_hooks()
+
+    def _build_runner(self):
+        from .._runtime.placement.build import build_runner
+        runner = build_runner(self._model, self._options, self._training)
+        if runner is not None:
+            device = getattr(runner, "output_device", torch.device("cpu"))
+            self.__dict__["_device"] = getattr(runner, "input_device", device)
+            self.__dict__["_backend"] = None  # model parallelism runs eagerly
+            return runner, device
+        device = _devices.acquire_devices(self._options, 1)[0]
+        self.__dict__["_device"] = device
+        forward = self._model
+        backend = _backend(self._options, device)
+        self.__dict__["_backend"] = backend
+        if backend == "inductor":
+            forward = torch.compile(self._model)
+        return SequentialRunner(forward), device
+
+    def _replicate_buffers(self, runner, plan: BatchPlan):
+        """Give each simulated replica its own buffers (see ``ReplicaBuffers``); no work
+        without replicas or buffers."""
+        r = plan.replication_factor
+        if r == 1 or next(self._model.buffers(), None) is None:
+            return runner
+        if not isinstance(runner, SequentialRunner):
+            info_once(("shared-replica-buffers",),
+                      "Model-parallel execution with replicationFactor(%d): the replicas "
+                      "share one set of buffers (broadcastBuffers has no effect).", r)
+            return runner
+        buffers = ReplicaBuffers(self._model, r)
+        self.__dict__["_replica_buffers"] = buffers
+        return ReplicatedBuffersRunner(runner, buffers, r, plan.per_step,
+                                       bool(self._options.broadcast_buffers))
+
+    def _weights_to_device(self, **which) -> None:
+        """Host -> device copy; every replica then holds the host's buffers."""
+        self._weights.to_device(**which)
+        buffers = self.__dict__.get("_replica_buffers")
+        if buffers is not None and which.get("buffers", True):
+            buffers.broadcast()
+
+    def _weights_and_optimizer(self, device: torch.device) -> None:
+        updatable = self._options.updatable_named_buffers
+        if updatable is not None:
+            known = [n for n, _ in self._model.named_buffers()]
+            unknown = [n for n in updatable if n not in known]
+            if unknown:
+                raise Error(f"updatableNamedBuffers: the model has no buffer named "
+                            f"{', '.join(map(repr, unknown))}; its buffers are: "
+                            f"{', '.join(known) or '(none)'}.")
+        sync = WeightSync(self._user_model, self._model, device)
+        self.__dict__["_weights"] = sync
+        if self._training:
+            attached = attach_optimizer(self._optimizer, self._model, self._user_model,
+                                        sync)
+            self.__dict__["_device_optimizer"] = attached
+            self._sync_optimizer(self._optimizer, attached)
+
+    def _sync_optimizer(self, user_optimizer: Any, device_optimizer: Any) -> None:
+        sync = None
+        if DeviceOptimizerSync.needed(user_optimizer, device_optimizer):
+            sync = DeviceOptimizerSync(user_optimizer, device_optimizer)
+        self.__dict__["_optimizer_sync"] = sync
+
+    def _join_processes(self, device: torch.device):
+        return join_processes(self._options, self._model, self._training,
+                              self.__dict__.get("_device_optimizer"), self._model_name(),
+                              device)
+
+    def _build_program(self, plan: BatchPlan, runner, device, cross=None) -> DeviceProgram:
+        opts = self._options
+        seed = opts.random_seed if opts.exists("random_seed") else None
+        params = [p for p in self._model.parameters() if p.requires_grad]
+        if self._training and not params:
+            raise Error("trainingModel: the model has no trainable parameters "
+                        "(no parameter with requires_grad=True).")
+        program = DeviceProgram(
+            plan=plan, runner=runner, training=self._training,
+            output_mode=resolve_output_mode(opts.output_mode, self._training),
+            output_return_period=opts.output_return_period, params=params,
+            optimizer=self.__dict__.get("_device_optimizer"), options=opts,
+            rng=RngScope(seed, device),
+            to_host=None if device.type == "cpu" else _to_cpu,
+            anchors=self._anchor_recorder(plan) if opts.anchored_tensors else None,
+            cross=cross)
+        if self._training:
+            program.set_scaler(make_loss_scaler(self._optimizer, opts))
+            from ..optim.attributes import snapshot_constants
+            self.__dict__["_constants"] = snapshot_constants(self._optimizer)
+        return program
+
+    def _model_name(self) -> str:
+        opts = self._options
+        name = opts.model_name if opts.exists("model_name") else type(self._user_model).__name__
+        return f"{name}.{'training' if self._training else 'inference'}"
+
+    def _install_program_extras(self, program: DeviceProgram) -> None:
+        """Precision policy and profiling: installed only when their options ask, so
+        that a call without them costs nothing more."""
+        from .._runtime.numerics.precision import PrecisionPolicy
+        opts = self._options
+        policy = PrecisionPolicy(opts, self._model, self._training, self._device)
+        self.__dict__["_precision"] = policy
+        policy.prepare_optimizer(self.__dict__.get("_device_optimizer"))
+        if policy.active:
+            program.wrappers.append(policy)
+        if policy.checks_finite:
+            program.finite_check = policy.check_step
+            program.named_params = list(self._model.named_parameters())
+        from .._runtime.tracing import profile_directory
+        directory = profile_directory(opts)
+        if directory is not None:
+            from .._runtime.tracing import CallProfiler, TracingRunner
+            plan = program.plan
+            runner = TracingRunner(program.runner, plan.per_step, plan.replication_factor)
+            program.runner = runner
+            program.wrappers.insert(0, CallProfiler(directory, self._model_name(),
+                                                    program, runner))
+
+    def _program_source(self, args: tuple, kwargs: dict) -> None:
+        """Precompiled file or executable cache (``_runtime/executable/source.py``)."""
+        from .._runtime.executable.source import ProgramSource
+        from .._runtime.executable.signature import InputSignature
+        source = ProgramSource(
+            backend=self._backend, signature=InputSignature.of(args, kwargs),
+            precompiled=self.__dict__.pop("_pending_precompiled", None),
+            cache_dir=self._options.executable_cache_dir,
+            key_parts={"inputs": (args, kwargs), "training": self._training,
+                       "options": self._options, "model": self._model,
+                       "optimizer": self._optimizer, "version": self._poptorch_version})
+        self.__dict__["_source"] = source
+
+    def compile(self, *args, **kwargs) -> None:
+        """Compile the model for these inputs without running it (no-op if compiled)."""
+        if self._program is None:
+            self._compile(args, kwargs)
+
+    # ------------------------------------------------------------------ run
+    def __call__(self, *args, **kwargs) -> Any:
+        first = self._program is None
+        if first:
+            self._compile(args, kwargs)
+            snapshot = _Snapshot(self._model, self.__dict__.get("_device_optimizer"))
+        else:
+            self._source.check(args, kwargs)
+        if not self._attached:
+            self.attachToDevice()
+        device = self._device
+        if self._synthetic is not None:
+            args, kwargs = self._synthetic(args, kwargs)
+        elif device.type != "cpu":
+            args, kwargs = _to_device((args, kwargs), device)
+        opt_sync = self._optimizer_sync
+        if opt_sync is not None:
+            opt_sync.before_run()
+        try:
+            if self._source.fresh:
+                with self._source.first_call():
+                    result = self._program.run(args, kwargs)
+            else:
+                result = self._program.run(args, kwargs)
+        except BaseException:
+            if first:
+                snapshot.restore()
+            raise
+        self._weights.mark_device_newer()
+        if opt_sync is not None:
+            opt_sync.after_run()
+        return result
+
+    # ------------------------------------------------------------------ weights
+    def copyWeightsToHost(self) -> None:
+        """Copy the device weights (and buffers) to the user's model."""
+        self._require_compiled("copyWeightsToHost")
+        self._weights.to_host()
+
+    def copyWeightsToHostIfNeeded(self) -> bool:
+        """Copy the weights to the host if the device has newer ones; True if copied."""
+        return self._weights is not None and self._weights.to_host_if_needed()
+
+    def copyWeightsToDevice(self) -> None:
+        """Copy the user's model weights (and buffers) to the device."""
+        self._require_compiled("copyWeightsToDevice")
+        self._weights_to_device()
+
+    def copyNamedBuffersToDevice(self) -> None:
+        """Copy the user's model buffers (only) to the device: those named by
+        ``Options.updatableNamedBuffers``, or all of them when it is not set."""
+        self._require_compiled("copyNamedBuffersToDevice")
+        names = self._options.updatable_named_buffers
+        self._weights_to_device(params=False, buffers=True,
+                                buffer_names=None if names is None else set(names))
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True):
+        """Load a state dict into the wrapped model and synchronise the device."""
+        result = self.model.load_state_dict(state_dict, strict)
+        if self._weights is not None:
+            self._weights_to_device()
+        return result
+
+    # ------------------------------------------------------------------ optimizer
+    def setOptimizer(self, optimizer: Any) -> None:
+        """Use ``optimizer``'s hyperparameters from the next call on (no recompilation).
+
+        The optimizer state on the device (momentum, ...) is kept unless ``optimizer``
+        carries state of its own.
+        """
+        if not self._training:
+            raise Error("setOptimizer: this is an inference model; only a trainingModel "
+                        "has an optimizer.")
+        if self._program is not None:
+            from ..optim.attributes import check_update
+            check_update(self._constants, optimizer,
+                         self._options.relax_optimizer_attributes_checks)
+            attached = attach_optimizer(optimizer, self._model, self._user_model,
+                                        self._weights, previous=self._device_optimizer)
+            self.__dict__["_device_optimizer"] = attached
+            self._program.optimizer = attached
+            self._precision.prepare_optimizer(attached)
+            self._sync_optimizer(optimizer, attached)
+            self._program.set_scaler(make_loss_scaler(optimizer, self._options,
+                                                      self._program.scaler))
+        self.__dict__["_optimizer"] = optimizer
+
+    # ------------------------------------------------------------------ device
+    def isCompiled(self) -> bool:
+        """True once the model is compiled (and not destroyed)."""
+        return self._program is not None
+
+    def isAttachedToDevice(self) -> bool:
+        """True while the model holds its device."""
+        return self._attached
+
+    def detachFromDevice(self) -> None:
+        """Release the device: weights are copied to the host first."""
+        self._require_compiled("detachFromDevice")
+        if not self._attached:
+            raise Error("detachFromDevice: the model is not attached to a device.")
+        self._weights.to_host_if_needed()
+        self.__dict__["_attached"] = False
+
+    def attachToDevice(self) -> None:
+        """Attach to the device again; the host weights are copied to the device."""
+        self._require_compiled("attachToDevice")
+        if self._attached:
+            raise Error("attachToDevice: the model is already attached to a device.")
+        self._weights_to_device()
+        self.__dict__["_attached"] = True
+        logger.debug("Attached to %s", self._device)
+
+    def destroy(self) -> None:
+        """Release the device and the compiled program; the next call compiles again."""
+        if self._weights is not None:
+            self._weights.to_host_if_needed()
+        for name in ("_program", "_weights", "_device", "_replica_buffers", "_synthetic"):
+            self.__dict__[name] = None
+        self.__dict__["_attached"] = False
+        self.__dict__["_compile_seconds"] = None
+
+    def _require_compiled(self, what: str) -> DeviceProgram:
+        if self._program is None:
+            raise Error(f"{what}: the model has not been compiled yet; call it (or "
+                        "compile(*inputs)) first.")
+        return self._program
+
+    # ------------------------------------------------------------------ timings
+    def compilationTime(self) -> datetime.timedelta:
+        """How long compilation took."""
+        self._require_compiled("compilationTime")
+        return datetime.timedelta(seconds=self._compile_seconds)
+
+    def getPerfCounters(self) -> dict:
+        """Host timestamps of the last call: {'input', 'input_complete', 'output',
+        'output_complete'} -> [per input/output index][per iteration] seconds."""
+        counters = self._require_compiled("getPerfCounters").perf.counters
+        return {k: [list(v)] for k, v in counters.items()}
+
+    def getHostIpuLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds from input requested to input transferred."""
+        return self._require_compiled("getHostIpuLatency").perf.latencies(
+            "input", "input_complete")
+
+    def getComputeLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds from input transferred to output available."""
+        return self._require_compiled("getComputeLatency").perf.latencies(
+            "input_complete", "output")
+
+    def getIpuHostLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds from output available to output on the host."""
+        return self._require_compiled("getIpuHostLatency").perf.latencies(
+            "output", "output_complete")
+
+    def getLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) round-trip seconds of the iterations of the last call."""
+        return self._require_compiled("getLatency").perf.latencies(
+            "input", "output_complete")
+
+    def cycleCount(self) -> int:
+        """Device time of the last call, in nanoseconds (our devices have no cycle
+        counter: one "cycle" is one nanosecond). Needs ``Options.logCycleCount(True)``."""
+        program = self._require_compiled("cycleCount")
+        if not self._options.exists("log_cycle_count") or not self._options.log_cycle_count:
+            raise Error("cycleCount: enable it before compiling with "
+                        "opts.logCycleCount(True).")
+        return int(program.last_compute_seconds * 1e9)
+
+    # ------------------------------------------------------------------ tensors
+    def getTensorNames(self) -> list[str]:
+        """Names of the tensors that can be anchored: parameters, their gradients
+        (``Gradient___<name>``, training only) and buffers."""
+        self._require_compiled("getTensorNames")
+        from .._runtime.batching.anchors import tensor_names
+        return tensor_names(self._model, self._training)
+
+    def _anchor_recorder(self, plan: BatchPlan):
+        from .._runtime.batching.anchors import AnchorRecorder
+        recorder = AnchorRecorder(self._model, self._options, plan, self._training)
+        self.__dict__["_anchors"] = recorder
+        return recorder
+
+    def getAnchoredTensor(self, short_name: str) -> torch.Tensor:
+        """The value of an anchored tensor (``Options.anchorTensor``) after the last call."""
+        self._require_compiled("getAnchoredTensor")
+        if not self._anchors:
+            raise Error(f"getAnchoredTensor: no tensor is anchored as '{short_name}'; "
+                        "anchor it with opts.anchorTensor(short_name, long_name) before "
+                        "compiling.")
+        return self._anchors.get(short_name)
+
+    # ------------------------------------------------------------------ export
+    def save(self, filename: str, export_model: bool = True,
+             save_rng_state: bool = True) -> None:
+        """Save the compiled model (and, with export_model, the torch model) to a file."""
+        from .._runtime.export import save_executor
+        self._require_compiled("save")
+        save_executor(self, filename, export_model, save_rng_state)
+
+    def compileAndExport(self, filename: str, *args, export_model: bool = True,
+                         **kwargs) -> None:
+        """Compile for these inputs and save the result to ``filename``.
+
+        The file holds the compiled program (on a compiling backend) and the input
+        signature: ``poptorch.load(filename)`` in another process runs its first call
+        without compiling kernels, on inputs of exactly these shapes and dtypes. The
+        model's state is left as it was (compiling may run one call, which is undone).
+        """
+        from .._runtime.export import compile_by_running
+        compile_by_running(self, args, kwargs)
+        self.save(filename, export_model=export_model)
+
+    def loadExecutable(self, filename: str) -> None:
+        """Restore a model saved with ``compileAndExport`` / ``save`` into this one."""
+        from .._runtime.export import load_into
+        load_into(self, filename)
+
+    # ------------------------------------------------------------------ module-like
+    def train(self, mode: bool = True) -> "PoplarExecutor":
+        """A wrapper keeps the mode it was created in: trainingModel trains and
+        inferenceModel evaluates. Returns self when the mode matches."""
+        if mode != self._training:
+            kind = "trainingModel" if self._training else "inferenceModel"
+            other = "poptorch.inferenceModel(model)" if self._training else \
+                "poptorch.trainingModel(model, options, optimizer)"
+            raise Error(f"This is a {kind}: it cannot switch to "
+                        f"{'training' if mode else 'evaluation'} mode. Wrap the same module "
+                        f"with {other} instead; the two stay in sync.")
+        return self
+
+    def eval(self) -> "PoplarExecutor":
+        """See :py:meth:`train`."""
+        return self.train(False)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or "_user_model" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    def __repr__(self) -> str:
+        kind = "trainingModel" if self._training else "inferenceModel"
+        return f"PoplarExecutor[{kind}](\n  {self.model!r}\n)".replace("\n", "\n  ")[:-2] + ")"
+
+
+def _backend(options: Options, device: torch.device) -> str:
+    import os
+    name = options.Jit.backend or os.environ.get("POPTORCH_BACKEND")
+    if name is None:
+        name = "inductor" if device.type == "cuda" else "eager"
+    if name not in ("eager", "inductor"):
+        raise Error(f"Unknown backend {name!r}: use 'eager' or 'inductor' "
+                    "(Options.Jit.backend or POPTORCH_BACKEND).")
+    return name
+
+
+def _to_device(structure: Any, device: torch.device) -> Any:
+    def move(t):
+        if not isinstance(t, torch.Tensor) or t.device == device:
+            return t
+        return t.pin_memory().to(device, non_blocking=True)
+    return pytree.tree_map(move, structure)
+
+
+def _to_cpu(structure: Any) -> Any:
+    return pytree.tree_map(
+        lambda t: t.to("cpu") if isinstance(t, torch.Tensor) else t, structure)
+
+
+class _Snapshot:
+    """Model and optimizer state before the first call, restored if that call fails,
+    so that a failing call leaves nothing half-updated."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any) -> None:
+        self.tensors = [(t, t.detach().clone()) for t in
+                        list(model.parameters()) + list(model.buffers())]
+        self.optimizer = optimizer
+        self.opt_state = None if optimizer is None else optimizer.state_dict()
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for t, saved in self.tensors:
+                t.copy_(saved)
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(self.opt_state)

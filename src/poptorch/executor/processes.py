@@ -1,0 +1,60 @@
+"""A compiled model in a run of several processes (torchrun / ``Options.Distributed``).
+
+Joins the process group, checks that every process compiles the same program (the
+options that shape it and the model's tensors), and makes every process start from
+process 0's weights and optimizer state. The engine side is
+``poptorch._runtime.distributed``.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Optional
+
+import torch
+
+from .._logging import logger
+from .._runtime.distributed import world as distributed_world
+from .._runtime.distributed.consistency import check_same_everywhere
+from .._runtime.distributed.replicas import CrossProcessReplicas
+
+
+def join_processes(options: Any, model: torch.nn.Module, training: bool,
+                   optimizer: Optional[torch.optim.Optimizer], name: str,
+                   device: torch.device) -> Optional[CrossProcessReplicas]:
+    """The cross-process side of a compiled model; None in a single process."""
+    world = distributed_world.join(options.Distributed.processId,
+                                   options.Distributed.numProcesses, device)
+    if not world.distributed:
+        return None
+    check_same_everywhere(world, program_signature(options, model, training))
+    params = [p for p in model.parameters() if p.requires_grad]
+    cross = CrossProcessReplicas(world, model, params, bool(options.broadcast_buffers))
+    cross.start_identical(optimizer)
+    r = options.replication_factor
+    logger.info("%s: process %d of %d, %d replica(s) per process, %d in all.", name,
+                world.rank, world.size, r, r * world.size)
+    return cross
+
+
+def program_signature(options: Any, model: torch.nn.Module, training: bool) -> dict:
+    """What must be the same on every process, by the option names users know."""
+    strategy = options.execution_strategy
+    train = options.Training
+    tensors = [(n, tuple(t.shape), str(t.dtype)) for n, t in
+               list(model.named_parameters()) + list(model.named_buffers())]
+    digest = hashlib.sha1(repr(tensors).encode()).hexdigest()[:12]
+    return {
+        "training": training,
+        "replicationFactor": options.replication_factor,
+        "deviceIterations": options.device_iterations,
+        "Training.gradientAccumulation": train.gradient_accumulation,
+        "Training.accumulationAndReplicationReductionType":
+            str(train.accumulation_and_replication_reduction_type),
+        "Training.meanAccumulationAndReplicationReductionStrategy":
+            str(train.meanAccumulationAndReplicationReductionStrategy),
+        "setExecutionStrategy": None if strategy is None else type(strategy).__name__,
+        "broadcastBuffers": bool(options.broadcast_buffers),
+        "inputReplicaGrouping": (options.input_group_size, str(options.input_cgt)),
+        "outputMode": options.output_mode,
+        "model parameters and buffers": f"{len(tensors)} tensors, digest {digest}",
+    }

@@ -1,0 +1,86 @@
+"""On-device control flow: ``for_loop`` and ``cond``.
+
+Eagerly both are plain Python control flow. While ``torch.compile`` captures the
+model, ``cond`` becomes ``torch.cond`` so the branch is chosen on the device.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..errors import Error
+
+__all__ = ["for_loop", "cond"]
+
+
+def _as_list(outputs, op: str) -> list:
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
+    if isinstance(outputs, (list, tuple)) and all(isinstance(o, torch.Tensor)
+                                                  for o in outputs):
+        return list(outputs)
+    raise Error(f"{op}: the body must return a tensor or a list/tuple of tensors, got "
+                f"{type(outputs).__name__}.")
+
+
+def _check_inputs(inputs, op: str, name: str) -> list:
+    if isinstance(inputs, torch.Tensor):
+        return [inputs]
+    if not isinstance(inputs, (list, tuple)):
+        raise Error(f"{op}: {name} must be a list of tensors, got {type(inputs).__name__}.")
+    for index, tensor in enumerate(inputs):
+        if not isinstance(tensor, torch.Tensor):
+            raise Error(f"{op}: {name}[{index}] must be a tensor, got "
+                        f"{type(tensor).__name__}.")
+    return list(inputs)
+
+
+def for_loop(count: int, body: Callable, inputs) -> list:
+    """Run ``body`` ``count`` times, feeding each iteration's outputs to the next.
+
+    ``body`` takes as many tensors as it returns, with the same shapes and dtypes.
+    Returns the outputs of the last iteration as a list (``inputs`` when ``count``
+    is 0).
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise Error(f"for_loop: count must be an int >= 0, got {count!r}.")
+    state = _check_inputs(inputs, "for_loop", "inputs")
+    for _ in range(count):
+        outputs = _as_list(body(*state), "for_loop")
+        if len(outputs) != len(state):
+            raise Error(f"for_loop: the body takes {len(state)} inputs but returned "
+                        f"{len(outputs)} outputs; it must return one output per input.")
+        for index, (new, old) in enumerate(zip(outputs, state)):
+            if new.shape != old.shape or new.dtype != old.dtype:
+                raise Error(f"for_loop: output {index} of the body has shape "
+                            f"{tuple(new.shape)} and dtype {new.dtype}, but its input has "
+                            f"shape {tuple(old.shape)} and dtype {old.dtype}.")
+        state = outputs
+    return state
+
+
+def cond(condition: torch.Tensor, then_body: Callable, then_inps, else_body: Callable,
+         else_inps) -> list:
+    """Run ``then_body(*then_inps)`` if ``condition`` is true, else ``else_body(*else_inps)``.
+
+    ``condition`` is a one-element boolean tensor. Both bodies must return the same
+    number of tensors; the result is a list of them. Inputs are passed by value: to
+    update a tensor, return its new value from the body.
+    """
+    if not isinstance(condition, torch.Tensor) or condition.numel() != 1:
+        raise Error("cond: condition must be a one-element boolean tensor, got "
+                    f"{condition!r}.")
+    then_inps = _check_inputs(then_inps, "cond", "then_inps")
+    else_inps = _check_inputs(else_inps, "cond", "else_inps")
+    if torch.compiler.is_compiling():
+        split = len(then_inps)
+        return list(torch.cond(condition.reshape(()).bool(),
+                               lambda *ops: tuple(_as_list(then_body(*ops[:split]), "cond")),
+                               lambda *ops: tuple(_as_list(else_body(*ops[split:]), "cond")),
+                               tuple(then_inps + else_inps)))
+    # Inputs are passed by copy, as upstream does: in-place updates inside a body do
+    # not reach the caller's tensors.
+    if bool(condition.reshape(()).item()):
+        return _as_list(then_body(*[t.clone() for t in then_inps]), "cond")
+    return _as_list(else_body(*[t.clone() for t in else_inps]), "cond")

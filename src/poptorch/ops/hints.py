@@ -1,0 +1,89 @@
+"""Identity ops that carry IPU planning hints.
+
+The IPU compiler used these hints to plan memory and host IO. On CPUs and GPUs there
+is nothing to plan, so each op validates its arguments, records the latest value (see
+:func:`recorded_hints`), logs once at INFO that it has no effect here, and returns its
+input unchanged.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from .._logging import info_once
+from ..enums import OverlapMode
+from ..errors import Error
+
+__all__ = ["set_available_memory", "set_overlap_for_input", "set_overlap_for_output",
+           "recorded_hints"]
+
+_lock = threading.Lock()
+_hints: dict[str, dict[str, Any]] = {}
+
+
+def _record(op: str, value: Any) -> None:
+    with _lock:
+        entry = _hints.setdefault(op, {"calls": 0, "last": None})
+        entry["calls"] += 1
+        entry["last"] = value
+    info_once(op, f"poptorch.{op}: recorded ({value!r}); this IPU planning hint has no "
+                  "effect on CPU/GPU devices.")
+
+
+def recorded_hints() -> dict[str, dict[str, Any]]:
+    """``{op name: {"calls": n, "last": last value}}`` for every hint op used so far."""
+    with _lock:
+        return {op: dict(entry) for op, entry in _hints.items()}
+
+
+def set_available_memory(tensor: torch.Tensor,
+                         available_memory_proportion: float) -> torch.Tensor:
+    """Record the proportion (0 to 1) of tile memory the op producing ``tensor`` may use
+    for temporaries, and return ``tensor``. A hint only: no effect on CPU/GPU."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError("set_available_memory expects a torch.Tensor, got "
+                        f"{type(tensor).__name__}.")
+    proportion = available_memory_proportion
+    if isinstance(proportion, bool) or not isinstance(proportion, (int, float)) \
+            or not 0.0 <= proportion <= 1.0:
+        raise Error("set_available_memory: available_memory_proportion must be a number "
+                    f"between 0.0 and 1.0, got {proportion!r}.")
+    _record("set_available_memory", float(proportion))
+    return tensor
+
+
+def _check_tensors(structure, op: str, what: str) -> None:
+    if isinstance(structure, torch.Tensor):
+        return
+    if isinstance(structure, (list, tuple)):
+        for item in structure:
+            _check_tensors(item, op, what)
+        return
+    if isinstance(structure, dict):
+        for item in structure.values():
+            _check_tensors(item, op, what)
+        return
+    raise TypeError(f"{op}: {what} must be a tensor or a tuple, list or dict of tensors; "
+                    f"found a {type(structure).__name__}.")
+
+
+def _set_overlap(structure, mode, op: str, what: str):
+    if not isinstance(mode, OverlapMode):
+        raise Error(f"{op}: mode must be a poptorch.OverlapMode, got {mode!r}.")
+    _check_tensors(structure, op, what)
+    _record(op, mode)
+    return structure
+
+
+def set_overlap_for_input(input_tensors, mode: OverlapMode):
+    """Record how host-to-device copies of ``input_tensors`` should overlap compute,
+    and return them unchanged. A hint only: no effect on CPU/GPU."""
+    return _set_overlap(input_tensors, mode, "set_overlap_for_input", "input_tensors")
+
+
+def set_overlap_for_output(output_tensors, mode: OverlapMode):
+    """Record how device-to-host copies of ``output_tensors`` should overlap compute,
+    and return them unchanged. A hint only: no effect on CPU/GPU."""
+    return _set_overlap(output_tensors, mode, "set_overlap_for_output", "output_tensors")

@@ -1,0 +1,180 @@
+"""Tensor ops: identity_loss, nop, dynamic slicing and serialized matrix products."""
+from __future__ import annotations
+
+import torch
+
+from .._runtime import context
+from ..enums import MatMulSerializationMode, ReductionType
+from ..errors import Error
+
+__all__ = ["identity_loss", "nop", "dynamic_slice", "dynamic_update", "serializedMatMul"]
+
+# Upstream's integer reduction codes (the values of ``poptorch.ReductionType``).
+_REDUCTIONS = {"sum": ReductionType.Sum, "mean": ReductionType.Mean,
+               "none": ReductionType.NoReduction}
+
+
+def _reduction_code(reduction) -> ReductionType:
+    if isinstance(reduction, str) and reduction in _REDUCTIONS:
+        return _REDUCTIONS[reduction]
+    if isinstance(reduction, int) and not isinstance(reduction, bool):
+        try:
+            return ReductionType(reduction)
+        except ValueError:
+            pass
+    raise Error(f"identity_loss: unsupported reduction {reduction!r}. Use 'sum', 'mean' or "
+                "'none' (or upstream's codes 0, 1, 2 / poptorch.ReductionType).")
+
+
+def identity_loss(x: torch.Tensor, reduction) -> torch.Tensor:
+    """Reduce ``x`` like a PyTorch loss and mark the result as the model's loss.
+
+    The executor starts back-propagation from the marked tensor (with ``"none"`` it
+    back-propagates a gradient of ones). Outside an executor it simply returns the
+    reduced value, so the same model also runs as plain PyTorch.
+
+    Args:
+        x: the calculated loss.
+        reduction: ``"sum"``, ``"mean"`` or ``"none"``; upstream's integer codes
+            ``0``/``1``/``2`` (``poptorch.ReductionType``) are accepted too.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"identity_loss expects a torch.Tensor, got {type(x).__name__}.")
+    code = _reduction_code(reduction)
+    if code == ReductionType.Sum:
+        result = x.sum()
+    elif code == ReductionType.Mean:
+        result = x.mean()
+    else:
+        result = x.view_as(x)
+    context.mark_loss(result)
+    return result
+
+
+def nop(tensor: torch.Tensor) -> torch.Tensor:
+    """A no-operation that is never optimised away: returns a copy of ``tensor``.
+
+    The copy is a real kernel, so it shows up in captured graphs and profiler traces,
+    which is what makes it useful as a debugging marker.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"nop expects a torch.Tensor, got {type(tensor).__name__}.")
+    return tensor.clone()
+
+
+def _check_dim(tensor: torch.Tensor, dim: int, op: str) -> int:
+    if not isinstance(dim, int) or not -tensor.dim() <= dim < tensor.dim():
+        raise Error(f"{op}: dim={dim!r} is out of range for a tensor with "
+                    f"{tensor.dim()} dimensions.")
+    return dim % tensor.dim()
+
+
+def _check_static_int(value, name: str, op: str, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise Error(f"{op}: {name} must be a constant int >= {minimum}, got {value!r}.")
+
+
+def _start_index(start, extent: int, dim_size: int, op: str):
+    """``start`` as an index tensor (dynamic) or int (static), checked or clamped.
+
+    Static starts are checked. Tensor starts are clamped into ``[0, dim_size - extent]``
+    on the device, as Poplar's dynamic slice does, so no host synchronisation happens.
+    """
+    if isinstance(start, torch.Tensor):
+        if start.numel() != 1 or start.is_floating_point() or start.is_complex():
+            raise Error(f"{op}: a tensor start must hold one integer, got shape "
+                        f"{tuple(start.shape)} and dtype {start.dtype}.")
+        return start.reshape(()).long().clamp(0, dim_size - extent)
+    if not isinstance(start, int) or isinstance(start, bool):
+        raise TypeError(f"{op}: start must be an int or an integer tensor, got "
+                        f"{type(start).__name__}.")
+    if not 0 <= start <= dim_size - extent:
+        raise Error(f"{op}: the slice [{start}, {start + extent}) does not fit in a "
+                    f"dimension of size {dim_size}.")
+    return start
+
+
+def dynamic_slice(tensor: torch.Tensor, dim: int, start, size: int,
+                  step: int) -> torch.Tensor:
+    """Slice ``size`` elements from ``start`` along ``dim``, keeping every ``step``-th.
+
+    Equivalent to ``tensor[..., start:start + size:step]`` on dimension ``dim``, but
+    ``start`` may be a tensor (a dynamic offset, clamped into range on the device).
+    """
+    op = "dynamic_slice"
+    dim = _check_dim(tensor, dim, op)
+    _check_static_int(size, "size", op, 1)
+    _check_static_int(step, "step", op, 1)
+    begin = _start_index(start, size, tensor.shape[dim], op)
+    if isinstance(begin, int):
+        return tensor.narrow(dim, begin, size)[(slice(None),) * dim + (slice(None, None, step),)]
+    offsets = torch.arange(0, size, step, device=tensor.device)
+    return tensor.index_select(dim, begin.to(tensor.device) + offsets)
+
+
+def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int, start,
+                   size: int) -> torch.Tensor:
+    """Return ``input`` with ``size`` elements from ``start`` along ``dim`` replaced by ``src``.
+
+    ``input`` itself is not modified. ``start`` may be a tensor (clamped into range).
+    """
+    op = "dynamic_update"
+    dim = _check_dim(input, dim, op)
+    _check_static_int(size, "size", op, 1)
+    expected = list(input.shape)
+    expected[dim] = size
+    if list(src.shape) != expected:
+        raise Error(f"{op}: src has shape {tuple(src.shape)}, expected {tuple(expected)} "
+                    f"(input's shape with dimension {dim} of the slice size {size}).")
+    begin = _start_index(start, size, input.shape[dim], op)
+    if isinstance(begin, torch.Tensor):
+        begin = begin.to(input.device)
+    index = begin + torch.arange(size, device=input.device)
+    return input.index_copy(dim, index, src.to(input.dtype))
+
+
+def _split(tensor: torch.Tensor, dim: int, factor: int, what: str):
+    length = tensor.shape[dim]
+    if length % factor:
+        raise Error(f"serializedMatMul: factor={factor} must divide the {what} "
+                    f"dimension (size {length}).")
+    return tensor.split(length // factor, dim=dim)
+
+
+def serializedMatMul(lhs: torch.Tensor, rhs: torch.Tensor, mode: MatMulSerializationMode,
+                     factor: int = 0, keep_precision: bool = False) -> torch.Tensor:
+    """``torch.matmul(lhs, rhs)`` computed as ``factor`` smaller products.
+
+    For ``lhs`` (m by n) times ``rhs`` (n by p), ``mode`` picks the dimension split:
+    ``InputChannels`` (m), ``ReducingDim`` (n) or ``OutputChannels`` (p);
+    ``Disabled`` is an ordinary matmul. With half inputs and ``keep_precision``,
+    the additions of the ReducingDim forward and of the InputChannels backward
+    (the gradient of ``rhs``) run in float32, like the partials of each product.
+    """
+    if not isinstance(mode, MatMulSerializationMode):
+        raise Error(f"serializedMatMul: mode must be a poptorch.MatMulSerializationMode, "
+                    f"got {mode!r}.")
+    if lhs.dim() < 2 or rhs.dim() < 2:
+        raise Error("serializedMatMul: lhs and rhs must have at least 2 dimensions, got "
+                    f"shapes {tuple(lhs.shape)} and {tuple(rhs.shape)}.")
+    if mode == MatMulSerializationMode.Disabled:
+        return torch.matmul(lhs, rhs)
+    if not isinstance(factor, int) or isinstance(factor, bool) or factor < 1:
+        raise Error(f"serializedMatMul: factor must be an int >= 1 when mode is {mode}, "
+                    f"got {factor!r}.")
+    wide = keep_precision and lhs.dtype == torch.float16 and rhs.dtype == torch.float16
+    if mode == MatMulSerializationMode.InputChannels:
+        right = rhs.float() if wide else rhs  # its gradient accumulates over the slices
+        parts = [torch.matmul(p.float() if wide else p, right)
+                 for p in _split(lhs, -2, factor, "input channels (m)")]
+        return torch.cat(parts, dim=-2).to(torch.promote_types(lhs.dtype, rhs.dtype))
+    if mode == MatMulSerializationMode.OutputChannels:
+        parts = [torch.matmul(lhs, p) for p in _split(rhs, -1, factor, "output channels (p)")]
+        return torch.cat(parts, dim=-1)
+    left = _split(lhs, -1, factor, "reducing (n)")
+    right = _split(rhs, -2, factor, "reducing (n)")
+    total = None
+    for a, b in zip(left, right):
+        part = torch.matmul(a.float(), b.float()) if wide else torch.matmul(a, b)
+        total = part if total is None else total + part
+    return total.to(torch.promote_types(lhs.dtype, rhs.dtype))

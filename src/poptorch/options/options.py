@@ -1,0 +1,535 @@
+"""``poptorch.Options``: every option controlling how a model is compiled and run.
+
+Options objects are configuration only: setters validate their arguments and record
+them; the executor and the runtime read the recorded values (see docs/options.md for
+which module applies each option, and for the options that have no meaning on our
+devices). Setters return the object they belong to, so calls chain::
+
+    opts = poptorch.Options().deviceIterations(4).replicationFactor(2)
+    opts.Training.gradientAccumulation(8)
+"""
+from __future__ import annotations
+
+import ast
+import copy
+import json
+import os
+from typing import Any, Callable
+
+import torch
+
+from .. import _logging, enums
+from ..annotations.strategies import PipelinedExecution, _IExecutionStrategy
+from ..errors import ConfigFileError, Error
+from .config_file import dotted_name, safe_value
+from .distributed import _DistributedOptions
+from .jit import _JitOptions
+from .popart import _PopartOptions
+from .precision import _PrecisionOptions
+from .store import (
+    OptionsDict,
+    check_bool,
+    check_enum,
+    check_int,
+    check_optional_path,
+    check_str,
+    check_str_list,
+)
+from .tensor_locations import _TensorLocationOptions
+from .training import _TrainingOptions
+
+__all__ = ["Options"]
+
+_DEFAULT_SOURCE_LOCATION_EXCLUDES = ["install/poptorch", "site-packages/torch",
+                                     "site-packages/poptorch"]
+
+
+
+# Options-level values with no meaning on our devices, and their "not set" value.
+_IGNORED_TOP_LEVEL = ("connection_type", "sync_pattern", "available_memory_proportion",
+                      "enable_stable_norm", "log_cycle_count", "module_namescope",
+                      "source_location_excludes", "ipu_version")
+
+# Methods that are not setters: config files and JSON cannot call them.
+_NOT_SETTERS = frozenset({"loadFromFile", "from_json", "clone", "toDict", "exists",
+                          "checkIsFrozen", "defaultOutputMode", "update", "createOrSet",
+                          "deleteIfExists"})
+_SUB_OBJECTS = ("Training", "Precision", "TensorLocations", "Jit", "Distributed", "_Popart")
+
+
+class Options(OptionsDict):
+    """Set of all options controlling how a model is compiled and executed.
+
+    Pass an instance to :py:func:`poptorch.inferenceModel` or
+    :py:func:`poptorch.trainingModel`.
+
+    >>> opts = poptorch.Options()
+    >>> opts.deviceIterations(10)
+    >>> opts.Training.gradientAccumulation(4)
+    """
+
+    def __init__(self) -> None:
+        self._popart = _PopartOptions()
+        self._training = _TrainingOptions(self._popart)
+        self._precision = _PrecisionOptions(self._popart)
+        self._tensor_locations = _TensorLocationOptions()
+        self._jit = _JitOptions()
+        self._distributed = _DistributedOptions()
+        self._log_dir_set = False
+        super().__init__(
+            replication_factor=1,
+            input_group_size=1,
+            input_cgt=enums.CommGroupType.Consecutive,
+            broadcast_buffers=True,
+            device_iterations=1,
+            log_dir=".",
+            auto_round_num_ipus=False,
+            anchored_tensors={},
+            output_mode=enums.OutputMode.Default.value,
+            output_return_period=1,
+            connection_type=enums.ConnectionType.Always.value,
+            sync_pattern=enums.SyncPattern.Full.value,
+            available_memory_proportion={},
+            max_repeat_logs=4,
+            execution_strategy=None,
+            show_compilation_progress_bar=True,
+            relax_optimizer_attributes_checks=False,
+            enable_stable_norm=False,
+            synthetic_data=False,
+            log_cycle_count=False,
+            module_namescope=True,
+            source_location_excludes=list(_DEFAULT_SOURCE_LOCATION_EXCLUDES),
+            updatable_named_buffers=None,
+            executable_cache_dir=None,
+            profile_dir=None,
+        )
+        cache_dir = os.environ.get("POPTORCH_CACHE_DIR")
+        if cache_dir:
+            self.enableExecutableCaching(cache_dir)
+
+    # -- sub-objects ---------------------------------------------------------------
+    @property
+    def Training(self) -> _TrainingOptions:
+        """Options specific to training (:py:class:`~poptorch.options._TrainingOptions`)."""
+        return self._training
+
+    @property
+    def Precision(self) -> _PrecisionOptions:
+        """Options related to precision (:py:class:`~poptorch.options._PrecisionOptions`)."""
+        return self._precision
+
+    @property
+    def TensorLocations(self) -> _TensorLocationOptions:
+        """Options related to tensor locations."""
+        return self._tensor_locations
+
+    @property
+    def Jit(self) -> _JitOptions:
+        """Options related to capturing and compiling the model."""
+        return self._jit
+
+    @property
+    def Distributed(self) -> _DistributedOptions:
+        """Options specific to running over several processes."""
+        return self._distributed
+
+    @property
+    def _Popart(self) -> _PopartOptions:
+        """Upstream PopART session options (recorded only)."""
+        return self._popart
+
+    def _sub_objects(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in _SUB_OBJECTS}
+
+    # -- batching and replication --------------------------------------------------
+    def deviceIterations(self, device_iterations: int) -> "Options":
+        """Number of iterations the device runs over the data before returning to the
+        user (default: 1)."""
+        self.set(device_iterations=check_int("deviceIterations", device_iterations,
+                                             minimum=1))
+        return self
+
+    def replicationFactor(self, replication_factor: int) -> "Options":
+        """Number of times to replicate the model (default: 1)."""
+        self.set(replication_factor=check_int("replicationFactor", replication_factor,
+                                              minimum=1))
+        return self
+
+    def inputReplicaGrouping(self, input_group_size: int,
+                             input_group_type: enums.CommGroupType) -> "Options":
+        """Split the input batches between groups of ``input_group_size`` replicas
+        arranged by ``input_group_type`` (not ``CommGroupType.All``). The group size
+        must divide the replication factor; that is checked when the model runs."""
+        size = check_int("inputReplicaGrouping input_group_size", input_group_size,
+                         minimum=1)
+        cgt = check_enum("inputReplicaGrouping input_group_type", input_group_type,
+                         enums.CommGroupType,
+                         [t for t in enums.CommGroupType if t != enums.CommGroupType.All])
+        self.set(input_group_size=size, input_cgt=cgt)
+        return self
+
+    def broadcastBuffers(self, broadcast_buffers: bool = True) -> "Options":
+        """Keep buffers in sync over replicas (True, default) or per replica (False)."""
+        self.set(broadcast_buffers=check_bool("broadcastBuffers", broadcast_buffers))
+        return self
+
+    # -- outputs -------------------------------------------------------------------
+    def outputMode(self, output_mode: enums.OutputMode,
+                   output_return_period: int | None = None) -> "Options":
+        """Which outputs come back: ``All``, ``Sum``, ``Final``, ``EveryN`` (every
+        ``output_return_period`` device iterations) or ``Default`` (``All`` for
+        inference, ``Final`` for training)."""
+        mode = check_enum("outputMode", output_mode, enums.OutputMode)
+        if mode == enums.OutputMode.EveryN:
+            if output_return_period is None:
+                raise Error("outputMode: OutputMode.EveryN needs output_return_period, "
+                            "e.g. outputMode(OutputMode.EveryN, 10).")
+            period = check_int("outputMode output_return_period", output_return_period,
+                               minimum=1)
+        else:
+            if output_return_period is not None:
+                raise Error(f"outputMode: output_return_period must only be set when "
+                            f"output_mode is OutputMode.EveryN, not {mode.name}.")
+            period = 1
+        self.set(output_mode=mode.value, output_return_period=period)
+        return self
+
+    def anchorMode(self, anchor_mode: enums.OutputMode,
+                   anchor_return_period: int | None = None) -> "Options":
+        """SDK 2.x name of :py:meth:`outputMode`."""
+        return self.outputMode(anchor_mode, anchor_return_period)
+
+    def defaultOutputMode(self) -> bool:
+        """True while :py:meth:`outputMode` is still ``OutputMode.Default``."""
+        return self._values["output_mode"] == enums.OutputMode.Default.value
+
+    def anchorTensor(self, short_name: str, long_name: str, output_mode=None,
+                     output_return_period: int = 1) -> "Options":
+        """Make the tensor ``long_name`` retrievable as ``short_name`` after each run.
+
+        Recorded in ``anchored_tensors[short_name]`` as a dict with keys
+        ``long_name``, ``output_mode`` (an ``OutputMode`` value, or None to follow the
+        model's output mode) and ``output_return_period``.
+        """
+        check_str("anchorTensor short_name", short_name)
+        check_str("anchorTensor long_name", long_name)
+        mode = None
+        if output_mode is not None:
+            mode = check_enum("anchorTensor output_mode", output_mode,
+                              enums.OutputMode).value
+        period = check_int("anchorTensor output_return_period", output_return_period,
+                           minimum=1)
+        anchors = dict(self._values["anchored_tensors"])
+        anchors[short_name] = {"long_name": long_name, "output_mode": mode,
+                               "output_return_period": period}
+        self.set(anchored_tensors=anchors)
+        return self
+
+    # -- devices -------------------------------------------------------------------
+    def autoRoundNumIPUs(self, auto_round_num_ipus: bool = True) -> "Options":
+        """Round the number of IPUs used up to a power of two instead of failing."""
+        self.set(auto_round_num_ipus=check_bool("autoRoundNumIPUs", auto_round_num_ipus))
+        return self
+
+    def useIpuModel(self, use_model: bool) -> "Options":
+        """True: virtual IPUs on the CPU. False: demand accelerator hardware (an error
+        at compile time if there is none). Takes precedence over
+        ``POPTORCH_IPU_MODEL``."""
+        self.createOrSet(use_model=check_bool("useIpuModel", use_model))
+        return self
+
+    def useIpuId(self, ipu_id: int) -> "Options":
+        """Use the accelerator with this id as the first IPU (GPU ``cuda:ipu_id``)."""
+        self.createOrSet(ipu_id=check_int("useIpuId", ipu_id, minimum=0))
+        return self
+
+    def useOfflineIpuTarget(self, ipu_version: int = 2) -> "Options":
+        """Upstream: compile for an absent IPU of this version (1, 2 or 21) without
+        running. Recorded only: our devices can always compile and run."""
+        version = check_int("useOfflineIpuTarget", ipu_version)
+        if version not in (1, 2, 21):
+            raise Error(f"useOfflineIpuTarget: ipu_version must be 1, 2 or 21, "
+                        f"got {version}.")
+        self.createOrSet(ipu_version=version)
+        return self
+
+    def connectionType(self, connection_type: enums.ConnectionType) -> "Options":
+        """When to attach to the device (recorded only)."""
+        self.set(connection_type=check_enum("connectionType", connection_type,
+                                            enums.ConnectionType).value)
+        return self
+
+    def syncPattern(self, sync_pattern: enums.SyncPattern) -> "Options":
+        """Multi-IPU synchronisation pattern (recorded only)."""
+        self.set(sync_pattern=check_enum("syncPattern", sync_pattern,
+                                         enums.SyncPattern).value)
+        return self
+
+    def setAvailableMemoryProportion(self, available_memory_proportion: dict
+                                     ) -> "Options":
+        """Per-IPU temporary memory proportion, e.g. ``{"IPU0": 0.5}`` (recorded only)."""
+        if not isinstance(available_memory_proportion, dict):
+            raise Error(f"setAvailableMemoryProportion: expected a dict such as "
+                        f"{{'IPU0': 0.5}}, got {available_memory_proportion!r}.")
+        for key, value in available_memory_proportion.items():
+            if not (isinstance(key, str) and key.startswith("IPU") and key[3:].isdigit()):
+                raise Error(f"setAvailableMemoryProportion: keys must look like 'IPU0', "
+                            f"got {key!r}.")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0.0 <= value <= 1.0:
+                raise Error(f"setAvailableMemoryProportion: values must be numbers in "
+                            f"[0, 1], got {key}={value!r}.")
+        self.set(available_memory_proportion=dict(available_memory_proportion))
+        return self
+
+    # -- execution -----------------------------------------------------------------
+    def setExecutionStrategy(self, strategy) -> "Options":
+        """Partition the model with this strategy: an instance of
+        :py:class:`~poptorch.PipelinedExecution`, :py:class:`~poptorch.ShardedExecution`,
+        :py:class:`~poptorch.SerialPhasedExecution` or
+        :py:class:`~poptorch.ParallelPhasedExecution`."""
+        if not isinstance(strategy, _IExecutionStrategy):
+            raise Error(f"setExecutionStrategy: expected an instance of "
+                        f"PipelinedExecution, ShardedExecution, SerialPhasedExecution or "
+                        f"ParallelPhasedExecution, got {strategy!r}.")
+        self.set(execution_strategy=strategy)
+        return self
+
+    @property
+    def _execution_strategy(self) -> _IExecutionStrategy:
+        """The strategy in force: the one given to :py:meth:`setExecutionStrategy`, else
+        the default ``PipelinedExecution(AutoStage.SameAsIpu)`` (made once per object)."""
+        strategy = self.execution_strategy
+        if strategy is None:
+            strategy = self.__dict__.get("_default_strategy")
+            if strategy is None:
+                strategy = PipelinedExecution()
+                object.__setattr__(self, "_default_strategy", strategy)
+        return strategy
+
+    def randomSeed(self, random_seed: int) -> "Options":
+        """Seed the random number generators used by the model. As upstream, this also
+        seeds the host's ``torch`` generator (``torch.manual_seed``)."""
+        seed = check_int("randomSeed", random_seed, minimum=0, maximum=2**64 - 1)
+        torch.manual_seed(seed)
+        self.createOrSet(random_seed=seed)
+        return self
+
+    def enableSyntheticData(self, enabled: bool) -> "Options":
+        """Replace host inputs by random data generated on the device (benchmarking)."""
+        self.set(synthetic_data=check_bool("enableSyntheticData", enabled))
+        return self
+
+    def enableStableNorm(self, enabled: bool) -> "Options":
+        """Upstream: slower, more accurate norm operators. Recorded only: ours are
+        always computed the PyTorch way."""
+        self.set(enable_stable_norm=check_bool("enableStableNorm", enabled))
+        return self
+
+    def updatableNamedBuffers(self, buffers: list[str]) -> "Options":
+        """Names of the model buffers that ``buffersFromHost()`` copies to the device."""
+        self.set(updatable_named_buffers=check_str_list("updatableNamedBuffers", buffers))
+        return self
+
+    def relaxOptimizerAttributesChecks(self, relax: bool = True) -> "Options":
+        """Log unexpected optimizer attributes at DEBUG instead of WARN."""
+        self.set(relax_optimizer_attributes_checks=check_bool(
+            "relaxOptimizerAttributesChecks", relax))
+        return self
+
+    def showCompilationProgressBar(self, show: bool = True) -> "Options":
+        """Show a progress bar while the model compiles (default: shown)."""
+        self.set(show_compilation_progress_bar=check_bool("showCompilationProgressBar",
+                                                          show))
+        return self
+
+    def enableExecutableCaching(self, path: str | None) -> "Options":
+        """Cache compiled programs in the directory ``path`` (None: no caching).
+        ``POPTORCH_CACHE_DIR`` sets it for every new Options object."""
+        self.set(executable_cache_dir=check_optional_path("enableExecutableCaching", path))
+        return self
+
+    def enableProfiling(self, profile_dir: str | None = None) -> "Options":
+        """Write a profiling trace into ``profile_dir`` (default: current directory)."""
+        path = check_optional_path("enableProfiling", profile_dir)
+        self.set(profile_dir=path if path is not None else ".")
+        return self
+
+    def modelName(self, name: str) -> "Options":
+        """Name of the model (used for profiling report sub-directories)."""
+        self.createOrSet(model_name=check_str("modelName", name))
+        return self
+
+    # -- logging and debugging ---------------------------------------------------------
+    def logDir(self, log_dir: str) -> "Options":
+        """Also write PopTorch's log to ``<log_dir>/poptorch.log`` once a model is
+        compiled with these options."""
+        path = check_optional_path("logDir", log_dir)
+        if path is None:
+            raise Error("logDir: expected a directory path, got None.")
+        self.set(log_dir=path)
+        self._log_dir_set = True
+        return self
+
+    def maxRepeatLogs(self, max_lines: int | None) -> "Options":
+        """Suppress a log message repeated more than ``max_lines`` times in a row
+        (None: never suppress; default 4)."""
+        if max_lines is not None:
+            check_int("maxRepeatLogs", max_lines, minimum=1)
+        self.set(max_repeat_logs=max_lines)
+        return self
+
+    def logCycleCount(self, log_cycle_count: bool) -> "Options":
+        """Upstream: log IPU cycle counts. Recorded only (no cycle counter here)."""
+        self.set(log_cycle_count=check_bool("logCycleCount", log_cycle_count))
+        return self
+
+    def disableModuleNamescope(self) -> "Options":
+        """Upstream: do not prefix op names with module names. Recorded only."""
+        self.set(module_namescope=False)
+        return self
+
+    def sourceLocationExcludes(self, excludes: list[str]) -> "Options":
+        """Frames to skip when attributing IR to source lines (recorded only)."""
+        self.set(source_location_excludes=check_str_list("sourceLocationExcludes",
+                                                          excludes))
+        return self
+
+    def appendToLocationExcludes(self, *excludes: str) -> "Options":
+        """Add frames to skip when attributing IR to source lines (recorded only)."""
+        added = check_str_list("appendToLocationExcludes", list(excludes))
+        self.set(source_location_excludes=self._values["source_location_excludes"] + added)
+        return self
+
+    # -- whole-object operations ---------------------------------------------------------
+    def toDict(self) -> dict[str, Any]:
+        """All option values, with the sub-objects' values nested under their names."""
+        out = super().toDict()
+        for name, sub in self._sub_objects().items():
+            out[name] = sub.toDict()
+        return out
+
+    def clone(self) -> "Options":
+        """An unfrozen deep copy of these options."""
+        clone = copy.deepcopy(self)
+        object.__setattr__(clone, "_frozen", False)
+        for sub in clone._sub_objects().values():
+            if isinstance(sub, _PopartOptions):
+                sub._unfreeze()
+            else:
+                object.__setattr__(sub, "_frozen", False)
+        return clone
+
+    def _freeze(self) -> None:
+        """Forbid changes (a model is compiled with these options); apply the logging
+        options and log, once, every option that has no meaning on our devices."""
+        super()._freeze()
+        for sub in self._sub_objects().values():
+            sub._freeze()
+        _logging.apply_options(self)
+        for name, value in self._ignored_options().items():
+            _logging.info_once(("ignored option", name, repr(value)),
+                               "Option %s=%r has no meaning on this device and is ignored "
+                               "(see docs/options.md).", name, value)
+
+    def _ignored_options(self) -> dict[str, Any]:
+        """``{name: value}`` of the options set that have no meaning on our devices."""
+        ignored = {name: self._values[name] for name in _IGNORED_TOP_LEVEL
+                   if self._changed_from_default(name)}
+        for sub in self._sub_objects().values():
+            ignored.update(sub._ignored())
+        return ignored
+
+    def __repr__(self) -> str:
+        own = ", ".join(f"{k}={v!r}" for k, v in sorted(self._values.items()))
+        subs = ", ".join(f"{name}={sub!r}" for name, sub in self._sub_objects().items())
+        return f"Options({own}, {subs})"
+
+    # -- loading -------------------------------------------------------------------------
+    def _resolve_setter(self, path: list[str]) -> Callable:
+        """The setter method at ``path`` (e.g. ``["Training", "gradientAccumulation"]``)."""
+        target: Any = self
+        for part in path[:-1]:
+            if part not in _SUB_OBJECTS:
+                raise Error(f"'{part}' is not an options category; use one of "
+                            f"{', '.join(_SUB_OBJECTS)}.")
+            target = getattr(target, part)
+        name = path[-1]
+        if name.startswith("_") or name in _NOT_SETTERS or (
+                name == "set" and isinstance(target, OptionsDict)):
+            raise Error(f"'{'.'.join(path)}' is not an option setter.")
+        if name == "backend" and isinstance(target, _JitOptions):
+            return target._set_backend
+        method = getattr(type(target), name, None)
+        if not callable(method) or isinstance(method, property):
+            raise Error(f"Unknown option setter '{'.'.join(path)}'.")
+        return getattr(target, name)
+
+    def loadFromFile(self, filepath: str) -> "Options":
+        """Apply a config file: one setter call per line, written as in Python without
+        the ``options.`` prefix (``deviceIterations(4)``,
+        ``Training.gradientAccumulation(2)``); ``#`` starts a comment.
+
+        Arguments may be literals, enum members (``poptorch.OutputMode.All``) and
+        ``torch`` dtypes. A line that cannot be applied raises
+        :py:class:`poptorch.ConfigFileError` naming the file and line.
+        """
+        with open(filepath, encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+        for lineno, line in enumerate(lines, start=1):
+            text = line.strip()
+            if not text or text.startswith("#"):
+                continue
+            try:
+                self._apply_command(text)
+            except (Error, ValueError, TypeError, SyntaxError, AttributeError) as exc:
+                reason = exc.message if isinstance(exc, Error) else str(exc)
+                raise ConfigFileError(f"{filepath}:{lineno}: cannot apply {text!r}: "
+                                      f"{reason}") from exc
+        return self
+
+    def _apply_command(self, text: str) -> None:
+        try:
+            tree = ast.parse(text, mode="eval")
+        except SyntaxError as exc:
+            raise Error(f"not a valid Python expression ({exc.msg}).") from None
+        call = tree.body
+        if not isinstance(call, ast.Call):
+            raise Error("expected a setter call such as deviceIterations(4).")
+        path = dotted_name(call.func)
+        if path is None:
+            raise Error("expected a setter call such as deviceIterations(4).")
+        if path[0] in ("options", "opts") and len(path) > 1:
+            path = path[1:]
+        setter = self._resolve_setter(path)
+        args = [safe_value(arg) for arg in call.args]
+        kwargs = {}
+        for keyword in call.keywords:
+            if keyword.arg is None:
+                raise Error("**kwargs are not supported in config files.")
+            kwargs[keyword.arg] = safe_value(keyword.value)
+        setter(*args, **kwargs)
+
+    def from_json(self, string: str) -> "Options":
+        """Apply options from a JSON object ``{"name.of.setter": value}``; a list value
+        is passed as positional arguments::
+
+            Options().from_json('{"Precision.enableFloatingPointExceptions": true}')
+            Options().from_json('{"_Popart.set": ["OptionName", 1]}')
+        """
+        try:
+            values = json.loads(string)
+        except json.JSONDecodeError as exc:
+            raise Error(f"from_json: invalid JSON ({exc}).") from None
+        if not isinstance(values, dict):
+            raise Error("from_json: expected a JSON object {\"name.of.setter\": value}.")
+        for key, value in values.items():
+            try:
+                setter = self._resolve_setter(key.split("."))
+            except Error as exc:
+                raise Error(f"from_json: {exc.message}") from None
+            if isinstance(value, list):
+                setter(*value)
+            else:
+                setter(value)
+        return self

@@ -1,0 +1,65 @@
+"""``Options._Popart``: upstream PopART session options (recorded only)."""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from ..errors import Error
+from .store import check_int, check_str
+
+
+class _PopartOptions:
+    """Options of upstream's PopART backend (``opts._Popart.set(name, value)``).
+
+    There is no PopART here: the values are accepted and recorded, reported by
+    ``Options._ignored_options()`` and logged once at INFO when a model is compiled.
+    """
+
+    def __init__(self) -> None:
+        self.options: dict[str, Any] = {}
+        self._frozen = False
+
+    def checkIsFrozen(self, option: str | None = None) -> None:
+        """Raise :py:class:`poptorch.Error` if these options can no longer change."""
+        if self._frozen:
+            what = f"option '_Popart.{option}'" if option else "them"
+            raise Error(f"Options are frozen: a model has been compiled with them, so "
+                        f"changing {what} would not take effect. Use opts.clone() to get "
+                        f"an unfrozen copy.")
+
+    def set(self, key: str, value: Any) -> "_PopartOptions":
+        """Record the PopART session option ``key``."""
+        check_str("_Popart.set", key)
+        self.checkIsFrozen(key)
+        self.options[key] = value
+        return self
+
+    def setEngineOptions(self, engine_options: dict) -> "_PopartOptions":
+        """Record Poplar engine options."""
+        if not isinstance(engine_options, dict):
+            raise Error(f"_Popart.setEngineOptions: expected a dict, got {engine_options!r}.")
+        return self.set("engineOptions", dict(engine_options))
+
+    def setPatterns(self, patterns: dict, level: int = 2) -> "_PopartOptions":
+        """Record PopART pattern overrides (``{name: enabled}``) and the pattern level."""
+        if not isinstance(patterns, dict):
+            raise Error(f"_Popart.setPatterns: expected a dict of pattern name -> bool, "
+                        f"got {patterns!r}.")
+        check_int("_Popart.setPatterns level", level, minimum=0)
+        self.set("patterns", dict(patterns))
+        return self.set("patternsLevel", level)
+
+    def toDict(self) -> dict[str, Any]:
+        return copy.deepcopy(self.options)
+
+    def _freeze(self) -> None:
+        self._frozen = True
+
+    def _unfreeze(self) -> None:
+        self._frozen = False
+
+    def _ignored(self) -> dict[str, Any]:
+        return {f"_Popart.{key}": value for key, value in self.options.items()}
+
+    def __repr__(self) -> str:
+        return f"_PopartOptions({self.options!r})"

@@ -1,0 +1,122 @@
+"""Models, data and the plain-PyTorch reference shared by the multi-process tests
+(tests/test_distributed.py) and the program they start under torchrun
+(tests/distributed_worker.py).
+
+A run has ``R`` global replicas: ``r`` per process on ``P`` processes; global replica
+``p * r + j`` is local replica ``j`` of process ``p``. One call consumes
+``D x G x R x M`` rows, laid out ``[d][g][replica][m]``; process ``p`` gets the rows of
+its replicas, in the same order.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+import poptorch
+
+D, G, M = 2, 2, 3          # device iterations, gradient accumulation, rows per micro-batch
+FEATURES, CLASSES = 5, 3
+CALLS = 3                  # calls (of D optimizer steps each) per run
+
+
+class Net(torch.nn.Module):
+    """A tiny classifier returning (output, loss); ``batchnorm`` adds running stats."""
+
+    def __init__(self, batchnorm: bool = False) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(FEATURES, 8)
+        self.norm = torch.nn.BatchNorm1d(8) if batchnorm else torch.nn.Identity()
+        self.fc2 = torch.nn.Linear(8, CLASSES)
+
+    def forward(self, x, y):
+        out = self.fc2(torch.tanh(self.norm(self.fc1(x))))
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def make_model(seed: int, batchnorm: bool = False) -> Net:
+    torch.manual_seed(seed)
+    return Net(batchnorm)
+
+
+def train_configs() -> list[dict]:
+    """Local replicas x reduction x optimizer (the issue's grid)."""
+    return [{"r": r, "reduction": red, "optimizer": opt} for r, red, opt in
+            itertools.product((1, 2), ("Mean", "Sum"), ("SGD", "Adam"))]
+
+
+def config_id(cfg: dict) -> str:
+    return f"r{cfg['r']}_{cfg['reduction']}_{cfg['optimizer']}"
+
+
+def global_batch(call: int, replicas: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of one call for ``replicas`` global replicas: ([D,G,R,M,F], [D,G,R,M])."""
+    g = torch.Generator().manual_seed(100 + call)
+    x = torch.randn(D, G, replicas, M, FEATURES, generator=g)
+    y = torch.randint(0, CLASSES, (D, G, replicas, M), generator=g)
+    return x, y
+
+
+def process_rows(batch: tuple, rank: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Process ``rank``'s rows of a global batch (its ``r`` replicas), flattened."""
+    x, y = batch
+    x = x[:, :, rank * r:(rank + 1) * r].reshape(-1, FEATURES)
+    y = y[:, :, rank * r:(rank + 1) * r].reshape(-1)
+    return x, y
+
+
+def poptorch_optimizer(name: str, params):
+    if name == "SGD":
+        return poptorch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return poptorch.optim.Adam(params, lr=0.01)
+
+
+def torch_optimizer(name: str, params):
+    if name == "SGD":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def options(r: int, reduction: str = "Mean", **extra) -> poptorch.Options:
+    opts = poptorch.Options().deviceIterations(D).replicationFactor(r)
+    opts.Training.gradientAccumulation(G)
+    opts.Training.accumulationAndReplicationReductionType(
+        getattr(poptorch.ReductionType, reduction))
+    opts.showCompilationProgressBar(False)
+    if "broadcast_buffers" in extra:
+        opts.broadcastBuffers(extra["broadcast_buffers"])
+    return opts
+
+
+def run_poptorch(model: Net, cfg: dict, rank: int, first_call: int = 0,
+                 calls: int = CALLS, optimizer=None):
+    """Train ``model`` for ``calls`` calls as process ``rank`` with ``cfg['r']`` local
+    replicas of ``cfg['r'] * processes`` global ones; returns (executor, losses)."""
+    r, world = cfg["r"], cfg.get("processes", 1)
+    optimizer = optimizer or poptorch_optimizer(cfg["optimizer"], model.parameters())
+    training = poptorch.trainingModel(model, options(r, cfg["reduction"]), optimizer)
+    losses = []
+    for call in range(first_call, first_call + calls):
+        _, loss = training(*process_rows(global_batch(call, r * world), rank, r))
+        losses.append(loss.detach().clone())
+    return training, losses
+
+
+def plain_reference(model: Net, cfg: dict, replicas: int, calls: int = CALLS,
+                    first_call: int = 0, optimizer=None) -> torch.optim.Optimizer:
+    """The same training as a plain PyTorch loop over all replicas' micro-batches: one
+    optimizer step per device iteration on the Mean / Sum of the G x R micro-batch
+    losses."""
+    optimizer = optimizer or torch_optimizer(cfg["optimizer"], model.parameters())
+    for call in range(first_call, first_call + calls):
+        x, y = global_batch(call, replicas)
+        for d in range(D):
+            optimizer.zero_grad()
+            losses = [model(x[d, g, k], y[d, g, k])[1]
+                      for g in range(G) for k in range(replicas)]
+            total = torch.stack(losses).sum()
+            if cfg["reduction"] == "Mean":
+                total = total / len(losses)
+            total.backward()
+            optimizer.step()
+    return optimizer

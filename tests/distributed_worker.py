@@ -1,0 +1,112 @@
+"""The program tests/test_distributed.py starts under torchrun: one scenario per run.
+
+    torchrun --standalone --nproc_per_node=2 tests/distributed_worker.py SCENARIO OUT_DIR
+
+Each process writes what it saw to ``OUT_DIR/<name>_rank<rank>.pt`` (or ``.txt`` for an
+error); the test compares the processes with each other and with references it
+computes itself. Every process starts from a different random initialisation
+(``make_model(1000 + rank)``): the run must start from process 0's.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import sys
+
+import torch
+
+import poptorch
+from _distributed_cases import (CALLS, D, FEATURES, G, M, config_id, global_batch,
+                                make_model, options, process_rows, run_poptorch,
+                                train_configs)
+
+RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
+
+
+def save(out: pathlib.Path, name: str, value) -> None:
+    torch.save(value, out / f"{name}_rank{RANK}.pt")
+
+
+def train(out: pathlib.Path, only: str | None = None) -> None:
+    for cfg in train_configs():
+        if only is not None and config_id(cfg) != only:
+            continue
+        cfg = dict(cfg, processes=WORLD)
+        model = make_model(1000 + RANK)
+        training, losses = run_poptorch(model, cfg, RANK)
+        save(out, config_id(cfg), {"state": model.state_dict(), "losses": losses,
+                                   "optimizer": training._optimizer.state_dict()})
+
+
+def buffers(out: pathlib.Path) -> None:
+    for broadcast in (True, False):
+        cfg = {"r": 1, "reduction": "Mean", "optimizer": "SGD", "processes": WORLD}
+        model = make_model(1000 + RANK, batchnorm=True)
+        opts = options(1, broadcast_buffers=broadcast)
+        training = poptorch.trainingModel(
+            model, opts, poptorch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        for call in range(CALLS):
+            training(*process_rows(global_batch(call, WORLD), RANK, cfg["r"]))
+        save(out, f"buffers_{broadcast}", model.state_dict())
+
+
+def checkpoint(out: pathlib.Path) -> None:
+    cfg = {"r": 1, "reduction": "Mean", "optimizer": "Adam", "processes": WORLD}
+    model = make_model(1000 + RANK)
+    training, _ = run_poptorch(model, cfg, RANK)
+    if RANK == 0:
+        torch.save({"model": model.state_dict(),
+                    "optimizer": training._optimizer.state_dict()}, out / "checkpoint.pt")
+    for call in range(CALLS, 2 * CALLS):
+        training(*process_rows(global_batch(call, WORLD), RANK, 1))
+    save(out, "continued", model.state_dict())
+
+
+def mismatch(out: pathlib.Path) -> None:
+    """Process 1 asks for 3 device iterations, process 0 for 2."""
+    d = D + RANK
+    opts = options(1).deviceIterations(d)
+    model = make_model(0)
+    training = poptorch.trainingModel(model, opts)
+    x = torch.randn(d * G * M, FEATURES)
+    y = torch.zeros(d * G * M, dtype=torch.long)
+    try:
+        training(x, y)
+    except poptorch.Error as exc:
+        (out / f"error_rank{RANK}.txt").write_text(str(exc))
+        sys.exit(3)
+    (out / f"error_rank{RANK}.txt").write_text("no error")
+
+
+def kill(out: pathlib.Path) -> None:
+    """Process 1 dies (SIGKILL) after its first call; process 0 keeps training."""
+    model = make_model(0)
+    training = poptorch.trainingModel(model, options(1))
+    for call in range(1000):
+        training(*process_rows(global_batch(call % 3, WORLD), RANK, 1))
+        if RANK == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+    (out / f"finished_rank{RANK}.txt").write_text("finished")
+
+
+def epoch(out: pathlib.Path) -> None:
+    """The item ids each process reads in one epoch, for drop_last True and False."""
+    dataset = torch.arange(103).float().unsqueeze(1)
+    seen = {}
+    for drop_last in (True, False):
+        opts = poptorch.Options().deviceIterations(2).randomSeed(7)
+        loader = poptorch.DataLoader(opts, dataset, batch_size=3, shuffle=True,
+                                     drop_last=drop_last)
+        seen[drop_last] = [batch.reshape(-1).long().tolist() for batch in loader]
+    save(out, "epoch", seen)
+
+
+SCENARIOS = {"train": train, "buffers": buffers, "checkpoint": checkpoint,
+             "mismatch": mismatch, "kill": kill, "epoch": epoch}
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    scenario, out_dir = sys.argv[1], pathlib.Path(sys.argv[2])
+    SCENARIOS[scenario](out_dir, *sys.argv[3:])
