@@ -440,7 +440,7 @@ class PoplarExecutor:
 
     def getPerfCounters(self) -> dict:
         """Host timestamps of the last call: {'input', 'input_complete', 'output',
-        'output_complete'} -> [per input/output index][per iteration] seconds."""
+        'output_complete'} -> ``[per input/output index][per iteration]`` seconds."""
         counters = self._require_compiled("getPerfCounters").perf.counters
         return {k: [list(v)] for k, v in counters.items()}
 
