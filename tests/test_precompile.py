@@ -219,6 +219,8 @@ def test_cache_key_covers_options_model_inputs_and_versions():
     base = key()
     assert base == key()  # stable
     assert key(options=train_opts().deviceIterations(4)) != base
+    moved = train_opts().enableExecutableCaching("elsewhere").modelName("m")
+    assert key(options=moved) == base  # where things go is not what is computed
     assert key(training=False) != base
     assert key(version="3.4.1") != base
     assert key(backend="other") != base

@@ -33,6 +33,10 @@ from . import artifacts
 SUFFIX = ".popcache"
 MAGIC = b"OPENPOPTORCH-EXECUTABLE-CACHE\n"
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+# Options that say where things go, not what is computed: moving the cache folder or
+# turning logs on must not invalidate the cache.
+_NOT_IN_KEY = ("executable_cache_dir", "profile_dir", "log_dir", "max_repeat_logs",
+               "show_compilation_progress_bar", "model_name")
 
 
 def _model_description(model: torch.nn.Module) -> list:
@@ -62,7 +66,8 @@ def cache_key(*, backend: str, training: bool, options: Any, model: torch.nn.Mod
     """The key of a compiled program (module docstring)."""
     parts = {
         "torch": torch.__version__, "poptorch": version, "backend": backend,
-        "training": training, "options": options.toDict(),
+        "training": training,
+        "options": {k: v for k, v in options.toDict().items() if k not in _NOT_IN_KEY},
         "model": _model_description(model),
         "optimizer": _optimizer_description(optimizer),
         "inputs": signature.key(),
@@ -129,12 +134,14 @@ def write(folder: str, key: str, compiled: dict) -> str | None:
     return path
 
 
-def note_backend(folder: str, backend: str) -> bool:
-    """Log once what caching does for ``backend``; True if the backend compiles."""
-    if backend == "eager":
+def note_backend(folder: str, backend: str | None) -> bool:
+    """Log once what caching does for ``backend`` (None: a model-parallel runner, which
+    runs eagerly); True if the backend compiles."""
+    if backend in (None, "eager"):
+        what = "the eager backend" if backend else "model-parallel execution"
         info_once(("executable-cache", backend),
-                  "enableExecutableCaching(%r): the eager backend generates no code, so "
-                  "there is nothing to cache (recorded only).", folder)
+                  "enableExecutableCaching(%r): %s generates no code, so there is "
+                  "nothing to cache (recorded only).", folder, what)
         return False
     info_once(("executable-cache", folder), "Caching compiled programs in %s", folder)
     return True

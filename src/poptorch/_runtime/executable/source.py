@@ -36,7 +36,7 @@ class ProgramSource:
         self.cache_dir = cache_dir if self.compiles else None
         self.cache_key: str | None = None
         if cache_dir is not None:
-            executable_cache.note_backend(cache_dir, backend or "eager")
+            executable_cache.note_backend(cache_dir, backend)
         if precompiled is not None:
             self.expected = precompiled["signature"]  # checked by the executor already
             self.installed = self.compiles and self._install(precompiled.get("artifacts"),
