@@ -53,7 +53,7 @@ class CNN(nn.Module):
         return out, F.cross_entropy(out, y)
 
 
-class Block(nn.Module):
+class Layer(nn.Module):
     """Pre-norm transformer block with causal attention."""
 
     def __init__(self, d: int, heads: int):
@@ -79,12 +79,12 @@ class GPT(nn.Module):
     def __init__(self, vocab=256, ctx=32, d=64, layers=2, heads=4):
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
-        self.blocks = nn.Sequential(*[Block(d, heads) for _ in range(layers)])
+        self.layers = nn.Sequential(*[Layer(d, heads) for _ in range(layers)])
         self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
 
     def forward(self, idx, targets):
         pos = torch.arange(idx.shape[1], device=idx.device)
-        h = self.blocks(self.tok(idx) + self.pos(pos))
+        h = self.layers(self.tok(idx) + self.pos(pos))
         logits = self.head(self.ln(h))
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
