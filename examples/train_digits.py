@@ -5,7 +5,9 @@ Model" by default: ``poptorch.DataLoader`` feeds combined batches, ``trainingMod
 runs ``deviceIterations`` optimizer steps per call, and an ``inferenceModel`` of the same
 module (weights shared, no copies) measures test accuracy after every epoch.
 
-Run: ``python examples/train_digits.py [--epochs N] [--target ACC]``.
+Run: ``python examples/train_digits.py [--epochs N] [--target ACC]``, or on several
+processes unchanged: ``torchrun --nproc_per_node=2 examples/train_digits.py`` (each
+process reads its share of the data; gradients are summed over the processes).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
@@ -86,9 +89,12 @@ def main(argv: list[str] | None = None) -> int:
         for images, labels in bar:
             _, loss = training(images, labels)
             bar.set_postfix(loss=f"{loss.item():.3f}")
-        correct = sum((inference(images).argmax(1) == labels).sum().item()
-                      for images, labels in test_loader)
-        accuracy = correct / (len(test_loader) * test_loader.combinedBatchSize)
+        counts = torch.tensor([0, len(test_loader) * test_loader.combinedBatchSize])
+        for images, labels in test_loader:
+            counts[0] += (inference(images).argmax(1) == labels).sum()
+        if dist.is_initialized():  # under torchrun: each process tested its share
+            dist.all_reduce(counts)
+        accuracy = counts[0].item() / counts[1].item()
         tqdm.write(f"epoch {epoch:2d}: last loss {loss.item():.4f}, "
                    f"test accuracy {accuracy:.2%}")
     seconds = time.perf_counter() - start

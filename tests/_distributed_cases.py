@@ -34,6 +34,29 @@ class Net(torch.nn.Module):
         return out, torch.nn.functional.cross_entropy(out, y)
 
 
+class Branchy(torch.nn.Module):
+    """Uses head ``a`` for micro-batches whose first feature is positive, head ``b``
+    otherwise: which parameters get gradients changes from micro-batch to micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(FEATURES, CLASSES)
+        self.b = torch.nn.Linear(FEATURES, CLASSES)
+
+    def forward(self, x, y):
+        out = self.a(x) if x[0, 0] > 0 else self.b(x)
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def branchy_batch(call: int, replicas: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A global batch where accumulation step 0 uses head a and the last one head b,
+    on every replica (head a is unused in the last micro-batch of every step)."""
+    x, y = global_batch(call, replicas)
+    x[..., 0] = x[..., 0].abs() + 0.1
+    x[:, G - 1, :, :, 0] *= -1
+    return x, y
+
+
 def make_model(seed: int, batchnorm: bool = False) -> Net:
     torch.manual_seed(seed)
     return Net(batchnorm)
@@ -102,14 +125,16 @@ def run_poptorch(model: Net, cfg: dict, rank: int, first_call: int = 0,
     return training, losses
 
 
-def plain_reference(model: Net, cfg: dict, replicas: int, calls: int = CALLS,
-                    first_call: int = 0, optimizer=None) -> torch.optim.Optimizer:
+def plain_reference(model: torch.nn.Module, cfg: dict, replicas: int, calls: int = CALLS,
+                    first_call: int = 0, optimizer=None,
+                    batches=None) -> torch.optim.Optimizer:
     """The same training as a plain PyTorch loop over all replicas' micro-batches: one
     optimizer step per device iteration on the Mean / Sum of the G x R micro-batch
     losses."""
     optimizer = optimizer or torch_optimizer(cfg["optimizer"], model.parameters())
+    batches = batches or global_batch
     for call in range(first_call, first_call + calls):
-        x, y = global_batch(call, replicas)
+        x, y = batches(call, replicas)
         for d in range(D):
             optimizer.zero_grad()
             losses = [model(x[d, g, k], y[d, g, k])[1]
@@ -120,3 +145,58 @@ def plain_reference(model: Net, cfg: dict, replicas: int, calls: int = CALLS,
             total.backward()
             optimizer.step()
     return optimizer
+
+
+class Grouped(torch.nn.Module):
+    """A 2-D weight ``W`` to be replica-grouped: the parameter holds one slice per group."""
+
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.W = torch.nn.Parameter(torch.randn(groups, FEATURES, CLASSES,
+                                                generator=torch.Generator().manual_seed(5)))
+
+    def forward(self, x):
+        z = torch.mm(x, self.W)
+        return z, poptorch.identity_loss(z ** 2, reduction="mean")
+
+
+def grouped_batch(call: int, replicas: int) -> torch.Tensor:
+    """[replicas, M, F]: one micro-batch per replica (D = G = 1)."""
+    return torch.randn(replicas, M, FEATURES, generator=torch.Generator().manual_seed(call))
+
+
+def grouped_reference(kind: str, replicas: int, size: int) -> torch.Tensor:
+    """Plain PyTorch: the mean of the replicas' losses, replica k using its group's slice
+    of W (Consecutive: k // size, Orthogonal: k % (replicas // size))."""
+    w = torch.nn.Parameter(Grouped(replicas // size).W.detach().clone())
+    optimizer = torch.optim.SGD([w], lr=0.05)
+    for call in range(CALLS):
+        x = grouped_batch(call, replicas)
+        optimizer.zero_grad()
+        group = (lambda k: k // size) if kind == "Consecutive" else (
+            lambda k: k % (replicas // size))
+        torch.stack([(torch.mm(x[k], w[group(k)]) ** 2).mean()
+                     for k in range(replicas)]).mean().backward()
+        optimizer.step()
+    return w.detach()
+
+
+PIPELINE_G = 4  # >= 2 x stages - 1 for a 2-stage training pipeline
+
+
+def pipeline_batch(call: int, replicas: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[G, R, M, F] rows for deviceIterations 1, gradientAccumulation PIPELINE_G."""
+    g = torch.Generator().manual_seed(200 + call)
+    return (torch.randn(PIPELINE_G, replicas, M, FEATURES, generator=g),
+            torch.randint(0, CLASSES, (PIPELINE_G, replicas, M), generator=g))
+
+
+def pipeline_reference(model: Net, replicas: int) -> None:
+    """Plain PyTorch: one SGD step per call on the mean of all micro-batch losses."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for call in range(CALLS):
+        x, y = pipeline_batch(call, replicas)
+        optimizer.zero_grad()
+        torch.stack([model(x[g, k], y[g, k])[1] for g in range(PIPELINE_G)
+                     for k in range(replicas)]).mean().backward()
+        optimizer.step()

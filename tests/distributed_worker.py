@@ -17,9 +17,10 @@ import sys
 import torch
 
 import poptorch
-from _distributed_cases import (CALLS, D, FEATURES, G, M, config_id, global_batch,
-                                make_model, options, process_rows, run_poptorch,
-                                train_configs)
+from _distributed_cases import (CALLS, D, FEATURES, G, M, Branchy, Grouped, branchy_batch,
+                                grouped_batch, PIPELINE_G, pipeline_batch,
+                                config_id, global_batch, make_model, options,
+                                process_rows, run_poptorch, train_configs)
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -38,6 +39,49 @@ def train(out: pathlib.Path, only: str | None = None) -> None:
         training, losses = run_poptorch(model, cfg, RANK)
         save(out, config_id(cfg), {"state": model.state_dict(), "losses": losses,
                                    "optimizer": training._optimizer.state_dict()})
+
+
+def dynamic(out: pathlib.Path) -> None:
+    """Parameters used in some micro-batches of a step but not in its last one."""
+    torch.manual_seed(1000 + RANK)
+    model = Branchy()
+    training = poptorch.trainingModel(model, options(1),
+                                      poptorch.optim.SGD(model.parameters(), lr=0.1))
+    for call in range(CALLS):
+        training(*process_rows(branchy_batch(call, WORLD), RANK, 1))
+    save(out, "dynamic", model.state_dict())
+
+
+def groups(out: pathlib.Path) -> None:
+    """2 processes x 2 replicas, W grouped in groups of 2 replicas."""
+    for kind in ("Consecutive", "Orthogonal"):
+        model = Grouped(2)
+        opts = poptorch.Options().replicationFactor(2)
+        opts.showCompilationProgressBar(False)
+        training = poptorch.trainingModel(model, opts,
+                                          torch.optim.SGD(model.parameters(), lr=0.05))
+        training.W.replicaGrouping(getattr(poptorch.CommGroupType, kind), 2,
+                                   poptorch.VariableRetrievalMode.OnePerGroup)
+        for call in range(CALLS):
+            x = grouped_batch(call, 2 * WORLD)
+            training(x[2 * RANK:2 * RANK + 2].reshape(-1, FEATURES))
+        save(out, f"groups_{kind}", model.W.detach())
+
+
+def pipelined(out: pathlib.Path) -> None:
+    """A 2-stage pipeline (PipelinedExecution on 2 virtual IPUs) in each process."""
+    model = make_model(1000 + RANK)
+    poptorch.BeginBlock(model.fc2, ipu_id=1)
+    opts = poptorch.Options().deviceIterations(1)
+    opts.Training.gradientAccumulation(PIPELINE_G)
+    opts.setExecutionStrategy(poptorch.PipelinedExecution())
+    opts.showCompilationProgressBar(False)
+    training = poptorch.trainingModel(model, opts,
+                                      poptorch.optim.SGD(model.parameters(), lr=0.1))
+    for call in range(CALLS):
+        x, y = pipeline_batch(call, WORLD)
+        training(x[:, RANK].reshape(-1, FEATURES), y[:, RANK].reshape(-1))
+    save(out, "pipelined", model.state_dict())
 
 
 def buffers(out: pathlib.Path) -> None:
@@ -62,6 +106,16 @@ def checkpoint(out: pathlib.Path) -> None:
     for call in range(CALLS, 2 * CALLS):
         training(*process_rows(global_batch(call, WORLD), RANK, 1))
     save(out, "continued", model.state_dict())
+    if RANK == 0:  # evaluation on one process only: inference needs no collectives
+        x, y = process_rows(global_batch(0, WORLD), RANK, 1)
+        output, _ = poptorch.inferenceModel(model, _inference_options())(x, y)
+        torch.save({"x": x, "y": y, "output": output}, out / "inference_rank0.pt")
+
+
+def _inference_options() -> poptorch.Options:
+    opts = poptorch.Options().deviceIterations(D)
+    opts.showCompilationProgressBar(False)
+    return opts
 
 
 def mismatch(out: pathlib.Path) -> None:
@@ -92,18 +146,22 @@ def kill(out: pathlib.Path) -> None:
 
 
 def epoch(out: pathlib.Path) -> None:
-    """The item ids each process reads in one epoch, for drop_last True and False."""
+    """The item ids each process reads in one epoch, for drop_last True and False (the
+    second without randomSeed: the processes must agree on a shuffling seed)."""
     dataset = torch.arange(103).float().unsqueeze(1)
     seen = {}
     for drop_last in (True, False):
-        opts = poptorch.Options().deviceIterations(2).randomSeed(7)
+        opts = poptorch.Options().deviceIterations(2)
+        if drop_last:
+            opts.randomSeed(7)
         loader = poptorch.DataLoader(opts, dataset, batch_size=3, shuffle=True,
                                      drop_last=drop_last)
         seen[drop_last] = [batch.reshape(-1).long().tolist() for batch in loader]
     save(out, "epoch", seen)
 
 
-SCENARIOS = {"train": train, "buffers": buffers, "checkpoint": checkpoint,
+SCENARIOS = {"train": train, "dynamic": dynamic, "groups": groups,
+             "pipelined": pipelined, "buffers": buffers, "checkpoint": checkpoint,
              "mismatch": mismatch, "kill": kill, "epoch": epoch}
 
 if __name__ == "__main__":

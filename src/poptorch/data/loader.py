@@ -16,6 +16,7 @@ import torch.utils.data
 
 from .accessor import AsynchronousDataAccessor
 from .samplers import CombinedBatchSampler, DistributedPartitionSampler
+from .._runtime.distributed.world import shared_random_seed
 from .._logging import info_once
 from ..enums import DataLoaderMode
 from ..errors import Error
@@ -236,10 +237,8 @@ class DataLoader(torch.utils.data.DataLoader):
             raise ValueError("A custom sampler cannot be combined with automatic "
                              "distributed partitioning: partition it yourself and pass "
                              "auto_distributed_partitioning=False.")
-        if shuffle and seed is None:
-            raise Error("Shuffling with several processes needs the same seed on every "
-                        "process so that their shares do not overlap: call "
-                        "options.randomSeed(N) with the same N everywhere.")
+        if shuffle and seed is None:  # the processes must draw the same order
+            seed = shared_random_seed(process_id, num_processes)
         return DistributedPartitionSampler(items, process_id, num_processes, shuffle,
                                            seed, pad=not drop_last)
 

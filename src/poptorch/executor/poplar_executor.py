@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 from .. import _devices
 from . import hooks as _hooks
 from .processes import join_processes
+from .replica_grouping import GroupableParameter
 from .._logging import info_once, logger
 from .._runtime import context
 from .._runtime.batching.plan import BatchPlan, resolve_output_mode, split_inputs
@@ -23,7 +24,8 @@ from .._runtime.weights.modelcopy import shallow_copy_module
 from .._runtime.program.optimizer import (DeviceOptimizerSync, attach_optimizer,
                                  make_loss_scaler)
 from .._runtime.program.device_loop import DeviceProgram, RngScope
-from .._runtime.program.runner import ReplicaBuffers, ReplicatedBuffersRunner, SequentialRunner
+from .._runtime.program.replica_groups import grouped_parameters
+from .._runtime.program.runner import PerReplicaRunner, ReplicaBuffers, SequentialRunner
 from .._runtime.weights.sync import WeightSync
 from ..enums import CommGroupType
 from ..errors import Error
@@ -145,12 +147,17 @@ class PoplarExecutor:
             runner, device = self._build_runner()
             bar.update()
             self._weights_and_optimizer(device)
-            runner = self._replicate_buffers(runner, plan)
-            cross = self._join_processes(device)
+            # Only training needs the other processes; an inference model runs on its
+            # own (a program may evaluate on process 0 alone).
+            cross = self._join_processes(device) if self._training else None
+            runner = self._per_replica_state(runner, plan, cross)
+            if cross is not None:
+                runner = cross.wrap_runner(runner, plan.per_step, device)
             bar.update()
             self.__dict__["_program"] = self._build_program(plan, runner, device, cross)
             self._install_program_extras(self._program)
-            self._program_source(args, kwargs)
+            from .program_setup import program_source
+            self.__dict__["_source"] = program_source(self, args, kwargs)
             if opts.synthetic_data:
                 from .._runtime.batching.synthetic import SyntheticInputs
                 self.__dict__["_synthetic"] = SyntheticInputs(self._device)
@@ -185,21 +192,34 @@ class PoplarExecutor:
             forward = torch.compile(self._model)
         return SequentialRunner(forward), device
 
-    def _replicate_buffers(self, runner, plan: BatchPlan):
-        """Give each simulated replica its own buffers (see ``ReplicaBuffers``); no work
-        without replicas or buffers."""
+    def _per_replica_state(self, runner, plan: BatchPlan, cross):
+        """Give each simulated replica its own buffers (``ReplicaBuffers``) and its
+        group's value of replica-grouped weights (``replica_groups``); no work without
+        replicas, buffers or groupings."""
         r = plan.replication_factor
-        if r == 1 or next(self._model.buffers(), None) is None:
+        processes = cross.world.size if cross is not None else 1
+        groupings = self.__dict__.get("_replica_groupings") or {}
+        grouped = grouped_parameters(
+            self._model, groupings, (cross.world.rank if cross is not None else 0) * r, r,
+            r * processes) if groupings else []
+        has_buffers = r > 1 and next(self._model.buffers(), None) is not None
+        if not grouped and not has_buffers:
             return runner
         if not isinstance(runner, SequentialRunner):
+            if grouped:
+                raise Error("replicaGrouping needs the default execution (one model per "
+                            "replica); it does not combine with execution strategies or "
+                            "block annotations.")
             info_once(("shared-replica-buffers",),
                       "Model-parallel execution with replicationFactor(%d): the replicas "
                       "share one set of buffers (broadcastBuffers has no effect).", r)
             return runner
-        buffers = ReplicaBuffers(self._model, r)
-        self.__dict__["_replica_buffers"] = buffers
-        return ReplicatedBuffersRunner(runner, buffers, r, plan.per_step,
-                                       bool(self._options.broadcast_buffers))
+        states = list(grouped)
+        if has_buffers:
+            buffers = ReplicaBuffers(self._model, r, bool(self._options.broadcast_buffers))
+            self.__dict__["_replica_buffers"] = buffers
+            states.append(buffers)
+        return PerReplicaRunner(runner, states, r, plan.per_step)
 
     def _weights_to_device(self, **which) -> None:
         """Host -> device copy; every replica then holds the host's buffers."""
@@ -276,28 +296,8 @@ class PoplarExecutor:
         if policy.checks_finite:
             program.finite_check = policy.check_step
             program.named_params = list(self._model.named_parameters())
-        from .._runtime.tracing import profile_directory
-        directory = profile_directory(opts)
-        if directory is not None:
-            from .._runtime.tracing import CallProfiler, TracingRunner
-            plan = program.plan
-            runner = TracingRunner(program.runner, plan.per_step, plan.replication_factor)
-            program.runner = runner
-            program.wrappers.insert(0, CallProfiler(directory, self._model_name(),
-                                                    program, runner))
-
-    def _program_source(self, args: tuple, kwargs: dict) -> None:
-        """Precompiled file or executable cache (``_runtime/executable/source.py``)."""
-        from .._runtime.executable.source import ProgramSource
-        from .._runtime.executable.signature import InputSignature
-        source = ProgramSource(
-            backend=self._backend, signature=InputSignature.of(args, kwargs),
-            precompiled=self.__dict__.pop("_pending_precompiled", None),
-            cache_dir=self._options.executable_cache_dir,
-            key_parts={"inputs": (args, kwargs), "training": self._training,
-                       "options": self._options, "model": self._model,
-                       "optimizer": self._optimizer, "version": self._poptorch_version})
-        self.__dict__["_source"] = source
+        from .program_setup import install_profiling
+        install_profiling(self, program)
 
     def compile(self, *args, **kwargs) -> None:
         """Compile the model for these inputs without running it (no-op if compiled)."""
@@ -542,7 +542,10 @@ class PoplarExecutor:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or "_user_model" not in self.__dict__:
             raise AttributeError(name)
-        return getattr(self.model, name)
+        value = getattr(self.model, name)
+        if isinstance(value, torch.nn.Parameter):
+            return GroupableParameter(self, name, value)
+        return value
 
     def __repr__(self) -> str:
         kind = "trainingModel" if self._training else "inferenceModel"

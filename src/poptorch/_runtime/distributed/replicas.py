@@ -5,8 +5,9 @@ process (a run may start from different random initialisations). During training
 gradients of each step are summed over all processes before the update
 (:py:class:`~.reducer.GradientReducer`), so the updates agree. With ``broadcastBuffers``
 (the default) process 0's buffers (those of global replica 0) are sent to every process
-after each optimizer step (inference: each call), as replica 0's are to the local
-replicas; without it each process's buffers drift apart, as PopTorch's replicas do.
+after each optimizer step, as replica 0's are to the local replicas; without it each
+process's buffers drift apart, as PopTorch's replicas do. Inference models need none of
+this: they run on each process on their own.
 """
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
+from ..program.replica_groups import GroupedParameter
+from ..program.runner import PerReplicaRunner, SequentialRunner
 from .collectives import broadcast_, failures_as_errors
+from .ddp import wrap_for_ddp
 from .reducer import GradientReducer
 from .world import World
 
@@ -27,8 +31,32 @@ class CrossProcessReplicas:
                  params: List[torch.nn.Parameter], broadcast_buffers: bool) -> None:
         self.world = world
         self.model = model
-        self.reducer = GradientReducer(world, params)
+        self.reducer: Any = GradientReducer(world, params)
         self.buffers = [b for b in model.buffers()] if broadcast_buffers else []
+        self.ddp_runner: Any = None
+
+    def wrap_runner(self, runner: Any, per_step: int, device: torch.device) -> Any:
+        """Give a sequential runner (running the model itself, not a compiled copy)
+        DDP's overlapped reduction; other runners (model parallel, compiled, with
+        replica-grouped weights, whose shapes change per replica) keep the reduction
+        after the backward passes of the step."""
+        per_replica = isinstance(runner, PerReplicaRunner)
+        inner = runner.inner if per_replica else runner
+        if not isinstance(inner, SequentialRunner) or inner.forward is not self.model:
+            return runner
+        if per_replica and any(isinstance(s, GroupedParameter) for s in runner.states):
+            return runner
+        self.ddp_runner = wrap_for_ddp(inner, self.model, self.world.group, per_step, device)
+        self.reducer = None
+        if per_replica:
+            runner.inner = self.ddp_runner
+            return runner
+        return self.ddp_runner
+
+    def begin_step(self) -> None:
+        """Before the micro-batches of a training step."""
+        if self.ddp_runner is not None:
+            self.ddp_runner.begin_step()
 
     def start_identical(self, optimizer: Optional[Any]) -> None:
         """Give every process process 0's weights, buffers and optimizer state."""
@@ -45,8 +73,10 @@ class CrossProcessReplicas:
             optimizer.load_state_dict(state[0])
 
     def reduce_gradients(self) -> None:
-        """Sum this step's gradients over all processes."""
-        self.reducer()
+        """Sum this step's gradients over all processes (done already by DDP during
+        the backward pass when the runner uses it)."""
+        if self.reducer is not None:
+            self.reducer()
 
     def sync_buffers(self) -> None:
         """Send process 0's buffers to every process (no-op without broadcastBuffers)."""

@@ -161,6 +161,8 @@ class DeviceProgram:
         params = self.params
         for p in params:
             p.grad = None
+        if self.cross is not None:
+            self.cross.begin_step()
         outputs = self.runner(microbatches, self._loss_of)
         if self.cross is not None:
             self.cross.reduce_gradients()
@@ -233,8 +235,6 @@ class DeviceProgram:
                     t_prev = self._loop(steps, collector, t_prev)
             else:
                 t_prev = self._loop(steps, collector, t_prev)
-            if self.cross is not None and not self.training:
-                self.cross.sync_buffers()
         result = collector.result()
         if self.to_host is not None:
             result = self.to_host(result)

@@ -43,20 +43,37 @@ class SequentialRunner:
         return outputs
 
 
+class ReplicaState(Protocol):
+    """Something each simulated replica holds its own copy of (buffers, replica-grouped
+    weights). The per-replica runner calls, around each micro-batch of replica ``k``:
+    ``select(k)``; after it ``after_microbatch(k, training)``; after each step
+    ``end_step()``; and ``restore()`` at the end of the runner call."""
+
+    def select(self, replica: int) -> None: ...
+
+    def after_microbatch(self, replica: int, training: bool) -> None: ...
+
+    def end_step(self) -> None: ...
+
+    def restore(self, training: bool) -> None: ...
+
+
 class ReplicaBuffers:
     """One copy of the model's buffers per simulated replica, as ``r`` devices would hold.
 
     Replica 0's copy is the model's own storage (what the host sees); the others are
     clones. :py:meth:`select` points every buffer at a replica's copy by swapping its
     ``.data``, so in-place updates in ``forward`` (BatchNorm's running statistics)
-    reach that replica's copy only.
+    reach that replica's copy only. With ``broadcast`` replica 0's copy is copied to every
+    replica after each step.
     """
 
-    def __init__(self, model: torch.nn.Module, replicas: int) -> None:
+    def __init__(self, model: torch.nn.Module, replicas: int, broadcast: bool) -> None:
         self.buffers = list(model.buffers())
         self.copies = [[b.data for b in self.buffers]] + [
             [b.detach().clone() for b in self.buffers] for _ in range(replicas - 1)]
         self.current = 0
+        self.broadcast_each_step = broadcast
 
     def select(self, replica: int) -> None:
         """Make the model use ``replica``'s buffers."""
@@ -64,6 +81,16 @@ class ReplicaBuffers:
             for buffer, data in zip(self.buffers, self.copies[replica]):
                 buffer.data = data
             self.current = replica
+
+    def after_microbatch(self, replica: int, training: bool) -> None:
+        return None
+
+    def end_step(self) -> None:
+        if self.broadcast_each_step:
+            self.broadcast()
+
+    def restore(self, training: bool) -> None:
+        self.select(0)
 
     def broadcast(self) -> None:
         """Copy replica 0's buffers to every other replica (and select replica 0)."""
@@ -73,30 +100,36 @@ class ReplicaBuffers:
                 torch._foreach_copy_(copies, self.copies[0])
 
 
-class ReplicatedBuffersRunner:
+class PerReplicaRunner:
     """Wraps a runner so that micro-batch ``n`` (replica ``n % r``) runs with that
-    replica's buffers; with ``broadcast`` replica 0's buffers are copied to all replicas
-    after every ``per_step`` micro-batches (one optimizer step or inference iteration).
-    The model is left on replica 0's buffers."""
+    replica's own state (:py:class:`ReplicaState`: buffers, replica-grouped weights);
+    ``end_step`` runs after every ``per_step`` micro-batches (one optimizer step or
+    inference iteration). The model is left on replica 0's state."""
 
-    def __init__(self, runner: SequentialRunner, buffers: ReplicaBuffers, replicas: int,
-                 per_step: int, broadcast: bool) -> None:
+    def __init__(self, runner: SequentialRunner, states: list, replicas: int,
+                 per_step: int) -> None:
         self.inner = runner
-        self.buffers = buffers
+        self.states = states
         self.replicas = replicas
         self.per_step = per_step
-        self.broadcast = broadcast
 
     def __call__(self, microbatches: list[Microbatch],
                  loss_of: LossOf | None) -> list[Any]:
         outputs: list[Any] = []
-        buffers, run = self.buffers, self.inner
+        training = loss_of is not None
+        states, run = self.states, self.inner
         try:
             for n, microbatch in enumerate(microbatches):
-                buffers.select(n % self.replicas)
+                replica = n % self.replicas
+                for state in states:
+                    state.select(replica)
                 outputs.extend(run([microbatch], loss_of))
-                if self.broadcast and (n + 1) % self.per_step == 0:
-                    buffers.broadcast()
+                for state in states:
+                    state.after_microbatch(replica, training)
+                if (n + 1) % self.per_step == 0:
+                    for state in states:
+                        state.end_step()
         finally:
-            buffers.select(0)
+            for state in states:
+                state.restore(training)
         return outputs

@@ -1,0 +1,126 @@
+"""Replication across processes: trainingModel under torchrun vs a hand-written DDP loop.
+
+For 1 and 2 processes (torchrun --standalone, gloo, one thread per process) and the mlp
+and cnn workloads, each process trains two identical copies of the model on the same
+micro-batches: one with ``poptorch.trainingModel`` (``deviceIterations`` steps per call,
+gradients summed over the processes once per step), one with
+``torch.nn.parallel.DistributedDataParallel`` and a plain loop (zero_grad, forward,
+backward, step per micro-batch). Rounds alternate so that machine noise hits both
+alike; the median round is reported. Prints global samples/s, ours / DDP, and the
+scaling efficiency from 1 to 2 processes.
+
+Run: ``python benchmarks/bench_distributed.py [--quick]``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_executor import CNN, MLP, make_batches  # noqa: E402
+
+import poptorch  # noqa: E402
+
+WORKLOADS = {"mlp": (MLP, (784,), 64), "cnn": (CNN, (1, 28, 28), 32)}
+STEPS_PER_CALL = 8
+
+
+def ddp_round(ddp, opt, xs, ys, batch) -> float:
+    start = time.perf_counter()
+    for x, y in zip(xs.split(batch), ys.split(batch)):
+        opt.zero_grad(set_to_none=True)
+        _, loss = ddp(x, y)
+        loss.backward()
+        opt.step()
+    return time.perf_counter() - start
+
+
+def ours_round(training, xs, ys, batch) -> float:
+    per_call = batch * STEPS_PER_CALL
+    start = time.perf_counter()
+    for x, y in zip(xs.split(per_call), ys.split(per_call)):
+        training(x, y)
+    return time.perf_counter() - start
+
+
+def worker(out: str, rounds: int, calls: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {}
+    for name, (cls, shape, batch) in WORKLOADS.items():
+        torch.manual_seed(0)
+        model = cls()
+        ours_model = copy.deepcopy(model)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp_opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        opts = poptorch.Options().deviceIterations(STEPS_PER_CALL)
+        opts.showCompilationProgressBar(False)
+        training = poptorch.trainingModel(
+            ours_model, opts, torch.optim.SGD(ours_model.parameters(), lr=0.01))
+        xs, ys = make_batches(shape, batch, calls * STEPS_PER_CALL, seed=rank)
+        ours_round(training, xs[:batch * STEPS_PER_CALL], ys[:batch * STEPS_PER_CALL],
+                   batch)  # compile
+        ddp_round(ddp, ddp_opt, xs[:batch], ys[:batch], batch)  # warm up
+        times = {"ddp": [], "ours": []}
+        for _ in range(rounds):
+            dist.barrier()
+            times["ours"].append(ours_round(training, xs, ys, batch))
+            dist.barrier()
+            times["ddp"].append(ddp_round(ddp, ddp_opt, xs, ys, batch))
+        samples = len(xs) * world
+        results[name] = {k: samples / statistics.median(v) for k, v in times.items()}
+    if rank == 0:
+        pathlib.Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def launch(processes: int, rounds: int, calls: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={processes}", __file__, "--worker", out,
+               "--rounds", str(rounds), "--calls", str(calls)]
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+        return json.loads(pathlib.Path(out).read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--worker")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=6)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.rounds, args.calls)
+        return
+    rounds, calls = (3, 3) if args.quick else (args.rounds, args.calls)
+    results = {n: launch(n, rounds, calls) for n in (1, 2)}
+    print(f"{'workload':<10}{'processes':>10}{'DDP samples/s':>16}{'ours samples/s':>16}"
+          f"{'ours/DDP':>10}")
+    for name in WORKLOADS:
+        for n in (1, 2):
+            r = results[n][name]
+            print(f"{name:<10}{n:>10}{r['ddp']:>16.0f}{r['ours']:>16.0f}"
+                  f"{r['ours'] / r['ddp']:>10.2f}")
+    print("\nscaling efficiency 1 -> 2 processes (samples/s at 2 / (2 x at 1)):")
+    for name in WORKLOADS:
+        eff = {k: results[2][name][k] / (2 * results[1][name][k]) for k in ("ddp", "ours")}
+        print(f"  {name:<6} DDP {eff['ddp']:.2f}   ours {eff['ours']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
