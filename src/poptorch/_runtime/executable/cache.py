@@ -139,7 +139,7 @@ def note_backend(folder: str, backend: str | None) -> bool:
     runs eagerly); True if the backend compiles."""
     if backend in (None, "eager"):
         what = "the eager backend" if backend else "model-parallel execution"
-        info_once(("executable-cache", backend),
+        info_once(("executable-cache", backend, folder),
                   "enableExecutableCaching(%r): %s generates no code, so there is "
                   "nothing to cache (recorded only).", folder, what)
         return False
