@@ -23,6 +23,14 @@ def install_profiling(executor: Any, program: Any) -> None:
                                             runner))
 
 
+def check_precompiled_inputs(executor: Any, args: tuple, kwargs: dict) -> None:
+    """A model loaded from a precompiled file compiles only for the exported inputs
+    (``poptorch.Error`` otherwise, before anything runs)."""
+    precompiled = executor.__dict__.get("_pending_precompiled")
+    if precompiled is not None and precompiled["signature"] is not None:
+        precompiled["signature"].check(args, kwargs)
+
+
 def program_source(executor: Any, args: tuple, kwargs: dict) -> ProgramSource:
     """The :py:class:`ProgramSource` of a model compiled for these inputs."""
     d = executor.__dict__
