@@ -38,6 +38,21 @@ class Staged(Net):
         return out, loss
 
 
+def ran_in_fresh_process(name):
+    """Run test ``name`` in a new interpreter (True once it passed there): a whole-run
+    profiler must not inherit the threads and profiler state that earlier tests of
+    the suite left in this process. False inside that interpreter."""
+    if os.environ.get("POPTORCH_TEST_CHILD") == "1":
+        return False
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         f"{__file__}::{name}"], capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, POPTORCH_TEST_CHILD="1"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert "1 passed" in result.stdout
+    return True
+
+
 def data(rows, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(rows, 4, generator=g), torch.randint(0, 3, (rows,), generator=g)
@@ -59,6 +74,8 @@ def train(model, opts, batches):
 
 
 def test_one_trace_per_run_with_named_ranges_and_summary(tmp_path, capsys):
+    if ran_in_fresh_process("test_one_trace_per_run_with_named_ranges_and_summary"):
+        return
     tracing.finish()
     torch.manual_seed(0)
     model = Net()
@@ -101,6 +118,8 @@ def test_one_trace_per_run_with_named_ranges_and_summary(tmp_path, capsys):
 
 
 def test_pipeline_stages_get_their_own_rows_and_a_bubble(tmp_path, capsys):
+    if ran_in_fresh_process("test_pipeline_stages_get_their_own_rows_and_a_bubble"):
+        return
     tracing.finish()
     torch.manual_seed(0)
     model = Staged()
