@@ -400,8 +400,18 @@ def test_signatures_match_the_reference():
     assert [(n, p.default) for n, p in list(params.items())[1:]] == [
         ("dataset", inspect.Parameter.empty), ("buffer_size", 3),
         ("miss_sleep_time_in_ms", 0.1), ("load_indefinitely", True),
-        ("early_preload", False), ("sharing_strategy", poptorch.SharingStrategy.ForkServer),
+        ("early_preload", False), ("sharing_strategy", None),
         ("rebatched_size", None)]
+    # Deliberate difference from upstream (default ForkServer, which imports torch again
+    # in a fresh interpreter: seconds per loader): None starts the worker as torch's
+    # DataLoader starts its workers; an explicit ForkServer still gets a forkserver.
+    accessor = poptorch.AsynchronousDataAccessor([torch.zeros(1)])
+    assert accessor.sharing_strategy == {
+        "fork": poptorch.SharingStrategy.Fork,
+        "forkserver": poptorch.SharingStrategy.ForkServer,
+        "spawn": poptorch.SharingStrategy.SharedMemory,
+    }[torch.multiprocessing.get_start_method()]
+    accessor.terminate()
 
 
 def test_input_replica_grouping_shrinks_the_combined_batch():

@@ -134,7 +134,6 @@ INVALID = [
     ("outputMode", (7,), ["outputMode", "OutputMode.All"]),
     ("outputMode", ("Everything",), ["outputMode", "OutputMode.EveryN"]),
     ("outputMode", (poptorch.OutputMode.EveryN,), ["output_return_period"]),
-    ("outputMode", (poptorch.OutputMode.All, 2), ["only be set", "EveryN"]),
     ("outputMode", (poptorch.OutputMode.EveryN, 0), ["output_return_period", ">= 1"]),
     ("anchorTensor", (1, "x"), ["short_name", "string"]),
     ("anchorTensor", ("a", "x", "bogus"), ["output_mode"]),

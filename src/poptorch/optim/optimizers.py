@@ -84,6 +84,11 @@ class SGD(Optimizer, torch.optim.SGD):
                                  foreach=foreach, differentiable=bool(differentiable))
         self._finish(passed)
 
+    def _initial_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Each state tensor of ``p`` before the first step (see ``ipu_state``)."""
+        dtype = p.dtype if self.use_combined_accum else self.velocity_accum_type
+        return {"momentum_buffer": torch.zeros_like(p, dtype=dtype)}
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Perform a single optimization step."""
@@ -107,6 +112,13 @@ class _AdamBase(Optimizer):
         if any(group.get("amsgrad") for group in self.param_groups):
             raise Error(f"poptorch.optim.{type(self).__name__} does not support "
                         f"amsgrad=True; use amsgrad=False (the default).")
+
+    def _initial_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Each state tensor of ``p`` before the first step (see ``ipu_state``)."""
+        return {"step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(p, dtype=self.first_order_momentum_accum_type),
+                "exp_avg_sq": torch.zeros_like(
+                    p, dtype=self.second_order_momentum_accum_type)}
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -231,6 +243,17 @@ class RMSprop(Optimizer, torch.optim.RMSprop):
                                      differentiable=bool(differentiable))
         self._finish(passed)
 
+    def _initial_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Each state tensor of ``p`` before the first step (see ``ipu_state``)."""
+        first, second = (self.first_order_momentum_accum_type,
+                         self.second_order_momentum_accum_type)
+        return {"step": torch.tensor(0.0),
+                "square_avg": torch.full_like(p, 1.0 if self.use_tf_variant else 0.0,
+                                              dtype=second),
+                "momentum_buffer": torch.zeros_like(p, dtype=first),
+                **({"grad_avg": torch.zeros_like(p, dtype=first)}
+                   if any(g["centered"] for g in self.param_groups) else {})}
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Perform a single optimization step."""
@@ -286,6 +309,13 @@ class LAMB(Optimizer, torch.optim.Optimizer):
                                  f"or None to disable the cap).")
         torch.optim.Optimizer.__init__(self, params, dict(hp))
         self._finish(passed)
+
+    def _initial_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Each state tensor of ``p`` before the first step (see ``ipu_state``)."""
+        return {"step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(p, dtype=self.first_order_momentum_accum_type),
+                "exp_avg_sq": torch.zeros_like(
+                    p, dtype=self.second_order_momentum_accum_type)}
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:

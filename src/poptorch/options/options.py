@@ -197,9 +197,11 @@ class Options(OptionsDict):
             period = check_int("outputMode output_return_period", output_return_period,
                                minimum=1)
         else:
-            if output_return_period is not None:
-                raise Error(f"outputMode: output_return_period must only be set when "
-                            f"output_mode is OutputMode.EveryN, not {mode.name}.")
+            # As in PopTorch: a period given with another mode is accepted and unused.
+            if output_return_period:
+                _logging.info_once(("outputMode period", mode.name),
+                                   "outputMode: output_return_period is ignored with "
+                                   "OutputMode.%s (it only applies to EveryN).", mode.name)
             period = 1
         self.set(output_mode=mode.value, output_return_period=period)
         return self
