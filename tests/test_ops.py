@@ -493,12 +493,32 @@ def test_module_repr_and_print(capsys):
     assert poptorch.module_repr(model) == repr(model)
     poptorch.BeginBlock(model[1][1], "head", ipu_id=1)
     expected = repr(model).replace("(1): Linear",
-                                   "(1): [BeginBlock(user_id='head', ipu_id=1)] Linear")
+                                   "(1): BeginBlock(user_id='head', ipu_id=1) Linear")
     assert poptorch.module_repr(model) == expected
     poptorch.print(model)
     assert capsys.readouterr().out == expected + "\n"
+    # the module itself is marked too, and the wrapped model prints the same way
+    poptorch.BeginBlock(model[1], user_id=2, ipu_id=1)
+    assert poptorch.module_repr(model[1]).startswith("BeginBlock(user_id=2, ipu_id=1) Seq")
+    assert poptorch.module_repr(model) in repr(poptorch.inferenceModel(model))
+    # copies keep the annotations
+    import copy
+    for clone in (copy.copy(model), copy.deepcopy(model)):
+        assert poptorch.module_repr(clone) == poptorch.module_repr(model)
     poptorch.print("plain")
     assert capsys.readouterr().out == "plain\n"
+
+
+def _add_one(x):
+    return x + 1.0
+
+
+def test_begin_block_wraps_a_function_legacy_use(tmp_path):
+    block = poptorch.BeginBlock(_add_one, 1, 2)
+    assert (block._user_id, block._ipu_id) == (1, 2)
+    x = torch.randn(3)
+    torch.testing.assert_close(block(x), x + 1.0)  # still the function outside a model
+    torch.save(block, tmp_path / "block.pt")  # picklable, as in PopTorch
 
 
 def test_ops_module_reexports_block_api():

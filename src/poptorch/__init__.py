@@ -50,4 +50,7 @@ from . import optim
 from .executor import PoplarExecutor, inferenceModel, isRunningOnIpu, load, trainingModel
 from ._runtime.export import importPoptorchMetadataFromFile
 
+# --- upstream's private modules that libraries import (issue 17) ------------------
+from . import _impl, _poplar_executor
+
 __version__ = "3.4.0"

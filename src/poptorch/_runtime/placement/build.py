@@ -53,6 +53,12 @@ def build_runner(model: torch.nn.Module, options: Any, training: bool,
     return ModelParallelRunner(model, options, training, options._execution_strategy, devices)
 
 
+def _single_ipu_pipeline(part: Partition) -> bool:
+    """A ``PipelinedExecution`` whose stages all sit on one IPU: not pipelined (as
+    upstream), so it runs as a plain model on that IPU."""
+    return kind_of(part.strategy) == PIPELINED and part.num_ipus == 1
+
+
 def _forward_uses_blocks(model: torch.nn.Module) -> bool:
     """Whether some ``forward`` of the model mentions Block / BlockFunction / IPU (these
     annotations only show when the model runs; the first call then checks for real)."""
@@ -100,7 +106,7 @@ class ModelParallelRunner:
         trace = trace_blocks(self.model, args, kwargs, self.strategy)
         part = resolve_partition(trace, self.strategy, self.options, self.training, 0)
         self.partition = part
-        if not part.has_blocks and not is_phased(self.strategy):
+        if not is_phased(self.strategy) and (not part.has_blocks or _single_ipu_pipeline(part)):
             self._plain = True
         if self.devices is None:
             from ... import _devices  # pylint: disable=import-outside-toplevel
