@@ -323,23 +323,14 @@ class PoplarExecutor(ExecutorInspection):
                                                     self._device))
 
     def _install_casting(self, program: DeviceProgram, policy) -> None:
-        """float16 rules of halfFloatCasting(Default) (weights follow activations, only
-        on calls that need it: ``_runtime/numerics/casting.py``) and poptorch.autocast
-        regions and policies (``autocasting.py``), entered as one program wrapper."""
+        """float16 rules and poptorch.autocast: one context entered around each call
+        (``autocasting.prepare_model``)."""
         from ..autocasting import prepare_model
-        from ..enums import HalfFloatCastingBehavior
-        casting = None
-        if policy.half_float_casting == HalfFloatCastingBehavior.Default:
-            tensors = list(self._model.parameters()) + list(self._model.buffers())
-            if any(t.is_floating_point() for t in tensors):
-                from .._runtime.numerics.casting import DefaultCasting
-                casting = DefaultCasting(self._model)
         for handle in self.__dict__.get("_autocast_hooks") or ():
             handle.remove()
         run, handles = prepare_model(self._model, self._user_model, self._options,
-                                     casting)
-        self.__dict__["_autocast_hooks"] = handles
-        self.__dict__["_casting"] = run  # entered around each call by __call__
+                                     policy.half_float_casting)
+        self.__dict__.update(_autocast_hooks=handles, _casting=run)
         if run.thread_context is not None:
             program.thread_contexts.append(run.thread_context)
 
