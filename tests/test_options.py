@@ -140,7 +140,7 @@ INVALID = [
     ("autoRoundNumIPUs", ("yes",), ["autoRoundNumIPUs"]),
     ("useIpuModel", (None,), ["useIpuModel"]),
     ("useIpuId", (-1,), ["useIpuId", ">= 0"]),
-    ("useOfflineIpuTarget", (3,), ["1, 2 or 21"]),
+    ("useOfflineIpuTarget", (3,), ["1, 2, 21", "ipuHardwareVersion"]),
     ("connectionType", (poptorch.SyncPattern.Full,), ["connectionType", "ConnectionType"]),
     ("syncPattern", (9,), ["syncPattern", "SyncPattern.Full"]),
     ("setAvailableMemoryProportion", (0.5,), ["dict"]),
@@ -174,8 +174,9 @@ INVALID = [
     ("Precision.enableFloatingPointExceptions", (1,), ["enableFloatingPointExceptions"]),
     ("Precision.enableStochasticRounding", (1,), ["enableStochasticRounding"]),
     ("Precision.setPartialsType", (torch.bfloat16,), ["torch.float or torch.half"]),
-    ("TensorLocations.numIOTiles", (16,), ["numIOTiles", ">= 32"]),
+    ("TensorLocations.numIOTiles", (16,), ["numIOTiles", "between 32 and 192"]),
     ("TensorLocations.numIOTiles", (33,), ["numIOTiles", "even"]),
+    ("TensorLocations.numIOTiles", (194,), ["numIOTiles", "between 32 and 192"]),
     ("TensorLocations.setActivationLocation", ({"onChip": False},),
      ["TensorLocationSettings"]),
     ("Jit.traceModel", (1,), ["traceModel"]),
@@ -360,7 +361,7 @@ def test_ignored_options_are_reported_and_logged_once(caplog, monkeypatch):
             opts.clone()._freeze()  # same options again: not logged twice
     finally:
         poptorch.setLogLevel("WARN")
-    logged = [r.getMessage() for r in caplog.records if "no meaning" in r.getMessage()]
+    logged = [r.getMessage() for r in caplog.records if "has no effect and is ignored" in r.getMessage()]
     assert len(logged) == len(expected)
     assert any("connection_type=2" in m for m in logged)
 

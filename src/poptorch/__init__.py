@@ -39,6 +39,10 @@ from .executor.argparsers import (ICustomArgParser, registerCustomArgParser,
                                   registerGeometricCustomArgParsers)
 from . import ops, profiling
 
+# --- automatic mixed-precision casting (seed 003) ----------------------------------
+from . import autocasting
+from .autocasting import autocast
+
 # --- optimizers (issue 5) ----------------------------------------------------------
 from . import optim
 

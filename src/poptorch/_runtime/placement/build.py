@@ -92,6 +92,9 @@ class ModelParallelRunner:
         self.streaming: Optional[StreamingMemory] = None
         self.last_schedule: Optional[ScheduleRecord] = None
         self._plain = False
+        # Thread-local contexts of the program (set by the device loop), entered in
+        # every worker thread.
+        self.worker_contexts: list = []
         first = devices[0] if devices else _ipu_device(0, options)
         self.input_device = first
         self.output_device = first
@@ -220,7 +223,8 @@ class ModelParallelRunner:
             args, kwargs = microbatches[m]
             run = StageRun(part, devices, m, units, gate, cut=True)
             scope = streaming.activation_scope(devices) if streaming else nullcontext()
-            with torch.set_grad_enabled(grad_enabled), context.running_on_ipu(), scope:
+            with torch.set_grad_enabled(grad_enabled), context.running_on_ipu(), scope, \
+                    context.worker_scope(self.worker_contexts):
                 with listening(run), run:
                     run.start()
                     out = model(*args, **kwargs)

@@ -100,6 +100,9 @@ class DeviceProgram:
         # Context managers entered around the device loop of every call (profiling,
         # precision), and the check run after every step; empty / None when unused.
         self.wrappers: list = []
+        # Thread-local contexts of callers (the executor's casting) for worker threads.
+        self.thread_contexts: list = []
+        self._contexts_shared = False
         self.finite_check: Callable[[Any, Any], None] | None = None
         self.named_params: list = []
         # The whole call as one compiled graph (``compiled_step.CompiledCall``), set
@@ -142,11 +145,26 @@ class DeviceProgram:
 
     def _loss_of(self, output: Any) -> torch.Tensor:
         loss = find_loss(output, context.take_marked_losses())
+        if not loss.requires_grad:
+            loss = self._zero_gradient_loss(loss)
         if self.loss_multiplier != 1.0:
             loss = loss * self.loss_multiplier
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
         return loss
+
+    def _zero_gradient_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """A loss that depends on no trainable parameter (PopTorch accepts it): every
+        parameter gets a zero gradient, so the optimizer still steps (weight decay,
+        momentum) as PopTorch's would."""
+        from ..._logging import log_once
+        import logging
+        log_once(logging.WARNING, ("loss without gradient",),
+                 "The training model's loss does not depend on any trainable parameter: "
+                 "its gradients are zero.")
+        anchor = sum((p.reshape(-1)[0] * 0.0 for p in self.params),
+                     torch.zeros((), device=loss.device))
+        return loss.detach() + anchor
 
     def _train_step(self, microbatches: list) -> list:
         params = self.params
@@ -224,6 +242,19 @@ class DeviceProgram:
         self.last_compute_seconds = t_end - t_start
         return result
 
+    def _share_thread_contexts(self) -> None:
+        """Give runners that use worker threads (pipelines) the thread-local part of
+        the wrappers (``thread_context()``: torch function modes)."""
+        factories = list(self.thread_contexts) + [
+            f for f in (getattr(w, "thread_context", None) for w in self.wrappers)
+            if f is not None]
+        runner = self.runner
+        while runner is not None:
+            if hasattr(runner, "worker_contexts"):
+                runner.worker_contexts = factories
+            runner = getattr(runner, "inner", None)
+        self._contexts_shared = True
+
     def run(self, args: tuple, kwargs: dict) -> Any:
         """Run one call on inputs already on the device; return host outputs."""
         compiled = self.compiled
@@ -242,6 +273,8 @@ class DeviceProgram:
         t_prev = t_start
         context.take_marked_losses()  # drop marks left by runs outside the executor
         with context.running_on_ipu(), self.rng:
+            if not self._contexts_shared:
+                self._share_thread_contexts()
             if self.wrappers:
                 with contextlib.ExitStack() as stack:
                     for wrapper in self.wrappers:
