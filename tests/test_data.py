@@ -268,10 +268,24 @@ def test_batch_sampler_with_uneven_micro_batches_is_rejected():
 
 def test_batch_sampler_is_exclusive_with_batch_size_and_shuffle():
     sampler = BatchSampler(SequentialSampler(range(8)), 2, False)
-    for bad in ({"batch_size": 2}, {"shuffle": True}):
+    for bad in ({"batch_size": 2}, {"shuffle": True},
+                {"sampler": SequentialSampler(range(8))}):
+        with pytest.raises(ValueError, match="mutually exclusive"):
+            torch.utils.data.DataLoader(index_dataset(8), batch_sampler=sampler, **bad)
         with pytest.raises(ValueError, match="mutually exclusive"):
             poptorch.DataLoader(poptorch.Options(), index_dataset(8),
                                 batch_sampler=sampler, **bad)
+
+
+def test_batch_sampler_accepts_the_defaults_spelled_out_as_torch_does():
+    # Lightning re-creates loaders passing batch_size=1, shuffle=False, sampler=None
+    data = index_dataset(8)
+    sampler = BatchSampler(SequentialSampler(data), 2, False)
+    spelled = dict(batch_size=1, shuffle=False, sampler=None)
+    expected = [b[0] for b in torch.utils.data.DataLoader(data, batch_sampler=sampler,
+                                                          **spelled)]
+    loader = poptorch.DataLoader(poptorch.Options(), data, batch_sampler=sampler, **spelled)
+    assert_same_batches([b[0] for b in loader], expected)
 
 
 # -- distributed partitioning ------------------------------------------------------------

@@ -281,7 +281,9 @@ class DataLoader(torch.utils.data.DataLoader):
     # -- construction helpers -----------------------------------------------------------
     @staticmethod
     def _check_batch_sampler_args(batch_size, shuffle, iterable, kwargs) -> None:
-        if batch_size != 1 or shuffle or "sampler" in kwargs:
+        # as torch's DataLoader: the defaults (batch_size=1, shuffle=False, sampler=None)
+        # may be passed explicitly, as re-instantiating code such as Lightning's does
+        if batch_size != 1 or shuffle or kwargs.get("sampler") is not None:
             raise ValueError("batch_sampler is mutually exclusive with batch_size, "
                              "shuffle and sampler: the batch sampler decides the "
                              "micro-batches.")

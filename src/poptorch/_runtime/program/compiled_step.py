@@ -1,0 +1,349 @@
+"""The compiled device program: the whole work of one call as one ``torch.compile`` graph.
+
+With the ``inductor`` backend, one call of a wrapped model — ``deviceIterations`` x
+``gradientAccumulation`` x replicas micro-batches, each forward, its loss and backward,
+the gradient reduction and the optimizer update — is traced once by ``torch.compile``
+(``fullgraph=True``) into a single program, then replayed: later calls pay one guard
+check instead of the Python of every micro-batch, layer and optimizer loop.
+
+How the step is captured (PyTorch's own machinery, nothing hand-written):
+
+* the backward is ``torch.autograd.grad`` traced into the graph
+  (``torch._dynamo.config.trace_autograd_ops``), the micro-batch gradients are summed
+  in the graph in micro-batch order and written into the parameters' ``.grad`` tensors;
+* the optimizer's own ``step`` (unwrapped from torch.optim's profiling and grad-mode
+  decorators, run under ``no_grad`` like them) is traced after it, as torch's compiled
+  optimizers are;
+* the loops over device iterations and micro-batches are unrolled in the graph;
+* random operations use eager's generator (inductor's ``fallback_random``), so a seeded
+  model draws the same numbers as the eager path; on CUDA the program is replayed as a
+  CUDA graph (inductor's ``triton.cudagraphs``).
+
+A training model runs its first call (and the first call after ``setOptimizer``) on the
+eager path: it creates the optimizer state and tells which parameters receive gradients,
+so the program is traced once, with the state it will keep, at the next call.
+
+Capture is refused, and the call falls back to the eager device loop with one INFO line
+saying why, when the step cannot be one graph: model parallelism, anchored tensors,
+precision casting or profiling wrappers, floating-point checks, loss scaling (whose
+skipped steps are data-dependent), optimizer step hooks, or any model code that
+``torch.compile`` cannot capture whole (data-dependent control flow, host ops).
+"""
+from __future__ import annotations
+
+import inspect
+import itertools
+import os
+import time
+import types
+from typing import Any, Callable
+
+import torch
+from torch.optim import optimizer as torch_optimizer
+
+from ..._logging import info_once, logger
+from .. import context
+from ..batching.plan import OutputCollector, split_inputs
+from .loss import find_loss
+from .runner import SequentialRunner
+
+__all__ = ["CompiledCall", "capture_blocker", "compile_device_program"]
+
+_names = itertools.count()
+
+
+def capture_blocker(program: Any, runner: Any) -> str | None:
+    """Why the calls of ``program`` cannot be one compiled graph, or None if they can.
+
+    Only reasons fixed at compile time; :py:meth:`CompiledCall.blocker` adds those that
+    can change between calls (loss scaling, optimizer hooks)."""
+    if not isinstance(runner, SequentialRunner):
+        return ("model parallelism or per-replica buffers run micro-batches outside one "
+                "device graph")
+    if getattr(program, "cross", None) is not None:
+        return "replicas in several processes reduce gradients between processes"
+    if program.wrappers:
+        return "precision casting or profiling wraps every call"
+    if program.anchors is not None:
+        return "anchored tensors are read between device iterations"
+    if program.finite_check is not None:
+        return "floating-point exception checks run after every step"
+    if program.training:
+        optimizer = program.optimizer
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            return f"the optimizer {type(optimizer).__name__} is not a torch.optim.Optimizer"
+        if optimizer.defaults.get("differentiable"):
+            return "the optimizer is differentiable (differentiable=True)"
+    return None
+
+
+def _compiler() -> str:
+    """torch.compile's backend: inductor; ``POPTORCH_TORCH_COMPILE_BACKEND`` may name
+    another (tests use ``aot_eager``: the same capture without code generation)."""
+    return os.environ.get("POPTORCH_TORCH_COMPILE_BACKEND", "inductor")
+
+
+def _unwrapped_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
+    """The optimizer's ``step`` without torch.optim's profiling / hook / grad-mode
+    wrappers, which break graphs; the caller provides ``no_grad``."""
+    return inspect.unwrap(type(optimizer).step)
+
+
+def _detach(output: Any) -> Any:
+    from torch.utils import _pytree as pytree
+    return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t,
+                           output)
+
+
+def _cuda_graph_replay(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """CUDA graph replays reuse their output memory: mark each replay as a new step
+    and copy the outputs out, since a call keeps several steps' outputs."""
+    from torch.utils import _pytree as pytree
+
+    def replay(*inputs: Any) -> Any:
+        torch.compiler.cudagraph_mark_step_begin()
+        return pytree.tree_map(
+            lambda t: t.clone() if isinstance(t, torch.Tensor) else t, compiled(*inputs))
+    return replay
+
+
+def _sum_grads(total: tuple | None, grads: tuple) -> tuple:
+    if total is None:
+        return grads
+    return tuple(g if t is None else (t if g is None else t + g)
+                 for t, g in zip(total, grads))
+
+
+def _device_function(program: Any, model: torch.nn.Module,
+                     params: list[torch.nn.Parameter]) -> Callable[..., Any]:
+    """The Python function ``torch.compile`` traces (module docstring): in training one
+    optimizer step ``step(microbatches) -> outputs``; in inference the whole call
+    ``call(args, kwargs) -> result``."""
+    plan, training = program.plan, program.training
+    mode, period = program.output_mode, program.output_return_period
+    multiplier, divide = program.loss_multiplier, float(program.divide_grads_by)
+    optimizer = program.optimizer
+    raw_step = _unwrapped_step(optimizer) if training else None
+
+    def device_step(microbatches: list) -> list:
+        total, outputs = None, []
+        for args, kwargs in microbatches:
+            with torch.enable_grad():
+                out = model(*args, **kwargs)
+                loss = find_loss(out, context.take_marked_losses())
+                if multiplier != 1.0:
+                    loss = loss * multiplier
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+            total = _sum_grads(total, grads)
+            outputs.append(_detach(out))
+        with torch.no_grad():
+            for p, g in zip(params, total):
+                if g is not None:
+                    p.grad.copy_(g / divide if divide != 1.0 else g)
+            raw_step(optimizer)
+        return outputs
+
+    def device_call(args: tuple, kwargs: dict) -> Any:
+        with torch.no_grad():
+            steps = split_inputs(plan, args, kwargs)
+            collector = OutputCollector(plan, mode, period)
+            for i, microbatches in enumerate(steps):
+                outputs = [model(*a, **k) for a, k in microbatches]
+                context.take_marked_losses()
+                for n, out in enumerate(outputs):
+                    if collector.wants(i, n):
+                        collector.add(n, _detach(out))
+            return collector.result()
+
+    # A code object of its own: torch.compile caches per code object, and every
+    # executor must have its own cache entries (not share the recompile limit).
+    fn = device_step if training else device_call
+    name = f"poptorch_{fn.__name__}_{next(_names)}"
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+class CompiledCall:
+    """One executor's compiled device program (module docstring).
+
+    ``program.run`` asks :py:meth:`ready` before each call; :py:meth:`__call__` runs the
+    call through the compiled graph (inside the program's RNG and running-on-IPU
+    scopes). When capture fails, ``on_fallback`` is called once with the reason and the
+    compiled path is abandoned for good.
+    """
+
+    def __init__(self, program: Any, model: torch.nn.Module, device: torch.device,
+                 name: str, progress: bool,
+                 on_fallback: Callable[[str], None]) -> None:
+        self.program = program
+        self.model = model
+        self.device = device
+        self.name = name
+        self.progress = progress
+        self.on_fallback = on_fallback
+        self.params = [p for p in model.parameters() if p.requires_grad] \
+            if program.training else []
+        self.failed = False
+        self._fn: Callable[[tuple, dict], Any] | None = None
+        self._optimizer: Any = None
+        self._traced = False
+        self._grad_params: list[torch.nn.Parameter] = []
+        self._grads: list[torch.Tensor] = []
+        # Training: one eager call first (optimizer state, which params get gradients).
+        self._eager_calls_left = 1 if program.training else 0
+
+    # ------------------------------------------------------------------ per call
+    def blocker(self) -> str | None:
+        """Reasons, changing between calls, to run this call eagerly (None: compile)."""
+        program = self.program
+        if not program.training:
+            return None
+        if program.scaler is not None:
+            return "loss scaling skips steps depending on the gradients"
+        optimizer = program.optimizer
+        if (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+                or torch_optimizer._global_optimizer_pre_hooks
+                or torch_optimizer._global_optimizer_post_hooks):
+            return "optimizer step hooks are registered"
+        return None
+
+    def ready(self) -> bool:
+        """Whether this call goes through the compiled graph (else: the eager loop)."""
+        if self.failed:
+            return False
+        if self.program.optimizer is not self._optimizer:
+            self._fn = None  # setOptimizer: trace again after one eager call
+            self._optimizer = self.program.optimizer
+            self._eager_calls_left = 1 if self.program.training else 0
+        if self._eager_calls_left:
+            self._eager_calls_left -= 1
+            return False
+        reason = self.blocker()
+        if reason is not None:
+            info_once(("compiled-call", self.name, reason),
+                      "%s: this call runs on the eager device loop: %s.", self.name, reason)
+            return False
+        if self._fn is None:
+            self._build()
+        for p in self._grad_params:
+            if p.grad is None:
+                self._restore_grads()
+                break
+        return True
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        """Run one call through the compiled program; raises :py:class:`CaptureFailed`
+        (with nothing run) when it cannot be captured."""
+        if not self.program.training:
+            return self._run(self._fn, args, kwargs)
+        program = self.program
+        steps = split_inputs(program.plan, args, kwargs)
+        if self._traced and program.plan.factor == 1:
+            return self._fn(steps[0])[0]  # one micro-batch: its output, in every mode
+        collector = OutputCollector(program.plan, program.output_mode,
+                                    program.output_return_period)
+        step = self._fn
+        for i, microbatches in enumerate(steps):
+            if not self._traced:
+                outputs = self._run(step, microbatches, first=i == 0)
+                if outputs is None:  # capture failed after iteration 0
+                    step = self._eager_step
+                    outputs = step(microbatches)
+            else:
+                outputs = step(microbatches)
+            for n, out in enumerate(outputs):
+                if collector.wants(i, n):
+                    collector.add(n, out)
+        return collector.result()
+
+    def _eager_step(self, microbatches: list) -> list:
+        return [_detach(out) for out in self.program._train_step(microbatches)]
+
+    def _run(self, fn: Callable[..., Any], *inputs: Any, first: bool = True) -> Any:
+        """Run ``fn``; the call that traces it shows progress and handles failure."""
+        if self._traced:
+            return fn(*inputs)
+        from tqdm import tqdm
+        t0 = time.perf_counter()
+        bar = tqdm(total=1, desc=f"Compiling the device program ({self.name})",
+                   leave=False, unit="program", disable=not self.progress)
+        try:
+            result = fn(*inputs)
+        except torch._dynamo.exc.TorchDynamoException as error:
+            self._fail(error)
+            if first:
+                raise CaptureFailed(str(error)) from error
+            return None
+        finally:
+            bar.close()
+        self._traced = True
+        logger.info("%s: device program compiled in %.1f s (torch.compile, whole %s)",
+                    self.name, time.perf_counter() - t0,
+                    "optimizer step" if self.program.training else "call")
+        return result
+
+    # ------------------------------------------------------------------ compile
+    def _build(self) -> None:
+        if self.program.training:
+            # Gradients go into the .grad tensors the eager call created: writing a
+            # parameter's .grad attribute inside the graph would split it.
+            self._grad_params = [p for p in self.params if p.grad is not None]
+            self._grads = [p.grad for p in self._grad_params]
+        # Lets torch.compile trace torch.autograd.grad instead of splitting the graph
+        # there; read when tracing, so it stays on for the process (documented).
+        torch._dynamo.config.trace_autograd_ops = True
+        fn = _device_function(self.program, self.model, self.params)
+        compiler = _compiler()
+        if compiler != "inductor":  # e.g. aot_eager: the same capture, eager kernels
+            self._fn = torch.compile(fn, fullgraph=True, backend=compiler)
+        else:
+            options = {"fallback_random": True}
+            if self.device.type == "cuda":
+                options["triton.cudagraphs"] = True
+            self._fn = torch.compile(fn, fullgraph=True, backend="inductor",
+                                     options=options)
+        if self.device.type == "cuda":
+            self._fn = _cuda_graph_replay(self._fn)
+        self._traced = False
+
+    def _restore_grads(self) -> None:
+        """The user cleared gradients (``zero_grad()``) between calls: give the
+        parameters their gradient tensors back (overwritten by the next step)."""
+        for p, grad in zip(self._grad_params, self._grads):
+            if p.grad is None:
+                p.grad = grad
+
+    def _fail(self, error: BaseException) -> None:
+        self.failed = True
+        self._fn = None
+        first = str(error).strip().splitlines()
+        reason = f"{type(error).__name__}: {first[0] if first else ''}"
+        logger.info("%s: the call cannot be compiled as one program (%s); falling back "
+                    "to the eager device loop.", self.name, reason)
+        self.on_fallback(reason)
+
+
+class CaptureFailed(Exception):
+    """Capture of the whole call failed before anything ran: use the eager loop."""
+
+
+def _compile_forward(runner: Any, model: torch.nn.Module) -> None:
+    """The fallback: the eager device loop with a ``torch.compile``'d forward."""
+    inner = getattr(runner, "inner", runner)
+    if isinstance(inner, SequentialRunner) and inner.forward is model:
+        inner.forward = torch.compile(model, backend=_compiler())
+
+
+def compile_device_program(program: Any, runner: Any, model: torch.nn.Module,
+                           device: torch.device, name: str, progress: bool) -> None:
+    """Give ``program`` its compiled whole-call path (inductor backend), or, when the
+    step cannot be one graph, log why at INFO and compile the forward only."""
+    reason = capture_blocker(program, runner)
+    if reason is not None:
+        info_once(("compiled-call-blocked", name, reason),
+                  "%s: the call is not compiled as one program (%s); the device loop "
+                  "runs a torch.compile'd forward instead.", name, reason)
+        _compile_forward(runner, model)
+        return
+    program.compiled = CompiledCall(program, model, device, name, progress,
+                                    lambda _reason: _compile_forward(runner, model))
