@@ -348,8 +348,18 @@ class PoplarExecutor(ExecutorInspection):
     def __call__(self, *args, **kwargs) -> Any:
         first = self._program is None
         if first:
-            self._compile(args, kwargs)
-            snapshot = _Snapshot(self._model, self.__dict__.get("_device_optimizer"))
+            # compiling may already create optimizer state (momentum buffers): a failed
+            # first call must not leave it behind
+            user_optimizer = self._optimizer if self._training else None
+            before = None if user_optimizer is None else user_optimizer.state_dict()
+            try:
+                self._compile(args, kwargs)
+            except BaseException:
+                if before is not None:
+                    user_optimizer.load_state_dict(before)
+                raise
+            snapshot = _Snapshot(self._model, self.__dict__.get("_device_optimizer"),
+                                 user_optimizer, before)
         else:
             self._check_signature(args, kwargs)  # before anything runs
         if not self._attached:
@@ -580,11 +590,15 @@ class _Snapshot:
     """Model and optimizer state before the first call, restored if that call fails,
     so that a failing call leaves nothing half-updated."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: Any,
+                 user_optimizer: Any = None, user_state: Any = None) -> None:
         self.tensors = [(t, t.detach().clone()) for t in
                         list(model.parameters()) + list(model.buffers())]
         self.optimizer = optimizer
         self.opt_state = None if optimizer is None else optimizer.state_dict()
+        # the user's optimizer as it was before compiling (which may initialize state)
+        self.user_optimizer = user_optimizer
+        self.user_state = user_state
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -592,3 +606,5 @@ class _Snapshot:
                 t.copy_(saved)
         if self.optimizer is not None:
             self.optimizer.load_state_dict(self.opt_state)
+        if self.user_optimizer is not None:
+            self.user_optimizer.load_state_dict(self.user_state)
