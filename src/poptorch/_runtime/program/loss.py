@@ -5,9 +5,10 @@ PopTorch trains on the loss the model computes. In order of preference:
 1. a tensor marked by :py:func:`poptorch.identity_loss` during the forward pass and
    returned by the model (several marked and returned losses are summed);
 2. the output itself, when the model returns a single tensor with one element;
-3. the last element of a returned tuple or list, when it is a one-element tensor
-   (the ``(output, loss)`` convention), else its first element, when that is one
-   (Hugging Face's ``(loss, logits, ...)`` convention);
+3. in a returned tuple or list, the last element (the ``(output, loss)`` convention) or
+   the first (Hugging Face's ``(loss, logits, ...)`` convention): a 0-dim tensor first
+   (the last one if both are), else a one-element tensor (the last one if both are), so
+   that ``(loss, logits)`` with a single-row ``logits`` still trains on ``loss``;
 4. the ``"loss"`` entry of a returned mapping (a dict, or a dict-like output such as
    Hugging Face's ``ModelOutput``), when it is a one-element tensor.
 """
@@ -39,9 +40,7 @@ def find_loss(output: Any, marked: list) -> torch.Tensor:
         return loss
     candidate = output
     if isinstance(output, (tuple, list)) and output:
-        candidate = output[-1]
-        if not _is_scalar(candidate) and _is_scalar(output[0]):
-            candidate = output[0]
+        candidate = _tuple_loss(output[0], output[-1])
     elif isinstance(output, Mapping):
         candidate = output.get("loss")
     if isinstance(candidate, torch.Tensor) and candidate.numel() == 1:
@@ -56,6 +55,15 @@ def find_loss(output: Any, marked: list) -> torch.Tensor:
 
 def _is_scalar(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.numel() == 1
+
+
+def _tuple_loss(first: Any, last: Any) -> Any:
+    for test in (lambda v: _is_scalar(v) and v.dim() == 0, _is_scalar):
+        if test(last):
+            return last
+        if test(first):
+            return first
+    return last
 
 
 def _raise_no_loss(output: Any) -> torch.Tensor:
