@@ -67,11 +67,15 @@ class Snapshot:
     """Model and optimizer state before the first call, restored if that call fails,
     so that a failing call leaves nothing half-updated."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: Any,
+                 user_optimizer: Any = None, user_state: Any = None) -> None:
         self.tensors = [(t, t.detach().clone()) for t in
                         list(model.parameters()) + list(model.buffers())]
         self.optimizer = optimizer
         self.opt_state = None if optimizer is None else optimizer.state_dict()
+        # the user's optimizer as it was before compiling (which may initialize state)
+        self.user_optimizer = user_optimizer
+        self.user_state = user_state
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -79,3 +83,5 @@ class Snapshot:
                 t.copy_(saved)
         if self.optimizer is not None:
             self.optimizer.load_state_dict(self.opt_state)
+        if self.user_optimizer is not None:
+            self.user_optimizer.load_state_dict(self.user_state)

@@ -344,8 +344,18 @@ class PoplarExecutor(ExecutorInspection):
         args, kwargs = detach_inputs(args, kwargs)
         first = self._program is None
         if first:
-            self._compile(args, kwargs)
-            snapshot = Snapshot(self._model, self.__dict__.get("_device_optimizer"))
+            # compiling may already create optimizer state (momentum buffers): a failed
+            # first call must not leave it behind
+            user_optimizer = self._optimizer if self._training else None
+            before = None if user_optimizer is None else user_optimizer.state_dict()
+            try:
+                self._compile(args, kwargs)
+            except BaseException:
+                if before is not None:
+                    user_optimizer.load_state_dict(before)
+                raise
+            snapshot = Snapshot(self._model, self.__dict__.get("_device_optimizer"),
+                                user_optimizer, before)
         else:
             self._check_signature(args, kwargs)  # before anything runs
             if self._tensor_constants:
