@@ -83,25 +83,25 @@ class CNN(nn.Module):
 
 
 class GPT(nn.Module):
-    """Small causal transformer: 2 blocks, width 64, 4 heads, context 32, vocab 128."""
+    """Small causal transformer: 2 layers, width 64, 4 heads, context 32, vocab 128."""
 
     def __init__(self, vocab=128, width=64, heads=4, layers=2, context=32):
         super().__init__()
         self.tok = nn.Embedding(vocab, width)
         self.pos = nn.Parameter(torch.zeros(context, width))
-        self.blocks = nn.ModuleList(_Block(width, heads) for _ in range(layers))
+        self.layers = nn.ModuleList(_Layer(width, heads) for _ in range(layers))
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab)
 
     def forward(self, x, y):
         h = self.tok(x) + self.pos[:x.shape[1]]
-        for block in self.blocks:
-            h = block(h)
+        for layer in self.layers:
+            h = layer(h)
         logits = self.head(self.norm(h))
         return logits, F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-class _Block(nn.Module):
+class _Layer(nn.Module):
     def __init__(self, width, heads):
         super().__init__()
         self.heads = heads

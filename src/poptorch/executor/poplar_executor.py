@@ -176,8 +176,9 @@ class PoplarExecutor:
         if runner is not None:
             device = getattr(runner, "output_device", torch.device("cpu"))
             self.__dict__["_device"] = getattr(runner, "input_device", device)
+            self.__dict__["_backend"] = _backend(self._options, device)
             if cache_dir is not None:
-                configure_executable_cache(cache_dir, _backend(self._options, device))
+                configure_executable_cache(cache_dir, self._backend)
             return runner, device
         device = _devices.acquire_devices(self._options, 1)[0]
         self.__dict__["_device"] = device
