@@ -218,3 +218,37 @@ def test_inductor_training_matches_plain_pytorch(monkeypatch):
         torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
     assert _compiled(pop)
     torch.testing.assert_close(model[0].weight, ref[0].weight, rtol=1e-5, atol=1e-6)
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x, y, use_b=True):
+        out = self.a(x) + (self.b(x) if use_b else 0)
+        return out, F.cross_entropy(out, y)
+
+
+def test_retrace_that_would_differ_from_eager_falls_back_and_matches():
+    """A parameter that stops receiving gradients must be skipped by the optimizer (as
+    with grad=None in PyTorch), which one graph cannot do: the retrace gives up and
+    the call, and the next ones, run eagerly with the same results."""
+    torch.manual_seed(6)
+    model = TwoHeads()
+    ref = copy.deepcopy(model)
+    pop = poptorch.trainingModel(model, _opts(d=2), torch.optim.SGD(
+        model.parameters(), lr=0.1, momentum=0.9))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    for call in range(4):
+        use_b = call < 2
+        pop(x, y, use_b=use_b)
+        assert _compiled(pop) == (call == 1)
+        for rows in (slice(0, 4), slice(4, 8)):
+            ref_opt.zero_grad()
+            ref(x[rows], y[rows], use_b)[1].backward()
+            ref_opt.step()
+    assert pop._program.compiled.failed
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
