@@ -179,3 +179,24 @@ def grouped_reference(kind: str, replicas: int, size: int) -> torch.Tensor:
                      for k in range(replicas)]).mean().backward()
         optimizer.step()
     return w.detach()
+
+
+PIPELINE_G = 4  # >= 2 x stages - 1 for a 2-stage training pipeline
+
+
+def pipeline_batch(call: int, replicas: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[G, R, M, F] rows for deviceIterations 1, gradientAccumulation PIPELINE_G."""
+    g = torch.Generator().manual_seed(200 + call)
+    return (torch.randn(PIPELINE_G, replicas, M, FEATURES, generator=g),
+            torch.randint(0, CLASSES, (PIPELINE_G, replicas, M), generator=g))
+
+
+def pipeline_reference(model: Net, replicas: int) -> None:
+    """Plain PyTorch: one SGD step per call on the mean of all micro-batch losses."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for call in range(CALLS):
+        x, y = pipeline_batch(call, replicas)
+        optimizer.zero_grad()
+        torch.stack([model(x[g, k], y[g, k])[1] for g in range(PIPELINE_G)
+                     for k in range(replicas)]).mean().backward()
+        optimizer.step()

@@ -18,7 +18,7 @@ import torch
 
 import poptorch
 from _distributed_cases import (CALLS, D, FEATURES, G, M, Branchy, Grouped, branchy_batch,
-                                grouped_batch,
+                                grouped_batch, PIPELINE_G, pipeline_batch,
                                 config_id, global_batch, make_model, options,
                                 process_rows, run_poptorch, train_configs)
 
@@ -68,6 +68,22 @@ def groups(out: pathlib.Path) -> None:
         save(out, f"groups_{kind}", model.W.detach())
 
 
+def pipelined(out: pathlib.Path) -> None:
+    """A 2-stage pipeline (PipelinedExecution on 2 virtual IPUs) in each process."""
+    model = make_model(1000 + RANK)
+    poptorch.BeginBlock(model.fc2, ipu_id=1)
+    opts = poptorch.Options().deviceIterations(1)
+    opts.Training.gradientAccumulation(PIPELINE_G)
+    opts.setExecutionStrategy(poptorch.PipelinedExecution())
+    opts.showCompilationProgressBar(False)
+    training = poptorch.trainingModel(model, opts,
+                                      poptorch.optim.SGD(model.parameters(), lr=0.1))
+    for call in range(CALLS):
+        x, y = pipeline_batch(call, WORLD)
+        training(x[:, RANK].reshape(-1, FEATURES), y[:, RANK].reshape(-1))
+    save(out, "pipelined", model.state_dict())
+
+
 def buffers(out: pathlib.Path) -> None:
     for broadcast in (True, False):
         cfg = {"r": 1, "reduction": "Mean", "optimizer": "SGD", "processes": WORLD}
@@ -90,6 +106,16 @@ def checkpoint(out: pathlib.Path) -> None:
     for call in range(CALLS, 2 * CALLS):
         training(*process_rows(global_batch(call, WORLD), RANK, 1))
     save(out, "continued", model.state_dict())
+    if RANK == 0:  # evaluation on one process only: inference needs no collectives
+        x, y = process_rows(global_batch(0, WORLD), RANK, 1)
+        output, _ = poptorch.inferenceModel(model, _inference_options())(x, y)
+        torch.save({"x": x, "y": y, "output": output}, out / "inference_rank0.pt")
+
+
+def _inference_options() -> poptorch.Options:
+    opts = poptorch.Options().deviceIterations(D)
+    opts.showCompilationProgressBar(False)
+    return opts
 
 
 def mismatch(out: pathlib.Path) -> None:
@@ -120,11 +146,14 @@ def kill(out: pathlib.Path) -> None:
 
 
 def epoch(out: pathlib.Path) -> None:
-    """The item ids each process reads in one epoch, for drop_last True and False."""
+    """The item ids each process reads in one epoch, for drop_last True and False (the
+    second without randomSeed: the processes must agree on a shuffling seed)."""
     dataset = torch.arange(103).float().unsqueeze(1)
     seen = {}
     for drop_last in (True, False):
-        opts = poptorch.Options().deviceIterations(2).randomSeed(7)
+        opts = poptorch.Options().deviceIterations(2)
+        if drop_last:
+            opts.randomSeed(7)
         loader = poptorch.DataLoader(opts, dataset, batch_size=3, shuffle=True,
                                      drop_last=drop_last)
         seen[drop_last] = [batch.reshape(-1).long().tolist() for batch in loader]
@@ -132,7 +161,7 @@ def epoch(out: pathlib.Path) -> None:
 
 
 SCENARIOS = {"train": train, "dynamic": dynamic, "groups": groups,
-             "buffers": buffers, "checkpoint": checkpoint,
+             "pipelined": pipelined, "buffers": buffers, "checkpoint": checkpoint,
              "mismatch": mismatch, "kill": kill, "epoch": epoch}
 
 if __name__ == "__main__":

@@ -268,10 +268,24 @@ def test_batch_sampler_with_uneven_micro_batches_is_rejected():
 
 def test_batch_sampler_is_exclusive_with_batch_size_and_shuffle():
     sampler = BatchSampler(SequentialSampler(range(8)), 2, False)
-    for bad in ({"batch_size": 2}, {"shuffle": True}):
+    for bad in ({"batch_size": 2}, {"shuffle": True},
+                {"sampler": SequentialSampler(range(8))}):
+        with pytest.raises(ValueError, match="mutually exclusive"):
+            torch.utils.data.DataLoader(index_dataset(8), batch_sampler=sampler, **bad)
         with pytest.raises(ValueError, match="mutually exclusive"):
             poptorch.DataLoader(poptorch.Options(), index_dataset(8),
                                 batch_sampler=sampler, **bad)
+
+
+def test_batch_sampler_accepts_the_defaults_spelled_out_as_torch_does():
+    # Lightning re-creates loaders passing batch_size=1, shuffle=False, sampler=None
+    data = index_dataset(8)
+    sampler = BatchSampler(SequentialSampler(data), 2, False)
+    spelled = dict(batch_size=1, shuffle=False, sampler=None)
+    expected = [b[0] for b in torch.utils.data.DataLoader(data, batch_sampler=sampler,
+                                                          **spelled)]
+    loader = poptorch.DataLoader(poptorch.Options(), data, batch_sampler=sampler, **spelled)
+    assert_same_batches([b[0] for b in loader], expected)
 
 
 # -- distributed partitioning ------------------------------------------------------------
@@ -334,7 +348,9 @@ def test_distributed_from_torchrun_environment(monkeypatch):
 
 def test_distributed_errors():
     opts = make_options(process=(0, 2))
-    with pytest.raises(poptorch.Error, match="randomSeed"):
+    # no randomSeed: the processes agree on a seed through the process group, which
+    # needs a launcher (tests/test_distributed.py runs the agreement under torchrun)
+    with pytest.raises(poptorch.Error, match="MASTER_ADDR and MASTER_PORT"):
         poptorch.DataLoader(opts, index_dataset(8), shuffle=True)
     with pytest.raises(poptorch.Error, match="auto_distributed_partitioning=False"):
         poptorch.DataLoader(opts, ShardedRange(8))
@@ -384,8 +400,18 @@ def test_signatures_match_the_reference():
     assert [(n, p.default) for n, p in list(params.items())[1:]] == [
         ("dataset", inspect.Parameter.empty), ("buffer_size", 3),
         ("miss_sleep_time_in_ms", 0.1), ("load_indefinitely", True),
-        ("early_preload", False), ("sharing_strategy", poptorch.SharingStrategy.ForkServer),
+        ("early_preload", False), ("sharing_strategy", None),
         ("rebatched_size", None)]
+    # Deliberate difference from upstream (default ForkServer, which imports torch again
+    # in a fresh interpreter: seconds per loader): None starts the worker as torch's
+    # DataLoader starts its workers; an explicit ForkServer still gets a forkserver.
+    accessor = poptorch.AsynchronousDataAccessor([torch.zeros(1)])
+    assert accessor.sharing_strategy == {
+        "fork": poptorch.SharingStrategy.Fork,
+        "forkserver": poptorch.SharingStrategy.ForkServer,
+        "spawn": poptorch.SharingStrategy.SharedMemory,
+    }[torch.multiprocessing.get_start_method()]
+    accessor.terminate()
 
 
 def test_input_replica_grouping_shrinks_the_combined_batch():

@@ -59,15 +59,27 @@ def gpus(monkeypatch):
 
 # -- without accelerator ------------------------------------------------------------------
 def test_no_gpu_means_virtual_cpu_ipus(no_gpu):
-    assert not poptorch.ipuHardwareIsAvailable()
-    assert poptorch.ipuHardwareVersion() == -1
+    # rule changed (issue 17): the CPU is this machine's IPU hardware, an Mk2 (version 2),
+    # so that libraries gating on the hardware queries (Lightning, optimum) run
+    assert poptorch.ipuHardwareIsAvailable() and poptorch.ipuHardwareIsAvailable(16)
+    assert poptorch.ipuHardwareVersion() == 2
     assert _devices.acquire_devices(poptorch.Options(), 4) == [CPU] * 4
     assert _devices.ipu_device(3) == CPU
 
 
+def test_hardware_queries_ignore_ipu_model_env(no_gpu, monkeypatch):
+    # as upstream: the queries describe the machine; POPTORCH_IPU_MODEL picks the target
+    monkeypatch.setenv("POPTORCH_IPU_MODEL", "1")
+    assert poptorch.ipuHardwareIsAvailable() and poptorch.ipuHardwareVersion() == 2
+
+
+def test_use_ipu_model_false_without_gpu_runs_on_the_cpu(no_gpu):
+    # rule changed (issue 17): the CPU counts as hardware, so the common
+    # useIpuModel(not poptorch.ipuHardwareIsAvailable()) runs here
+    assert _devices.acquire_devices(poptorch.Options().useIpuModel(False), 2) == [CPU] * 2
+
+
 def test_demanding_absent_hardware_is_an_error(no_gpu):
-    with pytest.raises(poptorch.Error, match=r"useIpuModel\(False\).*no NVIDIA GPU"):
-        _devices.acquire_devices(poptorch.Options().useIpuModel(False), 1)
     with pytest.raises(poptorch.Error, match=r"useIpuId\(1\) demands GPU cuda:1.*0 NVIDIA"):
         _devices.acquire_devices(poptorch.Options().useIpuId(1), 1)
 
@@ -81,7 +93,8 @@ def test_ipu_id_ignored_when_ipu_model_requested(no_gpu, monkeypatch):
 def test_gpus_are_ipus(gpus):
     gpus(4, capability=(8, 6))
     assert poptorch.ipuHardwareIsAvailable(4) and not poptorch.ipuHardwareIsAvailable(5)
-    assert poptorch.ipuHardwareVersion() == 86
+    # rule changed (issue 17): GPUs report an Mk2 IPU too, not their CUDA capability
+    assert poptorch.ipuHardwareVersion() == 2
     assert _devices.acquire_devices(poptorch.Options(), 2) == [cuda(0), cuda(1)]
     assert _devices.acquire_devices(poptorch.Options().useIpuId(1), 2) == [cuda(1), cuda(2)]
     assert _devices.ipu_device(3, poptorch.Options()) == cuda(3)
@@ -181,13 +194,10 @@ def test_free_gpu_does_not_wait(gpus, monkeypatch):
 def test_real_hardware():
     """On the machine as it is: GPUs are IPUs if there are any, the CPU otherwise."""
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    assert poptorch.ipuHardwareIsAvailable() == (count >= 1)
+    assert poptorch.ipuHardwareIsAvailable()  # the GPUs, or the CPU (issue 17)
+    assert poptorch.ipuHardwareVersion() == 2
     device = _devices.acquire_devices(poptorch.Options(), 1)[0]
     assert device == (cuda(0) if count else CPU)
     if count:
-        major, minor = torch.cuda.get_device_capability(0)
-        assert poptorch.ipuHardwareVersion() == major * 10 + minor
         x = torch.arange(4.0)
         assert torch.equal((x.to(device) * 2).cpu(), x * 2)
-    else:
-        assert poptorch.ipuHardwareVersion() == -1

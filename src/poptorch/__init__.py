@@ -39,11 +39,18 @@ from .executor.argparsers import (ICustomArgParser, registerCustomArgParser,
                                   registerGeometricCustomArgParsers)
 from . import ops, profiling
 
+# --- automatic mixed-precision casting (seed 003) ----------------------------------
+from . import autocasting
+from .autocasting import autocast
+
 # --- optimizers (issue 5) ----------------------------------------------------------
 from . import optim
 
 # --- executor (issue 3) -----------------------------------------------------------
 from .executor import PoplarExecutor, inferenceModel, isRunningOnIpu, load, trainingModel
 from ._runtime.export import importPoptorchMetadataFromFile
+
+# --- upstream's private modules that libraries import (issue 17) ------------------
+from . import _impl, _poplar_executor
 
 __version__ = "3.4.0"

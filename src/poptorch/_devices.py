@@ -5,9 +5,11 @@
 * Without one, or with ``Options.useIpuModel(True)`` / ``POPTORCH_IPU_MODEL=1``, IPUs
   are virtual devices on the CPU: every IPU is ``torch.device("cpu")``.
 
-A program that explicitly demands an accelerator (``useIpuModel(False)``, or
-``useIpuId(n)`` with no GPU ``n``) gets a :py:class:`poptorch.Error`, never a silent
-fallback to the CPU.
+The machine's *IPU hardware* is what we run on: its GPUs, or the CPU when it has none.
+The hardware queries describe that hardware and, as upstream's, ignore
+``POPTORCH_IPU_MODEL`` (which picks the target, not the machine): the CPU counts as
+hardware, so ``useIpuModel(False)`` on a machine without GPU runs on the CPU.
+``useIpuId(n)`` names GPU ``n``: without it, :py:class:`poptorch.Error`.
 
 A model needing more IPUs than there are GPUs from ``first`` on shares them: IPU *k*
 runs on the ``k``-th of those GPUs modulo their number (logged at INFO).
@@ -49,37 +51,38 @@ def _gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:
-    """True if at least ``num_ipus`` accelerators (NVIDIA GPUs) are present.
+IPU_HARDWARE_VERSION = 2
+"""What :py:func:`ipuHardwareVersion` reports: an Mk2 IPU (the generation PopTorch 3.4
+and the libraries built on it, which check for 2 or 21, target)."""
 
-    Like upstream, this does not check whether they are in use.
+
+def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:
+    """True if ``num_ipus`` IPUs can run on this machine's hardware: on GPUs, if at
+    least ``num_ipus`` are present; on a machine without GPU, always (the CPU plays any
+    number of IPUs). ``POPTORCH_IPU_MODEL`` does not change the answer.
+
+    Like upstream, this does not check whether the devices are in use.
     """
-    return _gpu_count() >= num_ipus
+    count = _gpu_count()
+    return num_ipus <= count if count else True
 
 
 def ipuHardwareVersion() -> int:
-    """The accelerator's version: the CUDA compute capability of GPU 0 as
-    ``major * 10 + minor`` (e.g. 80 for an A100, 90 for an H100); -1 without one."""
-    if _gpu_count() == 0:
-        return -1
-    major, minor = torch.cuda.get_device_capability(0)
-    return major * 10 + minor
+    """The IPU version of this machine's hardware: always 2 (Mk2), whether IPUs run on
+    GPUs or on the CPU, so that programs checking for an Mk2 system run. The GPU's own
+    CUDA capability is in ``torch.cuda.get_device_capability()``."""
+    return IPU_HARDWARE_VERSION
 
 
 def uses_ipu_model(options: Any = None) -> bool:
     """True if IPUs are virtual CPU devices for ``options``.
 
     Precedence: ``useIpuModel`` if called, then ``POPTORCH_IPU_MODEL``, then "no GPU".
-    Raises :py:class:`poptorch.Error` if ``useIpuModel(False)`` demands absent hardware.
+    ``useIpuModel(False)`` on a machine without GPU runs on the CPU, this machine's
+    hardware (see the module docstring).
     """
     if options is not None and options.exists("use_model"):
-        if options.use_model:
-            return True
-        if _gpu_count() == 0:
-            raise Error("useIpuModel(False) demands accelerator hardware, but no NVIDIA GPU "
-                        "is available (torch.cuda.is_available() is False). Remove the "
-                        "call, or call useIpuModel(True) to run on virtual CPU IPUs.")
-        return False
+        return bool(options.use_model) or _gpu_count() == 0
     if _env_flag("POPTORCH_IPU_MODEL"):
         return True
     return _gpu_count() == 0

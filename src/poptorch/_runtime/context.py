@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -26,6 +27,16 @@ class running_on_ipu:
 
     def __exit__(self, *exc) -> None:
         _state.depth -= 1
+
+
+def worker_scope(factories: list) -> contextlib.ExitStack:
+    """Enter, in a worker thread, the thread-local contexts of the running program
+    (``factories``: callables returning context managers, such as torch function
+    modes, which do not follow a call into other threads)."""
+    stack = contextlib.ExitStack()
+    for factory in factories:
+        stack.enter_context(factory())
+    return stack
 
 
 def _marked() -> list:

@@ -97,13 +97,19 @@ def BeginBlock(layer_to_call, user_id=None, ipu_id=None) -> torch.nn.Module:
     >>> poptorch.BeginBlock(model.layer2, ipu_id=1)
 
     The layer is annotated in place (with a forward pre-hook) and returned, so
-    ``self.layer = poptorch.BeginBlock(Layer(), ipu_id=1)`` works too.
+    ``self.layer = poptorch.BeginBlock(Layer(), ipu_id=1)`` works too. A plain function
+    is wrapped in a :py:class:`LegacyBeginBlockFn` module (PopTorch's legacy use).
     :py:func:`removeBlocks` removes the annotation.
     """
     if not isinstance(layer_to_call, torch.nn.Module):
-        raise Error("BeginBlock can only annotate a torch.nn.Module; got "
-                    f"{type(layer_to_call).__name__}. Use poptorch.Block (a context "
-                    "manager) or poptorch.BlockFunction (a decorator) for other code.")
+        if callable(layer_to_call):
+            # PopTorch's legacy form: a function is wrapped in a module that starts
+            # the block each time it is called.
+            return LegacyBeginBlockFn(layer_to_call, user_id, ipu_id)
+        raise Error("BeginBlock can only annotate a torch.nn.Module or wrap a "
+                    f"function; got {type(layer_to_call).__name__}. Use poptorch.Block "
+                    "(a context manager) or poptorch.BlockFunction (a decorator) for "
+                    "other code.")
     _check_block_args(user_id, ipu_id)
     markers.attach_begin_block(layer_to_call, user_id, ipu_id)
     return layer_to_call

@@ -5,19 +5,25 @@ and fills a ring of ``buffer_size`` shared-memory slots. Iterating the accessor 
 the tensors of a slot in place: they stay valid until the next batch is requested, after
 which the slot is refilled (clone a tensor to keep it).
 
+The worker starts as torch's ``DataLoader`` starts its workers (the platform's default
+start method: ``fork`` on Linux) unless a ``sharing_strategy`` asks otherwise, and the
+data set's own torch workers inside it start as they would in the caller: a spawned or
+forkserver-started interpreter imports torch again, which costs seconds per process.
+
 The worker is shut down by :meth:`AsynchronousDataAccessor.terminate`, when the accessor
 is garbage collected, and at interpreter exit (also after Ctrl-C). A worker that dies is
-noticed within a second and reported as a :py:class:`poptorch.Error`; an exception raised
-by the data set is re-raised in the main process with the worker named and the original
-traceback in its message.
+noticed within a second and reported as a :py:class:`poptorch.Error` naming the signal;
+an exception raised by the data set is re-raised in the main process with the worker named
+and the original traceback in its message.
 """
 from __future__ import annotations
 
 import atexit
+import multiprocessing
+import multiprocessing.forkserver
 import multiprocessing.util  # noqa: F401  (registers its atexit hook before ours)
 import os
 import pickle
-import queue
 import tempfile
 import weakref
 from collections.abc import Iterable
@@ -26,6 +32,7 @@ from typing import Any
 import torch
 import torch.multiprocessing
 
+from .faults import exit_code_description, rebuild_worker_exception
 from .tree import unflatten
 from .worker import DatasetFile, WorkerConfig, run_worker
 from .._logging import info_once
@@ -40,8 +47,15 @@ _START_METHODS = {
     SharingStrategy.Fork: "fork",
     SharingStrategy.ForkServer: "forkserver",
 }
+# The strategy used when none is given: that of the caller's default start method, which
+# torch's DataLoader uses for its workers too.
+_DEFAULT_STRATEGIES = {
+    "fork": SharingStrategy.Fork,
+    "forkserver": SharingStrategy.ForkServer,
+    "spawn": SharingStrategy.SharedMemory,
+}
 _LIVENESS_CHECK_S = 0.5
-_POLITE_JOIN_S = 1.0   # a worker waiting on its queue stops at once
+_POLITE_JOIN_S = 5.0   # a worker stops at once, then joins its own torch workers
 _JOIN_TIMEOUT_S = 5.0  # after SIGTERM, which the worker turns into a clean exit
 
 # Finalizers of the live accessors. Our atexit hook is registered after multiprocessing's
@@ -64,7 +78,7 @@ def _shutdown_worker(owner_pid: int, process, commands, results,
     try:
         if process.is_alive():
             try:
-                commands.put(("stop",))
+                commands.send(("stop",))
             except (ValueError, OSError):
                 pass
             process.join(_POLITE_JOIN_S)
@@ -76,7 +90,6 @@ def _shutdown_worker(owner_pid: int, process, commands, results,
             process.join()
     finally:
         for channel in (commands, results):
-            channel.cancel_join_thread()
             channel.close()
         if dataset_file is not None and os.path.exists(dataset_file):
             os.unlink(dataset_file)
@@ -114,6 +127,10 @@ class AsynchronousDataAccessor:
             start method; ``SharedMemory`` spawns it and passes the data set's
             tensors through shared memory; ``FileSystem`` spawns it and passes the
             data set through a temporary file. All but ``Fork`` pickle the data set.
+            None (the default) starts the worker as torch's DataLoader starts its
+            workers: the platform's default start method (``Fork`` on Linux). Upstream
+            defaults to ``ForkServer``, which starts a fresh interpreter that imports
+            torch again (seconds before the first batch): pass it to get it.
         rebatched_size: If not None, the batches of ``dataset`` are concatenated and
             cut into batches of exactly this many rows (the last one is dropped
             unless ``dataset.rebatched_drop_last`` is False).
@@ -122,7 +139,7 @@ class AsynchronousDataAccessor:
     def __init__(self, dataset: Iterable, buffer_size: int = 3,
                  miss_sleep_time_in_ms: float = 0.1, load_indefinitely: bool = True,
                  early_preload: bool = False,
-                 sharing_strategy: SharingStrategy = SharingStrategy.ForkServer,
+                 sharing_strategy: SharingStrategy | None = None,
                  rebatched_size: int | None = None) -> None:
         if not isinstance(dataset, Iterable):
             raise TypeError("AsynchronousDataAccessor needs an iterable data set (for "
@@ -132,10 +149,16 @@ class AsynchronousDataAccessor:
         if rebatched_size is not None:
             _check_positive_int("rebatched_size", rebatched_size)
         try:
-            sharing_strategy = SharingStrategy(sharing_strategy)
+            sharing_strategy = (_default_strategy() if sharing_strategy is None
+                                else SharingStrategy(sharing_strategy))
         except ValueError:
             raise ValueError(f"sharing_strategy must be a poptorch.SharingStrategy; got "
                              f"{sharing_strategy!r}.") from None
+        if isinstance(miss_sleep_time_in_ms, bool) or \
+                not isinstance(miss_sleep_time_in_ms, (int, float)) or \
+                not miss_sleep_time_in_ms >= 0:
+            raise ValueError("miss_sleep_time_in_ms must be a number >= 0; got "
+                             f"{miss_sleep_time_in_ms!r}.")
         if miss_sleep_time_in_ms != 0.1:
             info_once("async_miss_sleep_time",
                       "AsynchronousDataAccessor: miss_sleep_time_in_ms=%s is recorded but "
@@ -151,31 +174,45 @@ class AsynchronousDataAccessor:
         self._length = self._compute_length(dataset)
         self._epoch = -1           # epoch being consumed
         self._in_epoch = False     # True between __iter__ and the epoch's end
+        self._consumed = 0         # batches of that epoch returned to the caller
+        self._starts: dict[int, Any] = {}  # epoch -> random state its order came from
+        self._resume_next: dict | None = None  # position to start the next pass at
         self._held_slot: int | None = None
         self._slots: list[list[torch.Tensor] | None] = [None] * buffer_size
         self._start_worker(dataset)
 
     # -- worker lifetime --------------------------------------------------------------
     def _start_worker(self, dataset: Iterable) -> None:
-        context = torch.multiprocessing.get_context(_START_METHODS[self.sharing_strategy])
-        self._commands = context.Queue()
-        self._results = context.Queue()
+        method = _START_METHODS[self.sharing_strategy]
+        context = torch.multiprocessing.get_context(method)
+        if method == "forkserver":
+            _preload_in_forkserver()
+        # Two one-way pipes: no feeder thread (a multiprocessing.Queue's waits for the
+        # GIL, up to a switch interval per batch) and no lock per message.
+        commands_reader, self._commands = context.Pipe(duplex=False)
+        self._results, results_writer = context.Pipe(duplex=False)
         dataset_file = None
         source: Any = dataset
         if self.sharing_strategy == SharingStrategy.FileSystem:
-            handle, dataset_file = tempfile.mkstemp(prefix="poptorch_dataset_",
+            handle, dataset_file = tempfile.mkstemp(prefix=f"poptorch_dataset_{os.getpid()}_",
                                                     suffix=".pkl")
             with os.fdopen(handle, "wb") as out:
                 pickle.dump(dataset, out)
             source = DatasetFile(dataset_file)
         config = WorkerConfig(self.buffer_size, bool(self.load_indefinitely),
                               bool(self.early_preload), self.rebatched_size,
-                              self._drop_last)
+                              self._drop_last, multiprocessing.get_start_method())
         self._process = context.Process(
-            target=run_worker, args=(source, self._commands, self._results, config),
+            target=run_worker,
+            args=(source, commands_reader, results_writer, config,
+                  (self._commands, self._results)),
             name="poptorch-async-data", daemon=False)
         try:
-            self._process.start()
+            try:
+                self._process.start()
+            finally:  # the worker's ends: only the worker keeps them open
+                commands_reader.close()
+                results_writer.close()
         except Exception as error:
             if dataset_file is not None and os.path.exists(dataset_file):
                 os.unlink(dataset_file)
@@ -206,53 +243,92 @@ class AsynchronousDataAccessor:
             raise TypeError("The data set of this AsynchronousDataAccessor has no len().")
         return self._length
 
-    def __iter__(self) -> "AsynchronousDataAccessor":
-        """Starts a new pass over the data set (abandoning an unfinished one)."""
-        self._check_alive()
-        self._release_slot()
-        self._epoch += 1
-        self._in_epoch = True
-        self._commands.put(("start", self._epoch))
-        return self
+    def __iter__(self) -> "_PassIterator":
+        """Starts a new pass over the data set (abandoning an unfinished one) and returns
+        its iterator."""
+        self._start_pass()
+        return _PassIterator(self, self._epoch)
 
     def __next__(self) -> Any:
+        """The next batch of the current pass (upstream's accessor is its own iterator);
+        starts the first pass if none was started."""
         self._check_alive()
+        if not self._in_epoch and self._epoch < 0:
+            self._start_pass()
+        return self._next_batch(self._epoch)
+
+    def _start_pass(self) -> None:
+        self._check_alive()
+        self._release_slot()
+        resume, self._resume_next = self._resume_next, None
+        # The worker preloads at most the pass after the newest one asked for: a resumed
+        # pass gets a number past it, so that none of the preloaded batches is taken.
+        self._epoch += 1 if resume is None else 2
+        self._in_epoch = True
+        self._consumed = 0
+        if resume is not None:
+            self._consumed = 0 if resume["finished"] else resume["consumed"]
+            if resume["start"] is not None:
+                self._starts[self._epoch] = resume["start"]
+        self._commands.send(("start", self._epoch, resume))
+
+    def _next_batch(self, epoch: int) -> Any:
+        self._check_alive()
+        if epoch != self._epoch:
+            raise Error("This iterator's pass over the AsynchronousDataAccessor was "
+                        "abandoned when a new iter() started: one pass at a time.")
         if not self._in_epoch:
-            if self._epoch >= 0:
-                raise StopIteration
-            self.__iter__()
+            raise StopIteration
         self._release_slot()
         while True:
             message = self._receive()
             kind, epoch = message[0], message[1]
             if kind == "batch":
-                _, _, slot, skeleton, fresh = message
+                _, _, slot, skeleton, fresh, start = message
                 if fresh is not None:
                     self._slots[slot] = fresh
+                if start is not None:
+                    self._starts.setdefault(epoch, start)
                 if epoch != self._epoch:  # left over from an abandoned pass
-                    self._commands.put(("free", slot))
+                    self._commands.send(("free", slot))
                     continue
                 self._held_slot = slot
+                self._consumed += 1
                 return unflatten(skeleton, self._slots[slot])
             if epoch != self._epoch:
                 continue
             self._in_epoch = False
             if kind == "end":
                 raise StopIteration
-            raise _rebuild_error(*message[2:])
+            raise rebuild_worker_exception(*message[2:])
+
+    # -- position ---------------------------------------------------------------------
+    def position(self) -> dict:
+        """Where the caller is: ``{"start", "consumed", "finished"}`` of the current pass
+        (see ``poptorch.DataLoader.state_dict``)."""
+        if self._resume_next is not None:
+            return dict(self._resume_next)
+        if self._epoch < 0:
+            return {"start": None, "consumed": 0, "finished": False}
+        return {"start": self._starts.get(self._epoch), "consumed": self._consumed,
+                "finished": not self._in_epoch}
+
+    def resume_at(self, position: dict) -> None:
+        """The next pass starts at ``position`` (from :meth:`position`)."""
+        self._check_alive()
+        self._in_epoch = False
+        self._resume_next = dict(position)
 
     def _release_slot(self) -> None:
         if self._held_slot is not None:
-            self._commands.put(("free", self._held_slot))
+            self._commands.send(("free", self._held_slot))
             self._held_slot = None
 
     def _receive(self) -> tuple:
         while True:
             try:
-                return self._results.get(timeout=_LIVENESS_CHECK_S)
-            except queue.Empty:
-                if self._process.is_alive():
-                    continue
+                if self._results.poll(_LIVENESS_CHECK_S):
+                    return self._results.recv()
             except (OSError, EOFError) as error:
                 # Receiving a batch's shared memory needs the worker: it died mid-send.
                 self._process.join(_LIVENESS_CHECK_S)
@@ -261,18 +337,21 @@ class AsynchronousDataAccessor:
                                 f"worker process (pid {self._process.pid}): {error}") \
                         from error
                 raise self._worker_died() from error
-            try:  # it may have written its last words just before exiting
-                return self._results.get(timeout=_LIVENESS_CHECK_S)
-            except (queue.Empty, OSError, EOFError):
-                raise self._worker_died() from None
+            if not self._process.is_alive():
+                try:  # it may have written its last words just before exiting
+                    if self._results.poll(0):
+                        return self._results.recv()
+                except (OSError, EOFError):
+                    pass
+                raise self._worker_died()
 
     def _worker_died(self) -> Error:
         code = self._process.exitcode
         self.terminate()
         return Error(
             f"The AsynchronousDataAccessor worker process (pid {self._process.pid}) "
-            f"exited unexpectedly with exit code {code} (a negative code is the signal "
-            "that killed it, e.g. -9 when the system ran out of memory).")
+            f"{exit_code_description(code)}; the batches it was loading are lost. "
+            "Create a new loader (or resume from a checkpoint, see docs/data.md).")
 
     def _compute_length(self, dataset: Iterable) -> int | None:
         try:
@@ -290,30 +369,36 @@ class AsynchronousDataAccessor:
         return full if self._drop_last or rest == 0 else full + 1
 
 
-def _rebuild_error(description: str, text: str, error_type: bytes | None,
-                   message: str) -> BaseException:
-    """The main-process exception for an error raised in the worker: the original type
-    where it can be rebuilt from a message (as torch's DataLoader does), else
-    ``poptorch.Error``; the message names the worker and holds the original traceback."""
-    full = (f"Caught {_type_name(error_type)} in {description}: {message}\n"
-            f"Original traceback in the worker:\n{text}")
-    try:
-        cls = pickle.loads(error_type) if error_type is not None else None
-    except Exception:
-        cls = None
-    if cls is not None and issubclass(cls, Exception):
-        try:
-            return cls(full)
-        except Exception:
-            pass
-    return Error(full)
+class _PassIterator:
+    """The iterator of one pass over an accessor (iterating it again does not restart)."""
+
+    def __init__(self, accessor: AsynchronousDataAccessor, epoch: int) -> None:
+        self._accessor = accessor
+        self._epoch = epoch
+
+    def __iter__(self) -> "_PassIterator":
+        return self
+
+    def __next__(self) -> Any:
+        return self._accessor._next_batch(self._epoch)
+
+    def __len__(self) -> int:
+        return len(self._accessor)
 
 
-def _type_name(error_type: bytes | None) -> str:
-    try:
-        return pickle.loads(error_type).__name__ if error_type else "an exception"
-    except Exception:
-        return "an exception"
+def _default_strategy() -> SharingStrategy:
+    return _DEFAULT_STRATEGIES.get(multiprocessing.get_start_method(),
+                                   SharingStrategy.SharedMemory)
+
+
+def _preload_in_forkserver() -> None:
+    """Has the forkserver (when this process has not started it yet, and nobody chose
+    what it preloads) import torch and our worker once, so that every worker it forks
+    starts with them loaded instead of importing torch again."""
+    server = multiprocessing.forkserver._forkserver
+    if getattr(server, "_forkserver_pid", 1) is None and \
+            getattr(server, "_preload_modules", None) == ["__main__"]:
+        server.set_forkserver_preload(["__main__", "poptorch.data.worker"])
 
 
 def _check_positive_int(name: str, value: Any) -> None:

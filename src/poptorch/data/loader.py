@@ -15,7 +15,10 @@ import torch
 import torch.utils.data
 
 from .accessor import AsynchronousDataAccessor
+from .faults import as_worker_death
+from .resume import STATE_VERSION, ResumableIndexSampler, check_state
 from .samplers import CombinedBatchSampler, DistributedPartitionSampler
+from .._runtime.distributed.world import shared_random_seed
 from .._logging import info_once
 from ..enums import DataLoaderMode
 from ..errors import Error
@@ -41,6 +44,58 @@ class _SyncView:
 
     def __len__(self) -> int:
         return torch.utils.data.DataLoader.__len__(self.loader)
+
+    # Called in the worker process (see worker): resuming and position.
+    def apply_resume(self, position: dict) -> bool:
+        """Starts the next pass at ``position``; False if the batches to skip must be
+        read and dropped instead (an iterable data set)."""
+        sampler = self.loader._resumable_sampler()
+        if sampler is None:
+            return False
+        sampler.owns_global_rng = True  # in the worker the global RNG is the loader's
+        sampler.resume = position if position["start"] is not None else None
+        return position["start"] is not None or position["consumed"] == 0
+
+    def position_start(self) -> dict | None:
+        sampler = self.loader._resumable_sampler()
+        return sampler.last_start if sampler is not None else None
+
+
+class _PassIterator:
+    """One synchronous pass: counts the batches handed out (the loader's position),
+    reports dead torch workers as ``poptorch.Error`` and drops the batches a resumed pass
+    of an iterable data set must skip. (No reference to the loader: a cycle through
+    torch's iterator would leave its workers to the garbage collector.)"""
+
+    def __init__(self, inner, skip: int, consumed: int) -> None:
+        self._inner = inner
+        self._skip = skip
+        self.consumed = consumed
+        self.finished = False
+
+    def __iter__(self) -> "_PassIterator":
+        return self
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __next__(self) -> Any:
+        try:
+            while self._skip:
+                next(self._inner)
+                self._skip -= 1
+            batch = next(self._inner)
+        except StopIteration:
+            self.finished = True
+            raise
+        except (RuntimeError, OSError, EOFError) as error:
+            death = as_worker_death(error, self._inner)
+            if death is None:
+                raise
+            _stop_torch_workers(self._inner)
+            raise death from error
+        self.consumed += 1
+        return batch
 
 
 def _read_options(options: Any) -> tuple[int, int, int, int, int, int | None]:
@@ -123,6 +178,7 @@ class DataLoader(torch.utils.data.DataLoader):
             raise ValueError(f"mode must be a poptorch.DataLoaderMode; got {mode!r}.") \
                 from None
         shuffle = bool(shuffle)
+        _check_arguments(num_workers, rebatched_worker_size, async_options)
         if persistent_workers is None:
             persistent_workers = num_workers > 0
         micro_batches = device_iterations * replication_factor * gradient_accumulation
@@ -189,6 +245,11 @@ class DataLoader(torch.utils.data.DataLoader):
         self._options = options
         self._mode = mode
         self._rebatch = rebatch
+        # Position of the synchronous pass (state_dict); the pass being counted.
+        self._pass: _PassIterator | None = None
+        self._started_before = 0
+        self._previous_position: dict = {"start": None, "consumed": 0, "finished": False}
+        self._resume_next: dict | None = None
         self._accessor: AsynchronousDataAccessor | None = None
         if mode != DataLoaderMode.Sync:
             accessor_args = dict(async_options or {})
@@ -208,7 +269,9 @@ class DataLoader(torch.utils.data.DataLoader):
     # -- construction helpers -----------------------------------------------------------
     @staticmethod
     def _check_batch_sampler_args(batch_size, shuffle, iterable, kwargs) -> None:
-        if batch_size != 1 or shuffle or "sampler" in kwargs:
+        # as torch's DataLoader: the defaults (batch_size=1, shuffle=False, sampler=None)
+        # may be passed explicitly, as re-instantiating code such as Lightning's does
+        if batch_size != 1 or shuffle or kwargs.get("sampler") is not None:
             raise ValueError("batch_sampler is mutually exclusive with batch_size, "
                              "shuffle and sampler: the batch sampler decides the "
                              "micro-batches.")
@@ -236,10 +299,8 @@ class DataLoader(torch.utils.data.DataLoader):
             raise ValueError("A custom sampler cannot be combined with automatic "
                              "distributed partitioning: partition it yourself and pass "
                              "auto_distributed_partitioning=False.")
-        if shuffle and seed is None:
-            raise Error("Shuffling with several processes needs the same seed on every "
-                        "process so that their shares do not overlap: call "
-                        "options.randomSeed(N) with the same N everywhere.")
+        if shuffle and seed is None:  # the processes must draw the same order
+            seed = shared_random_seed(process_id, num_processes)
         return DistributedPartitionSampler(items, process_id, num_processes, shuffle,
                                            seed, pad=not drop_last)
 
@@ -268,21 +329,129 @@ class DataLoader(torch.utils.data.DataLoader):
     def __iter__(self):
         if self._accessor is not None:
             return iter(self._accessor)
-        return super().__iter__()
+        if getattr(self._iterator, "_shutdown", False):
+            self._iterator = None  # its workers were stopped after one of them died
+        resume, self._resume_next = self._resume_next, None
+        skip = 0
+        sampler = self._resumable_sampler()
+        if resume is not None:
+            if sampler is not None and resume["start"] is not None:
+                sampler.resume = resume
+                sampler.global_rng_before_iterator = torch.get_rng_state()
+            elif not resume["finished"]:
+                skip = resume["consumed"]  # read and dropped: no sampler to skip with
+        previous = resume if resume is not None else self._sync_position()
+        self._started_before = sampler.epochs_started if sampler is not None else 0
+        consumed = 0 if resume is None or resume["finished"] else resume["consumed"]
+        self._pass = _PassIterator(super().__iter__(), skip, consumed)
+        self._previous_position = previous
+        return self._pass
+
+    @property
+    def _index_sampler(self):
+        # torch's iterators read the batches of indices from here: a wrapper that can
+        # record and restore the loader's position (map-style data sets only).
+        inner = super()._index_sampler
+        if isinstance(self.dataset, torch.utils.data.IterableDataset):
+            return inner
+        wrapper = self.__dict__.get("_resumable")
+        if wrapper is None or wrapper.inner is not inner:
+            wrapper = ResumableIndexSampler(inner, self)
+            self.__dict__["_resumable"] = wrapper
+        return wrapper
+
+    def _resumable_sampler(self) -> ResumableIndexSampler | None:
+        sampler = self._index_sampler
+        return sampler if isinstance(sampler, ResumableIndexSampler) else None
+
+    # -- checkpointing --------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's position in its stream of batches, to resume from in a new
+        process with :meth:`load_state_dict` (see docs/data.md, "Checkpoint and resume"):
+        the random state the current epoch's order was drawn from (so the shuffle order
+        is the same), how many of its batches were handed out, and whether it ended."""
+        if self._accessor is not None:
+            position = self._accessor.position()
+        elif self._resume_next is not None:
+            position = dict(self._resume_next)
+        else:
+            position = self._sync_position()
+        return {"version": STATE_VERSION, **position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The next ``iter()`` continues where the loader that saved ``state`` was: it
+        skips the batches already handed out without loading them (a map-style data
+        set: only their indices are drawn) or, for an iterable data set, by reading and
+        dropping them. Build the loader with the same arguments, options and seed."""
+        check_state(state)
+        position = {key: state[key] for key in ("start", "consumed", "finished")}
+        if self._accessor is not None:
+            self._accessor.resume_at(position)
+        else:
+            self._resume_next = position
+
+    def _sync_position(self) -> dict[str, Any]:
+        if self._pass is None:
+            return {"start": None, "consumed": 0, "finished": False}
+        sampler = self._resumable_sampler()
+        start = None
+        if sampler is not None:
+            if sampler.epochs_started > self._started_before:
+                start = sampler.last_start
+            else:
+                # this pass has not drawn its order yet: the position is where the
+                # previous pass left off (or the position it resumes from)
+                return dict(self._previous_position)
+        return {"start": start, "consumed": self._pass.consumed,
+                "finished": self._pass.finished}
 
     def terminate(self) -> None:
-        """If `mode==DataLoaderMode.Async`, kills the worker process in the
-        underlying :py:class:`~poptorch.AsynchronousDataAccessor` manually,
-        otherwise has no effect."""
+        """Stops the worker processes: the asynchronous accessor's
+        (``mode=DataLoaderMode.Async``), or torch's persistent workers in Sync mode
+        (upstream: no effect in Sync mode; stopping them frees their memory and the
+        next ``iter()`` starts new ones)."""
         if self._accessor is not None:
             self._accessor.terminate()
+        elif self._iterator is not None:
+            shutdown = getattr(self._iterator, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+            self._iterator = None
 
     def __getstate__(self) -> dict:
         # Pickled for a spawned worker process: the copy there reads synchronously.
         state = self.__dict__.copy()
         state["_accessor"] = None
         state["_iterator"] = None
+        state["_pass"] = None
         return state
+
+
+def _check_arguments(num_workers: Any, rebatched_worker_size: Any,
+                     async_options: Any) -> None:
+    """Rejects argument types torch would fail on later with an unrelated message."""
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or \
+            num_workers < 0:
+        raise ValueError(f"num_workers must be an integer >= 0; got {num_workers!r}.")
+    if rebatched_worker_size is not None and (
+            isinstance(rebatched_worker_size, bool) or
+            not isinstance(rebatched_worker_size, int) or rebatched_worker_size < 1):
+        raise ValueError("rebatched_worker_size must be None or an integer >= 1; got "
+                         f"{rebatched_worker_size!r}.")
+    if async_options is not None and not isinstance(async_options, dict):
+        raise TypeError("async_options must be a dict of AsynchronousDataAccessor keyword "
+                        f"arguments or None; got {type(async_options).__name__}.")
+
+
+def _stop_torch_workers(iterator: Any) -> None:
+    """Stops the workers of a torch iterator one of whose workers died (torch's SIGCHLD
+    handler would otherwise raise again at any later point of the program)."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        try:
+            shutdown()
+        except Exception:  # noqa: BLE001 - best effort: the death is being reported
+            pass
 
 
 def _length_or_none(dataset: Any) -> int | None:

@@ -2,13 +2,16 @@
 
 It iterates the data set and writes each batch into a ring of ``buffer_size`` slots of
 shared-memory tensors. The main process reads a slot in place and hands it back when it
-asks for the next batch. Protocol (all messages are tuples on two queues):
+asks for the next batch. Protocol (all messages are tuples on two one-way pipes):
 
-* main -> worker (``commands``): ``("start", epoch)`` begin epoch ``epoch`` (abandoning an
-  older one still running), ``("free", slot)`` the main process is done with ``slot``,
+* main -> worker (``commands``): ``("start", epoch, resume)`` begin epoch ``epoch``
+  (abandoning an older one still running) at the position ``resume`` (a
+  ``DataLoader.state_dict()``, or None: from the start), ``("free", slot)`` the main process is done with ``slot``,
   ``("stop",)`` shut down.
-* worker -> main (``results``): ``("batch", epoch, slot, skeleton, tensors_or_None)``
-  (``tensors`` is sent only when the slot's shared tensors had to be (re)allocated),
+* worker -> main (``results``): ``("batch", epoch, slot, skeleton, tensors_or_None,
+  start_or_None)`` (``tensors`` is sent only when the slot's shared tensors had to be
+  (re)allocated; ``start``, the random state the epoch's order was drawn from, with the
+  first batch of an epoch of a ``poptorch.DataLoader``),
   ``("end", epoch)``, ``("error", epoch, description, traceback, pickled_type, message)``.
 
 The worker ignores SIGINT (the main process decides when it stops), turns SIGTERM into a
@@ -19,16 +22,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import multiprocessing
 import os
 import pickle
-import queue
 import signal
 import traceback
 from typing import Any
 
 import torch
 
+from .faults import as_worker_death, pickled_type
 from .tree import Rebatcher, flatten
 
 __all__ = ["WorkerConfig", "DatasetFile", "run_worker"]
@@ -43,6 +47,9 @@ class WorkerConfig:
     early_preload: bool
     rebatched_size: int | None
     rebatched_drop_last: bool
+    # The caller's default start method, for the data set's own (torch) workers: they
+    # start as they would in the caller, not as this process was started.
+    start_method: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,10 +74,19 @@ def _exit_on_sigterm(signum, frame):
     raise SystemExit(0)
 
 
-def run_worker(source: Any, commands, results, config: WorkerConfig) -> None:
-    """Entry point of the worker process."""
+def run_worker(source: Any, commands, results, config: WorkerConfig,
+               callers_ends: tuple = ()) -> None:
+    """Entry point of the worker process (``callers_ends``: the caller's ends of the
+    pipes, which a forked worker inherits and closes)."""
+    for end in callers_ends:
+        end.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    # Objects inherited from a forked caller are the caller's to finalize: never collect
+    # them here (a torch iterator's __del__ would try to stop the caller's workers).
+    gc.freeze()
+    if multiprocessing.get_start_method(allow_none=True) != config.start_method:
+        multiprocessing.set_start_method(config.start_method, force=True)
     # Like torch's own DataLoader workers: leave the cores to the model.
     torch.set_num_threads(1)
     try:
@@ -78,9 +94,6 @@ def run_worker(source: Any, commands, results, config: WorkerConfig) -> None:
         _Worker(dataset, commands, results, config).run()
     except _Stop:
         pass
-    finally:
-        results.cancel_join_thread()
-        commands.cancel_join_thread()
 
 
 class _Worker:
@@ -94,6 +107,8 @@ class _Worker:
         self.slots: list[list[torch.Tensor] | None] = [None] * config.buffer_size
         self.layouts: list[list[tuple] | None] = [None] * config.buffer_size
         self.latest_start = -1  # newest epoch the main process asked for
+        self.resume_at: dict[int, Any] = {}  # epoch -> position to start it at
+        self.send_start = False  # the next batch is the first of its pass
         self.parent = multiprocessing.parent_process()
 
     def run(self) -> None:
@@ -107,12 +122,20 @@ class _Worker:
     def _next_command(self, block: bool):
         while True:
             try:
-                return self.commands.get(block=block, timeout=_LIVENESS_CHECK_S)
-            except queue.Empty:
-                if not block:
-                    return None
-                if self.parent is not None and not self.parent.is_alive():
-                    raise _Stop()
+                if self.commands.poll(_LIVENESS_CHECK_S if block else 0):
+                    return self.commands.recv()
+            except (OSError, EOFError):  # the main process went away
+                raise _Stop() from None
+            if not block:
+                return None
+            if self.parent is not None and not self.parent.is_alive():
+                raise _Stop()
+
+    def _send(self, message: tuple) -> None:
+        try:
+            self.results.send(message)
+        except (OSError, EOFError):  # the main process went away
+            raise _Stop() from None
 
     def _handle(self, command, running: int | None) -> int | None:
         """Applies ``command``; returns an epoch to switch to, if it asks for one."""
@@ -123,6 +146,8 @@ class _Worker:
             self.free.append(command[1])
             return None
         epoch = command[1]  # "start"
+        if command[2] is not None:
+            self.resume_at[epoch] = command[2]
         if epoch > self.latest_start:
             self.latest_start = epoch
             if running is None or epoch > running:
@@ -146,14 +171,18 @@ class _Worker:
     # -- one pass over the data set -------------------------------------------------
     def _run_epoch(self, epoch: int) -> int | None:
         """Streams one epoch; returns the next epoch to run (None: wait for a start)."""
-        self.latest_start = max(self.latest_start, epoch)
         rebatcher = (Rebatcher(self.config.rebatched_size)
                      if self.config.rebatched_size else None)
         iterator = None
+        skip = self._prepare_resume(self.resume_at.pop(epoch, None))
+        self.send_start = True
         try:
             iterator = iter(self.dataset)
             for batch in iterator:
                 ready = rebatcher.push(batch) if rebatcher else [batch]
+                if skip:  # a resumed pass the data set cannot skip by itself
+                    dropped = min(skip, len(ready))
+                    ready, skip = ready[dropped:], skip - dropped
                 for out in ready:
                     switch = self._emit(epoch, out)
                     if switch is not None:
@@ -169,12 +198,32 @@ class _Worker:
         except (_Stop, SystemExit):
             raise
         except BaseException as error:  # reported to the main process, which re-raises
-            self._report(epoch, error)
+            for _ in range(3):  # torch's SIGCHLD handler may raise again meanwhile
+                try:
+                    self._report(epoch, error, iterator)
+                    break
+                except (_Stop, SystemExit):
+                    raise
+                except BaseException as again:  # noqa: BLE001
+                    error = again
             return None
         finally:
             del iterator  # joins the data set's worker processes, if any
-        self.results.put(("end", epoch))
-        return epoch + 1 if self.config.load_indefinitely else None
+        self._send(("end", epoch))
+        # Preload the next pass, but never more than one past the newest one asked for.
+        if self.config.load_indefinitely and epoch <= self.latest_start:
+            return epoch + 1
+        return None
+
+    def _prepare_resume(self, resume: dict | None) -> int:
+        """Starts the next pass at ``resume``; returns how many of its batches to read and
+        drop here (when the data set cannot skip them without loading them)."""
+        if resume is None:
+            return 0
+        apply = getattr(self.dataset, "apply_resume", None)
+        if apply is not None and apply(resume):
+            return 0
+        return 0 if resume["finished"] else resume["consumed"]
 
     def _emit(self, epoch: int, batch: Any) -> int | None:
         skeleton, tensors = flatten(batch)
@@ -192,16 +241,26 @@ class _Worker:
             fresh = [t.clone(memory_format=torch.contiguous_format).share_memory_()
                      for t in tensors]
             self.slots[slot], self.layouts[slot] = fresh, layout
-        self.results.put(("batch", epoch, slot, skeleton, fresh))
+        start = None
+        if self.send_start:
+            self.send_start = False
+            position_start = getattr(self.dataset, "position_start", None)
+            start = position_start() if position_start is not None else None
+        self._send(("batch", epoch, slot, skeleton, fresh, start))
         return None
 
-    def _report(self, epoch: int, error: BaseException) -> None:
+    def _report(self, epoch: int, error: BaseException, iterator: Any) -> None:
         description = (f"the AsynchronousDataAccessor worker process "
                        f"(pid {os.getpid()})")
-        try:
-            error_type = pickle.dumps(type(error))
-        except Exception:  # a local class: the main process falls back to poptorch.Error
-            error_type = None
+        # one of the data set's torch workers died
+        death = as_worker_death(error, getattr(iterator, "_inner", iterator))
+        if death is not None:
+            shutdown = getattr(iterator, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()  # no more SIGCHLD reports from its workers
+            death.__traceback__ = error.__traceback__
+            error = death
+        error_type = pickled_type(error)
         text = "".join(traceback.format_exception(type(error), error,
                                                   error.__traceback__))
-        self.results.put(("error", epoch, description, text, error_type, str(error)))
+        self._send(("error", epoch, description, text, error_type, str(error)))

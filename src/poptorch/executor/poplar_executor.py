@@ -6,7 +6,6 @@ sharing in ``_runtime/weights/``, model parallelism in ``_runtime/placement/``.
 """
 from __future__ import annotations
 
-import datetime
 import time
 from typing import Any
 
@@ -14,13 +13,15 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import _devices
-from . import hooks as _hooks
+from . import hooks as _hooks, optimizer_rules
 from .processes import join_processes
+from .inspection import ExecutorInspection
 from .replica_grouping import GroupableParameter
 from .._logging import info_once, logger
 from .._runtime import context
 from .._runtime.batching.plan import BatchPlan, resolve_output_mode, split_inputs
-from .._runtime.weights.modelcopy import shallow_copy_module
+from .._runtime.batching.signature import InputSignature
+from .._runtime.weights.modelcopy import TrainingMode, shallow_copy_module
 from .._runtime.program.optimizer import (DeviceOptimizerSync, attach_optimizer,
                                  make_loss_scaler)
 from .._runtime.program.device_loop import DeviceProgram, RngScope
@@ -28,7 +29,7 @@ from .._runtime.tracing import configure_executable_cache
 from .._runtime.program.replica_groups import grouped_parameters
 from .._runtime.program.runner import PerReplicaRunner, ReplicaBuffers, SequentialRunner
 from .._runtime.weights.sync import WeightSync
-from ..enums import CommGroupType
+from ..enums import CommGroupType, OutputMode
 from ..errors import Error
 from ..optim.optimizers import SGD
 from ..options.options import Options
@@ -45,7 +46,7 @@ def isRunningOnIpu() -> bool:
     return context.is_running_on_ipu()
 
 
-class PoplarExecutor:
+class PoplarExecutor(ExecutorInspection):
     """A wrapped model that runs whole device programs per call.
 
     Do not create it directly: use :py:func:`poptorch.trainingModel` or
@@ -58,6 +59,13 @@ class PoplarExecutor:
         options = Options() if options is None else options
         if not isinstance(options, Options):
             raise Error(f"options must be a poptorch.Options, not {type(options).__name__}.")
+        # As in PopTorch: the user's options are frozen (a later change would not reach
+        # this model) and the model works on its own copy, whose Default output mode is
+        # resolved (Final for training, All for inference).
+        options._freeze()
+        options = options.clone()
+        if options.defaultOutputMode():
+            options.outputMode(OutputMode.Final if training else OutputMode.All)
         if not isinstance(model, torch.nn.Module):
             raise Error(f"The model must be a torch.nn.Module, not {type(model).__name__}.")
         if training and optimizer is None:
@@ -73,7 +81,8 @@ class PoplarExecutor:
         d["_poptorch_version"] = version
         d["_optimizer"] = optimizer
         d["_model"] = shallow_copy_module(model)
-        d["_model"].train(training)
+        d["_model"].training = training  # the copy's own flag; submodules: per call
+        d["_mode"] = TrainingMode(d["_model"], training)
         d["_program"] = None
         d["_weights"] = None
         d["_attached"] = False
@@ -139,13 +148,18 @@ class PoplarExecutor:
         try:
             plan = self._plan()
             split_inputs(plan, args, kwargs)  # check batch sizes before anything else
+            self.__dict__["_signature"] = InputSignature(self._model.forward, args, kwargs)
+            if self._training:
+                optimizer_rules.apply_mean_reduction_rule(opts, self._optimizer, False)
             bar.update()
             runner, device = self._build_runner()
             bar.update()
             self._weights_and_optimizer(device)
-            cross = self._join_processes(device)
+            # Only training needs the other processes; an inference model runs on its
+            # own (a program may evaluate on process 0 alone).
+            cross = self._join_processes(device) if self._training else None
             runner = self._per_replica_state(runner, plan, cross)
-            if cross is not None and self._training:
+            if cross is not None:
                 runner = cross.wrap_runner(runner, plan.per_step, device)
             bar.update()
             self.__dict__["_program"] = self._build_program(plan, runner, device, cross)
@@ -158,10 +172,13 @@ class PoplarExecutor:
             if opts.synthetic_data:
                 from .._runtime.batching.synthetic import SyntheticInputs
                 self.__dict__["_synthetic"] = SyntheticInputs(self._device)
+                self._program.perf.synthetic = True
             bar.update()
         finally:
             bar.close()
         opts._freeze()  # also logs the options that have no effect here
+        from .ipu_environment import log_ipu_only_environment
+        log_ipu_only_environment()
         self.__dict__["_attached"] = True
         self.__dict__["_compile_seconds"] = time.perf_counter() - t0
         logger.debug("Compiled %s in %.3f s", self._model_name(), self._compile_seconds)
@@ -239,6 +256,9 @@ class PoplarExecutor:
         if self._training:
             attached = attach_optimizer(self._optimizer, self._model, self._user_model,
                                         sync)
+            optimizer_rules.mark_compiled(self._optimizer, self._options)
+            self.__dict__["_optimizer_keys"] = optimizer_rules.attribute_keys(
+                self._optimizer)
             self.__dict__["_device_optimizer"] = attached
             self._sync_optimizer(self._optimizer, attached)
 
@@ -290,6 +310,7 @@ class PoplarExecutor:
         policy.prepare_optimizer(self.__dict__.get("_device_optimizer"))
         if policy.active:
             program.wrappers.append(policy)
+        self._install_casting(program, policy)
         if policy.checks_finite:
             program.finite_check = policy.check_step
             program.named_params = list(self._model.named_parameters())
@@ -297,6 +318,27 @@ class PoplarExecutor:
             from .._runtime.tracing import CallProfiler
             program.wrappers.insert(0, CallProfiler(opts.profile_dir, self._model_name(),
                                                     self._device))
+
+    def _install_casting(self, program: DeviceProgram, policy) -> None:
+        """float16 rules of halfFloatCasting(Default) (weights follow activations, only
+        on calls that need it: ``_runtime/numerics/casting.py``) and poptorch.autocast
+        regions and policies (``autocasting.py``), entered as one program wrapper."""
+        from ..autocasting import prepare_model
+        from ..enums import HalfFloatCastingBehavior
+        casting = None
+        if policy.half_float_casting == HalfFloatCastingBehavior.Default:
+            tensors = list(self._model.parameters()) + list(self._model.buffers())
+            if any(t.is_floating_point() for t in tensors):
+                from .._runtime.numerics.casting import DefaultCasting
+                casting = DefaultCasting(self._model)
+        for handle in self.__dict__.get("_autocast_hooks") or ():
+            handle.remove()
+        run, handles = prepare_model(self._model, self._user_model, self._options,
+                                     casting)
+        self.__dict__["_autocast_hooks"] = handles
+        self.__dict__["_casting"] = run  # entered around each call by __call__
+        if run.thread_context is not None:
+            program.thread_contexts.append(run.thread_context)
 
     def compile(self, *args, **kwargs) -> None:
         """Compile the model for these inputs without running it (no-op if compiled)."""
@@ -309,6 +351,8 @@ class PoplarExecutor:
         if first:
             self._compile(args, kwargs)
             snapshot = _Snapshot(self._model, self.__dict__.get("_device_optimizer"))
+        else:
+            self._check_signature(args, kwargs)  # before anything runs
         if not self._attached:
             self.attachToDevice()
         device = self._device
@@ -316,19 +360,38 @@ class PoplarExecutor:
             args, kwargs = self._synthetic(args, kwargs)
         elif device.type != "cpu":
             args, kwargs = _to_device((args, kwargs), device)
+        casting = self.__dict__.get("_casting")
         opt_sync = self._optimizer_sync
         if opt_sync is not None:
             opt_sync.before_run()
         try:
-            result = self._program.run(args, kwargs)
+            with self._mode:
+                if casting is None:
+                    result = self._program.run(args, kwargs)
+                else:
+                    casting.observe(args, kwargs)
+                    with casting:
+                        result = self._program.run(args, kwargs)
         except BaseException:
-            if first:
+            if first:  # a failed first call leaves nothing compiled or changed
                 snapshot.restore()
+                self.destroy()
             raise
         self._weights.mark_device_newer()
         if opt_sync is not None:
             opt_sync.after_run()
+        if first:
+            self.__dict__["_io_counts"] = (_count_tensors((args, kwargs)),
+                                           _count_tensors(result))
         return result
+
+    def _check_signature(self, args: tuple, kwargs: dict) -> None:
+        try:
+            self._signature.check(args, kwargs)
+        except Error:
+            # A batch that does not divide into micro-batches has the clearer message.
+            split_inputs(self._program.plan, args, kwargs)
+            raise
 
     # ------------------------------------------------------------------ weights
     def copyWeightsToHost(self) -> None:
@@ -372,6 +435,8 @@ class PoplarExecutor:
                         "has an optimizer.")
         if self._program is not None:
             from ..optim.attributes import check_update
+            optimizer_rules.apply_mean_reduction_rule(self._options, optimizer, True)
+            optimizer_rules.warn_unexpected_attributes(self._optimizer_keys, optimizer)
             check_update(self._constants, optimizer,
                          self._options.relax_optimizer_attributes_checks)
             attached = attach_optimizer(optimizer, self._model, self._user_model,
@@ -380,11 +445,18 @@ class PoplarExecutor:
             self._program.optimizer = attached
             self._precision.prepare_optimizer(attached)
             self._sync_optimizer(optimizer, attached)
+            optimizer_rules.mark_compiled(optimizer, self._options)
             self._program.set_scaler(make_loss_scaler(optimizer, self._options,
                                                       self._program.scaler))
         self.__dict__["_optimizer"] = optimizer
 
     # ------------------------------------------------------------------ device
+    @property
+    def _executable(self) -> DeviceProgram | None:
+        """The compiled program, None before compilation and after ``destroy()`` (the
+        attribute libraries such as lightning-graphcore test, as upstream's)."""
+        return self._program
+
     def isCompiled(self) -> bool:
         """True once the model is compiled (and not destroyed)."""
         return self._program is not None
@@ -416,78 +488,15 @@ class PoplarExecutor:
             self._weights.to_host_if_needed()
         for name in ("_program", "_weights", "_device", "_replica_buffers", "_synthetic"):
             self.__dict__[name] = None
+        self._mode.forget()
         self.__dict__["_attached"] = False
         self.__dict__["_compile_seconds"] = None
 
     def _require_compiled(self, what: str) -> DeviceProgram:
         if self._program is None:
-            raise Error(f"{what}: the model has not been compiled yet; call it (or "
-                        "compile(*inputs)) first.")
+            raise Error(f"{what}: Model has not been compiled or has been destroyed. "
+                        "Call it (or compile(*inputs)) first.")
         return self._program
-
-    # ------------------------------------------------------------------ timings
-    def compilationTime(self) -> datetime.timedelta:
-        """How long compilation took."""
-        self._require_compiled("compilationTime")
-        return datetime.timedelta(seconds=self._compile_seconds)
-
-    def getPerfCounters(self) -> dict:
-        """Host timestamps of the last call: {'input', 'input_complete', 'output',
-        'output_complete'} -> [per input/output index][per iteration] seconds."""
-        counters = self._require_compiled("getPerfCounters").perf.counters
-        return {k: [list(v)] for k, v in counters.items()}
-
-    def getHostIpuLatency(self) -> tuple[float, float, float]:
-        """(min, max, mean) seconds from input requested to input transferred."""
-        return self._require_compiled("getHostIpuLatency").perf.latencies(
-            "input", "input_complete")
-
-    def getComputeLatency(self) -> tuple[float, float, float]:
-        """(min, max, mean) seconds from input transferred to output available."""
-        return self._require_compiled("getComputeLatency").perf.latencies(
-            "input_complete", "output")
-
-    def getIpuHostLatency(self) -> tuple[float, float, float]:
-        """(min, max, mean) seconds from output available to output on the host."""
-        return self._require_compiled("getIpuHostLatency").perf.latencies(
-            "output", "output_complete")
-
-    def getLatency(self) -> tuple[float, float, float]:
-        """(min, max, mean) round-trip seconds of the iterations of the last call."""
-        return self._require_compiled("getLatency").perf.latencies(
-            "input", "output_complete")
-
-    def cycleCount(self) -> int:
-        """Device time of the last call, in nanoseconds (our devices have no cycle
-        counter: one "cycle" is one nanosecond). Needs ``Options.logCycleCount(True)``."""
-        program = self._require_compiled("cycleCount")
-        if not self._options.exists("log_cycle_count") or not self._options.log_cycle_count:
-            raise Error("cycleCount: enable it before compiling with "
-                        "opts.logCycleCount(True).")
-        return int(program.last_compute_seconds * 1e9)
-
-    # ------------------------------------------------------------------ tensors
-    def getTensorNames(self) -> list[str]:
-        """Names of the tensors that can be anchored: parameters, their gradients
-        (``Gradient___<name>``, training only) and buffers."""
-        self._require_compiled("getTensorNames")
-        from .._runtime.batching.anchors import tensor_names
-        return tensor_names(self._model, self._training)
-
-    def _anchor_recorder(self, plan: BatchPlan):
-        from .._runtime.batching.anchors import AnchorRecorder
-        recorder = AnchorRecorder(self._model, self._options, plan, self._training)
-        self.__dict__["_anchors"] = recorder
-        return recorder
-
-    def getAnchoredTensor(self, short_name: str) -> torch.Tensor:
-        """The value of an anchored tensor (``Options.anchorTensor``) after the last call."""
-        self._require_compiled("getAnchoredTensor")
-        if not self._anchors:
-            raise Error(f"getAnchoredTensor: no tensor is anchored as '{short_name}'; "
-                        "anchor it with opts.anchorTensor(short_name, long_name) before "
-                        "compiling.")
-        return self._anchors.get(short_name)
 
     # ------------------------------------------------------------------ export
     def save(self, filename: str, export_model: bool = True,
@@ -534,8 +543,10 @@ class PoplarExecutor:
         return value
 
     def __repr__(self) -> str:
-        kind = "trainingModel" if self._training else "inferenceModel"
-        return f"PoplarExecutor[{kind}](\n  {self.model!r}\n)".replace("\n", "\n  ")[:-2] + ")"
+        """The wrapped model as :py:func:`poptorch.module_repr` shows it (with its
+        BeginBlock annotations), as in PopTorch."""
+        from ..ops.module_repr import module_repr
+        return module_repr(self.model)
 
 
 def _backend(options: Options, device: torch.device) -> str:
@@ -555,6 +566,10 @@ def _to_device(structure: Any, device: torch.device) -> Any:
             return t
         return t.pin_memory().to(device, non_blocking=True)
     return pytree.tree_map(move, structure)
+
+
+def _count_tensors(structure: Any) -> int:
+    return sum(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(structure))
 
 
 def _to_cpu(structure: Any) -> Any:

@@ -60,18 +60,80 @@ def accessAttributes(attribute_id_str: str) -> dict:
                     f"{attribute_id_str!r}.") from None
 
 
+def _registered(namespace: str) -> list[str]:
+    """Names of the operators registered under ``namespace`` (C++ or Python)."""
+    prefix = namespace + "::"
+    return sorted({n[len(prefix):].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
+                   if n.startswith(prefix)})
+
+
 def _resolve(name: str, domain: str):
-    """``torch.ops.<domain>.<name>``; dots in the domain become underscores."""
-    namespaces = [domain] + ([domain.replace(".", "_")] if "." in domain else [])
-    for namespace in namespaces:
-        try:
-            return getattr(getattr(torch.ops, namespace), name)
-        except (AttributeError, RuntimeError):
-            continue
-    tried = " or ".join(f"torch.ops.{n}.{name}" for n in namespaces)
-    raise Error(f"custom_op: no operator {tried}. Define it with torch.library (for example "
-                f"torch.library.custom_op('{namespaces[-1]}::{name}', ...)) or load the "
-                "shared library that registers it with torch.ops.load_library(path) first.")
+    """``torch.ops.<domain>.<name>``; dots in the domain become underscores (a torch
+    namespace cannot contain dots)."""
+    namespace = domain.replace(".", "_")
+    try:
+        return getattr(getattr(torch.ops, namespace), name)
+    except (AttributeError, RuntimeError):
+        pass
+    known = _registered(namespace)
+    if known:
+        raise Error(f"custom_op: domain '{domain}' (torch.ops.{namespace}) has no "
+                    f"operator '{name}'; it has: {', '.join(known)}. Check the name "
+                    "(it is case-sensitive).")
+    raise Error(f"custom_op: no operator '{name}' in domain '{domain}': nothing is "
+                f"registered under torch.ops.{namespace}. Load the shared library "
+                "that defines it first (ctypes.cdll.LoadLibrary(path) or "
+                "torch.ops.load_library(path)), or define it with torch.library (for "
+                f"example torch.library.custom_op('{namespace}::{name}', ...)).")
+
+
+_fake_registered: set = set()
+_fake_lock = threading.Lock()
+
+
+def _has_fake(qualname: str) -> bool:
+    if torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "Meta"):
+        return True
+    entry = torch._library.simple_registry.singleton.find(qualname)
+    return entry.fake_impl.kernel is not None
+
+
+def _ensure_shape_inference(operator, example_outputs: list) -> None:
+    """Give an operator without a fake (meta) kernel one built from ``example_outputs``
+    (their shapes and dtypes), so that compiled backends (torch.compile, torch.export)
+    can trace it: upstream likewise took output shapes from ``example_outputs``."""
+    qualname = operator._qualified_op_name
+    with _fake_lock:
+        if qualname in _fake_registered:
+            return
+        _fake_registered.add(qualname)  # checked (its own fake kernel, or ours below)
+        if "default" not in operator.overloads() or _has_fake(qualname):
+            return
+        specs = [(tuple(e.shape), e.dtype) for e in example_outputs]
+        single = len(operator.default._schema.returns) == 1
+
+        def fake(*args, **kwargs):
+            device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+            outs = tuple(torch.empty(shape, dtype=dtype, device=device)
+                         for shape, dtype in specs)
+            return outs[0] if single else outs
+
+        torch.library.register_fake(qualname, fake)
+
+
+def _record(operator, attributes: dict, example_outputs: list) -> None:
+    """Bookkeeping of a call: its attributes (``accessAttributes``), the one-time log
+    and the operator's shape inference."""
+    if attributes:
+        _register_attributes(attributes)
+    info_once("custom_op.domain_version", "poptorch.custom_op: domain_version is recorded "
+                                          "only; torch.library operators have no versions.")
+    _ensure_shape_inference(operator, example_outputs)
+
+
+# Bookkeeping is a side effect torch.compile cannot trace: inside a compiled region it
+# runs eagerly, and only at the operator's first use (one graph break).
+_record_eagerly = torch._dynamo.disable(_record)
 
 
 def custom_op(inputs, name: str, domain: str, domain_version: int, example_outputs,
@@ -83,7 +145,9 @@ def custom_op(inputs, name: str, domain: str, domain_version: int, example_outpu
     A domain containing dots (``"com.acme"``) is looked up with underscores
     (``torch.ops.com_acme``). The op is called with the ``inputs`` as positional
     arguments and the ``attributes`` as keyword arguments; its outputs must match
-    ``example_outputs`` in number, shape and dtype. ``domain_version`` is recorded only
+    ``example_outputs`` in number, shape and dtype; an operator without a fake (meta)
+    kernel gets one from ``example_outputs``, so compiled backends can trace it.
+    ``domain_version`` is recorded only
     (torch.library has no op versions). Returns the outputs as a list.
     """
     if isinstance(inputs, torch.Tensor):
@@ -101,13 +165,15 @@ def custom_op(inputs, name: str, domain: str, domain_version: int, example_outpu
             not all(isinstance(t, torch.Tensor) for t in example_outputs):
         raise Error("custom_op: example_outputs must be a tuple or list of tensors.")
     attributes = _check_attributes(attributes)
-    if attributes:
-        _register_attributes(attributes)
-    info_once("custom_op.domain_version", "poptorch.custom_op: domain_version is recorded "
-                                          "only; torch.library operators have no versions.")
     operator = _resolve(name, domain)
+    if not torch.compiler.is_compiling():
+        _record(operator, attributes, list(example_outputs))
+    elif operator._qualified_op_name not in _fake_registered:
+        _record_eagerly(operator, attributes, list(example_outputs))
     outputs = operator(*inputs, **attributes)
     outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+    if torch.compiler.is_compiling():
+        return outputs  # traced with the shapes of example_outputs (see above)
     if len(outputs) != len(example_outputs):
         raise Error(f"custom_op: {domain}::{name} returned {len(outputs)} outputs but "
                     f"example_outputs lists {len(example_outputs)}.")

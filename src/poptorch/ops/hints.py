@@ -20,6 +20,15 @@ __all__ = ["set_available_memory", "set_overlap_for_input", "set_overlap_for_out
            "recorded_hints"]
 
 _lock = threading.Lock()
+_IPU_EFFECT = {
+    "set_available_memory": "bounds the proportion of tile memory the operation producing "
+                            "the tensor may use for temporaries (its planning trades "
+                            "memory for speed)",
+    "set_overlap_for_input": "overlaps the host-to-IPU transfer of these inputs with "
+                             "compute, using the IO tiles (TensorLocations.numIOTiles)",
+    "set_overlap_for_output": "overlaps the IPU-to-host transfer of these outputs with "
+                              "compute, using the IO tiles (TensorLocations.numIOTiles)",
+}
 _hints: dict[str, dict[str, Any]] = {}
 
 
@@ -28,8 +37,8 @@ def _record(op: str, value: Any) -> None:
         entry = _hints.setdefault(op, {"calls": 0, "last": None})
         entry["calls"] += 1
         entry["last"] = value
-    info_once(op, f"poptorch.{op}: recorded ({value!r}); this IPU planning hint has no "
-                  "effect on CPU/GPU devices.")
+    info_once(op, f"poptorch.{op}({value!r}): on an IPU it {_IPU_EFFECT[op]}; on "
+                  "CPU/GPU devices it has no effect (recorded only).")
 
 
 def recorded_hints() -> dict[str, dict[str, Any]]:

@@ -19,12 +19,13 @@ def _block_mark(module: torch.nn.Module) -> str:
     block = begin_block_of(module)
     if block is None:
         return ""
-    return f"[BeginBlock(user_id={block.user_id!r}, ipu_id={block.ipu_id!r})] "
+    return f"BeginBlock(user_id={block.user_id!r}, ipu_id={block.ipu_id!r}) "
 
 
 def module_repr(m: torch.nn.Module) -> str:
-    """``repr(m)`` with each layer annotated by :py:func:`poptorch.BeginBlock` prefixed
-    by ``[BeginBlock(user_id=..., ipu_id=...)]``; identical to ``repr(m)`` otherwise."""
+    """``repr(m)`` with each layer annotated by :py:func:`poptorch.BeginBlock` (``m``
+    itself included) prefixed by ``BeginBlock(user_id=..., ipu_id=...)``, as PopTorch
+    prints it; identical to ``repr(m)`` otherwise."""
     if not isinstance(m, torch.nn.Module):
         raise TypeError(f"module_repr expects a torch.nn.Module, got {type(m).__name__}.")
     extra = m.extra_repr()
@@ -32,8 +33,8 @@ def module_repr(m: torch.nn.Module) -> str:
     for name, child in m._modules.items():
         if child is None:
             continue
-        lines.append(f"({name}): " + _indent(_block_mark(child) + module_repr(child), 2))
-    head = m._get_name() + "("
+        lines.append(f"({name}): " + _indent(module_repr(child), 2))
+    head = _block_mark(m) + m._get_name() + "("
     if not lines:
         return head + ")"
     if len(lines) == 1 and not m._modules:
@@ -45,6 +46,6 @@ def print(m) -> None:
     """Print a module with its block annotations (:py:func:`module_repr`); any other
     object is printed as the built-in ``print`` does."""
     if isinstance(m, torch.nn.Module):
-        builtins.print(_block_mark(m) + module_repr(m))
+        builtins.print(module_repr(m))
     else:
         builtins.print(m)

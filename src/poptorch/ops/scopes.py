@@ -144,8 +144,11 @@ class MultiConv:
         return self
 
     def __enter__(self) -> "MultiConv":
-        info_once("MultiConv", "poptorch.MultiConv: settings are recorded; convolutions run "
-                               "as ordinary convolutions on CPU/GPU devices.")
+        info_once("MultiConv", "poptorch.MultiConv: on an IPU the convolutions in this "
+                               "scope are planned together (plan type, memory proportions, "
+                               "partials types, reserved tiles); on CPU/GPU devices the "
+                               "settings have no effect (recorded only) and each "
+                               "convolution runs as an ordinary convolution.")
         if not torch.compiler.is_compiling():
             self._counter = _ConvCounter()
             self._counter.__enter__()

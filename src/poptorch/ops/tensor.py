@@ -1,11 +1,13 @@
-"""Tensor ops: identity_loss, nop, dynamic slicing and serialized matrix products."""
+"""Tensor ops: identity_loss, nop, dynamic slicing (and serializedMatMul, which lives in
+``_ops_matmul.py``)."""
 from __future__ import annotations
 
 import torch
 
 from .._runtime import context
-from ..enums import MatMulSerializationMode, ReductionType
+from ..enums import ReductionType
 from ..errors import Error
+from .matmul import serializedMatMul
 
 __all__ = ["identity_loss", "nop", "dynamic_slice", "dynamic_update", "serializedMatMul"]
 
@@ -131,50 +133,3 @@ def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int, start,
         begin = begin.to(input.device)
     index = begin + torch.arange(size, device=input.device)
     return input.index_copy(dim, index, src.to(input.dtype))
-
-
-def _split(tensor: torch.Tensor, dim: int, factor: int, what: str):
-    length = tensor.shape[dim]
-    if length % factor:
-        raise Error(f"serializedMatMul: factor={factor} must divide the {what} "
-                    f"dimension (size {length}).")
-    return tensor.split(length // factor, dim=dim)
-
-
-def serializedMatMul(lhs: torch.Tensor, rhs: torch.Tensor, mode: MatMulSerializationMode,
-                     factor: int = 0, keep_precision: bool = False) -> torch.Tensor:
-    """``torch.matmul(lhs, rhs)`` computed as ``factor`` smaller products.
-
-    For ``lhs`` (m by n) times ``rhs`` (n by p), ``mode`` picks the dimension split:
-    ``InputChannels`` (m), ``ReducingDim`` (n) or ``OutputChannels`` (p);
-    ``Disabled`` is an ordinary matmul. With half inputs and ``keep_precision``,
-    the additions of the ReducingDim forward and of the InputChannels backward
-    (the gradient of ``rhs``) run in float32, like the partials of each product.
-    """
-    if not isinstance(mode, MatMulSerializationMode):
-        raise Error(f"serializedMatMul: mode must be a poptorch.MatMulSerializationMode, "
-                    f"got {mode!r}.")
-    if lhs.dim() < 2 or rhs.dim() < 2:
-        raise Error("serializedMatMul: lhs and rhs must have at least 2 dimensions, got "
-                    f"shapes {tuple(lhs.shape)} and {tuple(rhs.shape)}.")
-    if mode == MatMulSerializationMode.Disabled:
-        return torch.matmul(lhs, rhs)
-    if not isinstance(factor, int) or isinstance(factor, bool) or factor < 1:
-        raise Error(f"serializedMatMul: factor must be an int >= 1 when mode is {mode}, "
-                    f"got {factor!r}.")
-    wide = keep_precision and lhs.dtype == torch.float16 and rhs.dtype == torch.float16
-    if mode == MatMulSerializationMode.InputChannels:
-        right = rhs.float() if wide else rhs  # its gradient accumulates over the slices
-        parts = [torch.matmul(p.float() if wide else p, right)
-                 for p in _split(lhs, -2, factor, "input channels (m)")]
-        return torch.cat(parts, dim=-2).to(torch.promote_types(lhs.dtype, rhs.dtype))
-    if mode == MatMulSerializationMode.OutputChannels:
-        parts = [torch.matmul(lhs, p) for p in _split(rhs, -1, factor, "output channels (p)")]
-        return torch.cat(parts, dim=-1)
-    left = _split(lhs, -1, factor, "reducing (n)")
-    right = _split(rhs, -2, factor, "reducing (n)")
-    total = None
-    for a, b in zip(left, right):
-        part = torch.matmul(a.float(), b.float()) if wide else torch.matmul(a, b)
-        total = part if total is None else total + part
-    return total.to(torch.promote_types(lhs.dtype, rhs.dtype))

@@ -54,39 +54,41 @@ class VariableAttributes:
         :param variable_attributes: list of variable attributes.
         :param allowed_attributes: list of all the attributes.
         """
-        self._allowed = tuple(allowed_attributes)
-        self._variables = set()
+        # Upstream's attribute names (programs and tests reach for them): plain lists.
+        self._allowed_attributes = list(allowed_attributes)
+        self._variable_attributes: list = []
         for attr in variable_attributes:
             self.markAsVariable(attr)
 
     def isConstant(self, attr: str) -> bool:
         """Return True if the attribute is marked as constant"""
-        return attr not in self._variables
+        return attr not in self._variable_attributes
 
     def markAsConstant(self, attr: str) -> None:
         """Explicitly mark an attribute as constant"""
         self._check_allowed(attr)
-        self._variables.discard(attr)
+        self._variable_attributes = [a for a in self._variable_attributes if a != attr]
 
     def markAsVariable(self, attr: str) -> None:
         """Explicitly mark an attribute as variable"""
         self._check_allowed(attr)
-        self._variables.add(attr)
+        if attr not in self._variable_attributes:
+            self._variable_attributes.append(attr)
 
     @property
     def allowed_attributes(self) -> Tuple[str, ...]:
         """Every attribute whose constness can be chosen."""
-        return self._allowed
+        return tuple(self._allowed_attributes)
 
     def _check_allowed(self, attr: str) -> None:
-        if attr not in self._allowed:
+        if attr not in self._allowed_attributes:
             raise Error(f"Unknown optimizer attribute {attr!r}: it cannot be marked "
                         f"constant or variable. Attributes that can: "
-                        f"{', '.join(self._allowed)}.")
+                        f"{', '.join(self._allowed_attributes)}.")
 
     def __repr__(self) -> str:
-        return (f"VariableAttributes(variable={sorted(self._variables)}, "
-                f"allowed={list(self._allowed)})")
+        return (f"VariableAttributes(variable={sorted(self._variable_attributes)}, "
+                f"allowed={list(self._allowed_attributes)})")
 
 
 # --- which attributes an optimizer has, and their values ---------------------------
@@ -174,7 +176,10 @@ def check_update(snapshot: OptimizerSnapshot, new_optimizer: torch.optim.Optimiz
                  relax: bool) -> None:
     """Check that ``new_optimizer`` may replace the compiled one in ``setOptimizer``.
 
-    Raises ``poptorch.Error`` if the optimizer type or param-group layout changed, or
+    A ``poptorch.optim`` optimizer and the ``torch.optim`` one it derives from implement
+    the same algorithm and may replace each other (as in PopTorch); the PopTorch extras
+    then take their defaults. Raises ``poptorch.Error`` if the algorithm or the
+    param-group layout changed, or
     if a constant attribute has a new value. With ``relax`` (the option
     ``relaxOptimizerAttributesChecks``) a changed constant hyperparameter is only
     logged as a warning and the caller applies it; structural attributes (state
@@ -183,7 +188,8 @@ def check_update(snapshot: OptimizerSnapshot, new_optimizer: torch.optim.Optimiz
     if not isinstance(new_optimizer, torch.optim.Optimizer):
         raise Error(f"setOptimizer expects a torch.optim or poptorch.optim optimizer, "
                     f"got {type(new_optimizer).__name__}.")
-    if type(new_optimizer) is not snapshot.optimizer_type:
+    switching = type(new_optimizer) is not snapshot.optimizer_type
+    if switching and _family(type(new_optimizer)) is not _family(snapshot.optimizer_type):
         raise Error(f"The model was compiled with a {_qualname(snapshot.optimizer_type)} "
                     f"optimizer; setOptimizer cannot switch it to "
                     f"{_qualname(type(new_optimizer))}. Create a new trainingModel to "
@@ -196,6 +202,8 @@ def check_update(snapshot: OptimizerSnapshot, new_optimizer: torch.optim.Optimiz
                     f"are optimized.")
     new_values = attribute_values(new_optimizer)
     for name, compiled in snapshot.constants.items():
+        if switching and name not in new_values:
+            continue  # a PopTorch extra the new (torch.optim) optimizer does not have
         new = new_values.get(name)
         if _same(compiled, new):
             continue
@@ -216,6 +224,16 @@ def check_update(snapshot: OptimizerSnapshot, new_optimizer: torch.optim.Optimiz
                         f"turn this error into a warning.")
         logger.warning("%s The new value is applied because "
                        "relaxOptimizerAttributesChecks is set.", message)
+
+
+def _family(cls: type) -> type:
+    """The algorithm an optimizer class implements: the torch.optim class it is or
+    derives from (``poptorch.optim.SGD`` and ``torch.optim.SGD`` are both SGD), or the
+    class itself when there is none (``poptorch.optim.LAMB``)."""
+    for base in cls.__mro__:
+        if base.__module__.startswith("torch.optim") and base is not torch.optim.Optimizer:
+            return base
+    return cls
 
 
 def copy_hyperparameters(src_optimizer: torch.optim.Optimizer,

@@ -68,6 +68,20 @@ class Optimizer:
         self._device_state_reader: Optional[Callable[[], Dict[str, Any]]] = None
         # Top-level state-dict entries added by others (e.g. the loss scaler).
         self._extra_state: Dict[str, Any] = {}
+        # Set by the executor when a model using this optimizer is compiled for a
+        # device: state_dict() then shows the device view (ipu_state / ipu_param).
+        self._compiled_on_device = False
+        # ipu_state / ipu_param as last loaded, shown until the next step uses them.
+        self._loaded_ipu: Optional[Tuple[Any, Any]] = None
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """torch.optim keeps only defaults, state and param groups; a copy (``copy.copy``)
+        or a pickle must keep PopTorch's attributes as well."""
+        state = dict(self.__dict__)
+        state["_device_state_reader"] = None
+        for key in [k for k in state if k.startswith("_optimizer_")]:
+            del state[key]  # hooks: rebuilt empty by torch's __setstate__
+        return state
 
     # --- construction helpers ---------------------------------------------------
     def _prepare(self, params: Any, passed: Dict[str, Any]) -> Tuple[List[Any], Dict[str, Any]]:
@@ -145,6 +159,7 @@ class Optimizer:
                 if divisor is not None:
                     g = g / divisor
                 grads[p] = g.to(accum).to(compute_dtype(p))
+        self._loaded_ipu = None  # a step moves the device state on
         max_norm = getattr(self, "max_grad_norm", float("inf"))
         if grads and max_norm != float("inf"):
             norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads.values()])
@@ -167,6 +182,8 @@ class Optimizer:
         """Replace the host copy of the state (the device copy is not marked dirty)."""
         state = dict(state)
         attrs = state.pop(_STATE_KEY, {})
+        state.pop("ipu_state", None)
+        state.pop("ipu_param", None)
         torch.optim.Optimizer.load_state_dict(self, state)
         self._restore_state_dtypes(state)
         for name, value in attrs.items():
@@ -184,7 +201,17 @@ class Optimizer:
         """The state dictionary, read from the device first if it moved on there."""
         if self.host_state_is_dirty and self._device_state_reader is not None:
             self.set_state_dict(self._device_state_reader())
-        return self.get_state_dict()
+        state = self.get_state_dict()
+        from .ipu_state import ipu_view
+        if self._loaded_ipu is not None:
+            ipu_state, ipu_param = (dict(d) if d is not None else None
+                                    for d in self._loaded_ipu)
+        elif getattr(self, "_compiled_on_device", False):
+            ipu_state, ipu_param = ipu_view(self)
+        else:
+            ipu_state = ipu_param = None
+        state["ipu_state"], state["ipu_param"] = ipu_state, ipu_param
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Load a state dictionary from ``state_dict()``; a model using this optimizer
@@ -193,6 +220,11 @@ class Optimizer:
             raise Error("load_state_dict expects a dictionary returned by a poptorch "
                         "optimizer's state_dict().")
         self.set_state_dict(state)
+        ipu_state, ipu_param = state.get("ipu_state"), state.get("ipu_param")
+        if ipu_state is not None or ipu_param is not None:
+            from .ipu_state import load_ipu_view
+            load_ipu_view(self, ipu_state, ipu_param)
+            self._loaded_ipu = (ipu_state, ipu_param)
         self.ipu_state_is_dirty = True
 
     def _restore_state_dtypes(self, state: Dict[str, Any]) -> None:

@@ -84,6 +84,11 @@ class SGD(Optimizer, torch.optim.SGD):
                                  foreach=foreach, differentiable=bool(differentiable))
         self._finish(passed)
 
+    def _initial_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Each state tensor of ``p`` before the first step (see ``ipu_state``)."""
+        dtype = p.dtype if self.use_combined_accum else self.velocity_accum_type
+        return {"momentum_buffer": torch.zeros_like(p, dtype=dtype)}
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Perform a single optimization step."""
@@ -107,6 +112,13 @@ class _AdamBase(Optimizer):
         if any(group.get("amsgrad") for group in self.param_groups):
             raise Error(f"poptorch.optim.{type(self).__name__} does not support "
                         f"amsgrad=True; use amsgrad=False (the default).")
+
+    def _initial_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Each state tensor of ``p`` before the first step (see ``ipu_state``)."""
+        return {"step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(p, dtype=self.first_order_momentum_accum_type),
+                "exp_avg_sq": torch.zeros_like(
+                    p, dtype=self.second_order_momentum_accum_type)}
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -231,6 +243,17 @@ class RMSprop(Optimizer, torch.optim.RMSprop):
                                      differentiable=bool(differentiable))
         self._finish(passed)
 
+    def _initial_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Each state tensor of ``p`` before the first step (see ``ipu_state``)."""
+        first, second = (self.first_order_momentum_accum_type,
+                         self.second_order_momentum_accum_type)
+        return {"step": torch.tensor(0.0),
+                "square_avg": torch.full_like(p, 1.0 if self.use_tf_variant else 0.0,
+                                              dtype=second),
+                "momentum_buffer": torch.zeros_like(p, dtype=first),
+                **({"grad_avg": torch.zeros_like(p, dtype=first)}
+                   if any(g["centered"] for g in self.param_groups) else {})}
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Perform a single optimization step."""
@@ -255,9 +278,11 @@ class LAMB(Optimizer, torch.optim.Optimizer):
     Weight decay (default 0.01) is added to the Adam direction before the trust ratio.
     """
 
-    _group_attrs = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
-    _optimizer_attrs = {"loss_scaling": 1.0, "bias_correction": True,
-                        "max_weight_norm": None}
+    # max_weight_norm is per param group, as upstream (optimum-graphcore gives biases
+    # max_weight_norm=0.0: phi = 0, trust ratio 1, i.e. no layer-wise scaling)
+    _group_attrs = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2,
+                    "max_weight_norm": None}
+    _optimizer_attrs = {"loss_scaling": 1.0, "bias_correction": True}
     _structural_attrs = dict(_MOMENT_TYPES)
 
     def __init__(self, params: Iterable[Any], lr: Optional[float] = None,
@@ -277,11 +302,20 @@ class LAMB(Optimizer, torch.optim.Optimizer):
         if not all(0.0 <= b < 1.0 for b in hp["betas"]):
             raise ValueError(f"Invalid betas for LAMB: {hp['betas']} (each must be in "
                              f"[0, 1)).")
-        if max_weight_norm is not None and not max_weight_norm > 0:
-            raise ValueError(f"Invalid max_weight_norm for LAMB: {max_weight_norm} "
-                             f"(must be > 0, or None to disable the cap).")
+        for group in [hp] + [g for g in params if isinstance(g, dict)]:
+            norm = group.get("max_weight_norm")
+            if norm is not None and not norm >= 0:
+                raise ValueError(f"Invalid max_weight_norm for LAMB: {norm} (must be >= 0, "
+                                 f"or None to disable the cap).")
         torch.optim.Optimizer.__init__(self, params, dict(hp))
         self._finish(passed)
+
+    def _initial_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Each state tensor of ``p`` before the first step (see ``ipu_state``)."""
+        return {"step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(p, dtype=self.first_order_momentum_accum_type),
+                "exp_avg_sq": torch.zeros_like(
+                    p, dtype=self.second_order_momentum_accum_type)}
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -293,7 +327,7 @@ class LAMB(Optimizer, torch.optim.Optimizer):
                 if p in grads:
                     updates.lamb(p, grads[p], group, self.state[p],
                                  bias_correction=self.bias_correction,
-                                 max_weight_norm=self.max_weight_norm,
+                                 max_weight_norm=group["max_weight_norm"],
                                  first_dtype=self.first_order_momentum_accum_type,
                                  second_dtype=self.second_order_momentum_accum_type)
         return loss

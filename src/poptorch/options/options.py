@@ -57,6 +57,16 @@ _NOT_SETTERS = frozenset({"loadFromFile", "from_json", "clone", "toDict", "exist
 _SUB_OBJECTS = ("Training", "Precision", "TensorLocations", "Jit", "Distributed", "_Popart")
 
 
+_OWN_OPTION_DEFAULTS = {
+    "execution_strategy": None, "show_compilation_progress_bar": True,
+    "relax_optimizer_attributes_checks": False, "enable_stable_norm": False,
+    "synthetic_data": False, "log_cycle_count": False, "module_namescope": True,
+    "updatable_named_buffers": None, "executable_cache_dir": None, "profile_dir": None,
+}
+"""Our options that upstream's ``Options.toDict()`` does not list, with their defaults:
+``toDict()`` leaves them out while they are at these values."""
+
+
 class Options(OptionsDict):
     """Set of all options controlling how a model is compiled and executed.
 
@@ -187,9 +197,11 @@ class Options(OptionsDict):
             period = check_int("outputMode output_return_period", output_return_period,
                                minimum=1)
         else:
-            if output_return_period is not None:
-                raise Error(f"outputMode: output_return_period must only be set when "
-                            f"output_mode is OutputMode.EveryN, not {mode.name}.")
+            # As in PopTorch: a period given with another mode is accepted and unused.
+            if output_return_period:
+                _logging.info_once(("outputMode period", mode.name),
+                                   "outputMode: output_return_period is ignored with "
+                                   "OutputMode.%s (it only applies to EveryN).", mode.name)
             period = 1
         self.set(output_mode=mode.value, output_return_period=period)
         return self
@@ -403,8 +415,16 @@ class Options(OptionsDict):
 
     # -- whole-object operations ---------------------------------------------------------
     def toDict(self) -> dict[str, Any]:
-        """All option values, with the sub-objects' values nested under their names."""
+        """All option values, with the sub-objects' values nested under their names.
+
+        Our own options (names upstream's ``toDict`` does not have, such as
+        ``executable_cache_dir``) are listed only once set to something other than their
+        default, so that code comparing the dictionary with its own configuration
+        (optimum-graphcore's IPUConfig) meets only upstream's keys by default."""
         out = super().toDict()
+        for name, default in _OWN_OPTION_DEFAULTS.items():
+            if name in out and out[name] == default:
+                del out[name]
         for name, sub in self._sub_objects().items():
             out[name] = sub.toDict()
         return out
@@ -427,10 +447,12 @@ class Options(OptionsDict):
         for sub in self._sub_objects().values():
             sub._freeze()
         _logging.apply_options(self)
+        from .ipu_only import ipu_meaning
         for name, value in self._ignored_options().items():
             _logging.info_once(("ignored option", name, repr(value)),
-                               "Option %s=%r has no meaning on this device and is ignored "
-                               "(see docs/options.md).", name, value)
+                               "Option %s=%r: on an IPU it %s; on this device it has no "
+                               "effect and is ignored (see docs/options.md).", name, value,
+                               ipu_meaning(name))
 
     def _ignored_options(self) -> dict[str, Any]:
         """``{name: value}`` of the options set that have no meaning on our devices."""

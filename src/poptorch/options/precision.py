@@ -23,13 +23,35 @@ class _PrecisionOptions(OptionsDict):
                          running_statistics_always_float=True,
                          floating_point_exceptions=False,
                          stochastic_rounding=False,
-                         partials_type=torch.float32)
+                         partials_type=torch.float32,
+                         autocast_enabled=True,
+                         autocast_policy=None)
         self._popart = popart_options
+
+    def autocastEnabled(self, autocast_enabled: bool) -> "_PrecisionOptions":
+        """Whether automatic casting (``poptorch.autocast``, ``model.autocast()``) is
+        applied at all. Default: True; False runs every autocast region unchanged."""
+        self.set(autocast_enabled=check_bool("Precision.autocastEnabled",
+                                             autocast_enabled))
+        return self
+
+    def autocastPolicy(self, autocast_policy: "poptorch.autocasting.Policy"
+                       ) -> "_PrecisionOptions":
+        """The casting policy of automatic casting regions (default:
+        ``poptorch.autocasting.default``)."""
+        from ..autocasting import Policy  # the policy type lives in the public layer
+        if not isinstance(autocast_policy, Policy):
+            raise Error("Precision.autocastPolicy: expected a poptorch.autocasting.Policy, "
+                        f"got {type(autocast_policy).__name__}.")
+        self.set(autocast_policy=autocast_policy)
+        return self
 
     def halfFloatCasting(self, half_float_casting: enums.HalfFloatCastingBehavior
                          ) -> "_PrecisionOptions":
-        """How operations mixing float16 and float32 inputs are computed
-        (``HalfUpcastToFloat``, PyTorch's type promotion, is the default)."""
+        """How operations mixing float16 and float32 inputs are computed. ``Default``:
+        a model's weights follow its activations' precision, other mixes follow
+        PyTorch's promotion; ``FloatDowncastToHalf`` / ``HalfUpcastToFloat`` compute
+        every mixed operation in float16 / float32 (docs/precision.md)."""
         self.set(half_float_casting=check_enum("Precision.halfFloatCasting",
                                                half_float_casting,
                                                enums.HalfFloatCastingBehavior))

@@ -5,8 +5,9 @@ process (a run may start from different random initialisations). During training
 gradients of each step are summed over all processes before the update
 (:py:class:`~.reducer.GradientReducer`), so the updates agree. With ``broadcastBuffers``
 (the default) process 0's buffers (those of global replica 0) are sent to every process
-after each optimizer step (inference: each call), as replica 0's are to the local
-replicas; without it each process's buffers drift apart, as PopTorch's replicas do.
+after each optimizer step, as replica 0's are to the local replicas; without it each
+process's buffers drift apart, as PopTorch's replicas do. Inference models need none of
+this: they run on each process on their own.
 """
 from __future__ import annotations
 

@@ -58,8 +58,11 @@ def timeout() -> datetime.timedelta:
 
 
 def backend_for(device: torch.device) -> str:
-    """NCCL when the replicas run on CUDA devices, gloo otherwise."""
-    return "nccl" if device.type == "cuda" else "gloo"
+    """gloo for CPU tensors; with CUDA, NCCL for CUDA tensors as well (one group serves
+    both, whichever joins first: a DataLoader agreeing a seed or the executor)."""
+    if device.type == "cuda" or (torch.cuda.is_available() and dist.is_nccl_available()):
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
 
 
 def join(process_id: int, num_processes: int, device: torch.device) -> World:
@@ -86,7 +89,7 @@ def join(process_id: int, num_processes: int, device: torch.device) -> World:
             "the program with torchrun (torchrun --nproc_per_node=N prog.py), or set "
             "MASTER_ADDR and MASTER_PORT to the address of process 0.")
     backend = backend_for(device)
-    if backend == "nccl":
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=process_id, world_size=num_processes,
                             timeout=timeout())
@@ -94,3 +97,13 @@ def join(process_id: int, num_processes: int, device: torch.device) -> World:
                        "Joined the %s process group as process %d of %d.", backend,
                        process_id, num_processes)
     return World(process_id, num_processes, dist.group.WORLD)
+
+
+def shared_random_seed(process_id: int, num_processes: int) -> int:
+    """A random seed drawn by process 0 and known to every process (joins the process
+    group if needed): shuffling then gives every process the same order."""
+    world = join(process_id, num_processes, torch.device("cpu"))
+    seed = [int(torch.randint(0, 2**62, ()).item()) if world.rank == 0 else None]
+    if world.distributed:
+        dist.broadcast_object_list(seed, src=0, group=world.group)
+    return seed[0]

@@ -328,8 +328,9 @@ class PrecisionPolicy:
             else:
                 _logging.info_once(
                     ("Precision.setPartialsType", self.device.type),
-                    "Precision.setPartialsType(torch.half) is recorded but has no effect "
-                    "on %s devices: matrix products accumulate in their own precision.",
+                    "Precision.setPartialsType(torch.half): on an IPU matmul and "
+                    "convolution partial results are kept in float16; on %s devices it "
+                    "has no effect (recorded only): products accumulate in float32.",
                     self.device.type)
         if self.stochastic_rounding and not training:
             _logging.info_once(

@@ -53,6 +53,12 @@ def build_runner(model: torch.nn.Module, options: Any, training: bool,
     return ModelParallelRunner(model, options, training, options._execution_strategy, devices)
 
 
+def _single_ipu_pipeline(part: Partition) -> bool:
+    """A ``PipelinedExecution`` whose stages all sit on one IPU: not pipelined (as
+    upstream), so it runs as a plain model on that IPU."""
+    return kind_of(part.strategy) == PIPELINED and part.num_ipus == 1
+
+
 def _forward_uses_blocks(model: torch.nn.Module) -> bool:
     """Whether some ``forward`` of the model mentions Block / BlockFunction / IPU (these
     annotations only show when the model runs; the first call then checks for real)."""
@@ -86,6 +92,9 @@ class ModelParallelRunner:
         self.streaming: Optional[StreamingMemory] = None
         self.last_schedule: Optional[ScheduleRecord] = None
         self._plain = False
+        # Thread-local contexts of the program (set by the device loop), entered in
+        # every worker thread.
+        self.worker_contexts: list = []
         first = devices[0] if devices else _ipu_device(0, options)
         self.input_device = first
         self.output_device = first
@@ -97,7 +106,7 @@ class ModelParallelRunner:
         trace = trace_blocks(self.model, args, kwargs, self.strategy)
         part = resolve_partition(trace, self.strategy, self.options, self.training, 0)
         self.partition = part
-        if not part.has_blocks and not is_phased(self.strategy):
+        if not is_phased(self.strategy) and (not part.has_blocks or _single_ipu_pipeline(part)):
             self._plain = True
         if self.devices is None:
             from ... import _devices  # pylint: disable=import-outside-toplevel
@@ -214,7 +223,8 @@ class ModelParallelRunner:
             args, kwargs = microbatches[m]
             run = StageRun(part, devices, m, units, gate, cut=True)
             scope = streaming.activation_scope(devices) if streaming else nullcontext()
-            with torch.set_grad_enabled(grad_enabled), context.running_on_ipu(), scope:
+            with torch.set_grad_enabled(grad_enabled), context.running_on_ipu(), scope, \
+                    context.worker_scope(self.worker_contexts):
                 with listening(run), run:
                     run.start()
                     out = model(*args, **kwargs)

@@ -181,7 +181,7 @@ def resolve_partition(trace: BlockTrace, strategy: ExecutionStrategy, options: A
     num_ipus = max(s.ipu for s in stages) + 1
     part = Partition(strategy, stages, block_stage, list(trace.sequence), num_ipus,
                      weight_stage, num_phases)
-    if kind_of(strategy) == PIPELINED and part.num_stages > 1:
+    if is_pipelined(part):
         _check_pipeline_depth(part, options, training)
     return part
 
@@ -337,6 +337,13 @@ def _check_weights(trace: BlockTrace, stages: List[StagePlan],
     return weight_stage
 
 
+def is_pipelined(part: Partition) -> bool:
+    """Whether ``part`` runs as a pipeline. As upstream, ``PipelinedExecution`` pipelines
+    only a model that spans more than one IPU; stages that all sit on one IPU run one after
+    the other within each micro-batch (no pipeline depth to fill)."""
+    return kind_of(part.strategy) == PIPELINED and part.num_stages > 1 and part.num_ipus > 1
+
+
 def _check_pipeline_depth(part: Partition, options: Any, training: bool) -> None:
     n = part.num_stages
     if training:
@@ -359,5 +366,5 @@ def _check_pipeline_depth(part: Partition, options: Any, training: bool) -> None
 
 
 __all__ = ["BlockNamer", "BlockTrace", "Partition", "StagePlan", "trace_blocks",
-           "resolve_partition", "has_static_annotations", "IMPLICIT_BLOCK",
+           "resolve_partition", "is_pipelined", "has_static_annotations", "IMPLICIT_BLOCK",
            "SerialPhasedExecution", "ShardedExecution"]

@@ -17,8 +17,10 @@ from ...enums import MeanReductionStrategy, OutputMode, ReductionType
 from ...errors import Error
 from .. import context
 from ..batching.plan import BatchPlan, OutputCollector, split_inputs
+from ..batching.structures import register_mapping_outputs
 from .loss import find_loss
 from .optimizer import fast_step
+from .perf import PerfCounters
 from .runner import StepRunner
 
 
@@ -29,6 +31,7 @@ def detach(output: Any) -> Any:
     if isinstance(output, tuple) and all(isinstance(t, torch.Tensor) for t in output):
         return tuple(t.detach() for t in output)
     from torch.utils import _pytree as pytree
+    register_mapping_outputs(output)  # dict-like outputs: gathered key by key
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t,
                            output)
 
@@ -73,21 +76,6 @@ class RngScope:
             torch.cuda.set_rng_state(self._saved_cuda, self.device)
 
 
-class PerfCounters:
-    """Host timestamps (seconds) of the last call, one entry per device iteration."""
-
-    def __init__(self) -> None:
-        self.counters: dict[str, list[float]] = {
-            "input": [], "input_complete": [], "output": [], "output_complete": []}
-
-    def latencies(self, start: str, end: str) -> tuple[float, float, float]:
-        """(min, max, mean) of ``end - start`` over the iterations of the last call."""
-        spans = [b - a for a, b in zip(self.counters[start], self.counters[end])]
-        if not spans:
-            raise Error("No performance counters yet: run the model first.")
-        return min(spans), max(spans), sum(spans) / len(spans)
-
-
 class DeviceProgram:
     """Runs the calls of one compiled executor (see module docstring)."""
 
@@ -112,6 +100,9 @@ class DeviceProgram:
         # Context managers entered around the device loop of every call (profiling,
         # precision), and the check run after every step; empty / None when unused.
         self.wrappers: list = []
+        # Thread-local contexts of callers (the executor's casting) for worker threads.
+        self.thread_contexts: list = []
+        self._contexts_shared = False
         self.finite_check: Callable[[Any, Any], None] | None = None
         self.named_params: list = []
         # The whole call as one compiled graph (``compiled_step.CompiledCall``), set
@@ -236,6 +227,19 @@ class DeviceProgram:
         self.last_compute_seconds = t_end - t_start
         return result
 
+    def _share_thread_contexts(self) -> None:
+        """Give runners that use worker threads (pipelines) the thread-local part of
+        the wrappers (``thread_context()``: torch function modes)."""
+        factories = list(self.thread_contexts) + [
+            f for f in (getattr(w, "thread_context", None) for w in self.wrappers)
+            if f is not None]
+        runner = self.runner
+        while runner is not None:
+            if hasattr(runner, "worker_contexts"):
+                runner.worker_contexts = factories
+            runner = getattr(runner, "inner", None)
+        self._contexts_shared = True
+
     def run(self, args: tuple, kwargs: dict) -> Any:
         """Run one call on inputs already on the device; return host outputs."""
         compiled = self.compiled
@@ -254,6 +258,8 @@ class DeviceProgram:
         t_prev = t_start
         context.take_marked_losses()  # drop marks left by runs outside the executor
         with context.running_on_ipu(), self.rng:
+            if not self._contexts_shared:
+                self._share_thread_contexts()
             if self.wrappers:
                 with contextlib.ExitStack() as stack:
                     for wrapper in self.wrappers:
@@ -261,8 +267,6 @@ class DeviceProgram:
                     t_prev = self._loop(steps, collector, t_prev)
             else:
                 t_prev = self._loop(steps, collector, t_prev)
-            if self.cross is not None and not self.training:
-                self.cross.sync_buffers()
         result = collector.result()
         if self.to_host is not None:
             result = self.to_host(result)

@@ -6,10 +6,14 @@ PopTorch trains on the loss the model computes. In order of preference:
    returned by the model (several marked and returned losses are summed);
 2. the output itself, when the model returns a single tensor with one element;
 3. the last element of a returned tuple or list, when it is a one-element tensor
-   (the ``(output, loss)`` convention).
+   (the ``(output, loss)`` convention), else its first element, when that is one
+   (Hugging Face's ``(loss, logits, ...)`` convention);
+4. the ``"loss"`` entry of a returned mapping (a dict, or a dict-like output such as
+   Hugging Face's ``ModelOutput``), when it is a one-element tensor.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -36,6 +40,10 @@ def find_loss(output: Any, marked: list) -> torch.Tensor:
     candidate = output
     if isinstance(output, (tuple, list)) and output:
         candidate = output[-1]
+        if not _is_scalar(candidate) and _is_scalar(output[0]):
+            candidate = output[0]
+    elif isinstance(output, Mapping):
+        candidate = output.get("loss")
     if isinstance(candidate, torch.Tensor) and candidate.numel() == 1:
         if not candidate.requires_grad:
             raise Error(
@@ -46,11 +54,19 @@ def find_loss(output: Any, marked: list) -> torch.Tensor:
     return _raise_no_loss(output)
 
 
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.numel() == 1
+
+
 def _raise_no_loss(output: Any) -> torch.Tensor:
     if isinstance(output, torch.Tensor):
         what = f"a tensor of shape {tuple(output.shape)} (not a scalar)"
     elif isinstance(output, (tuple, list)):
-        what = f"a {type(output).__name__} of {len(output)} elements whose last is not a scalar tensor"
+        what = (f"a {type(output).__name__} of {len(output)} elements whose first and last "
+                "are not scalar tensors")
+    elif isinstance(output, Mapping):
+        what = (f"a {type(output).__name__} with keys {list(output.keys())} and no scalar "
+                "tensor under 'loss'")
     else:
         what = f"an object of type {type(output).__name__}"
     raise Error(_NO_LOSS.format(what=what))

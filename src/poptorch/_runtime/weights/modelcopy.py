@@ -1,10 +1,16 @@
-"""PopTorch's shallow copy of a module.
+"""PopTorch's shallow copy of a module, and the wrapper's training mode.
 
-The executor runs its own copy of the user's module tree: every module object is new
-(so flags such as ``training`` and hook tables are per-copy), while every parameter and
-buffer is the very same tensor object as in the user's module, so that weights are shared
-("changes to the parameters in the returned model affect the original model and vice
-versa").
+As upstream, the executor runs a copy of the *top* module only (``copy.copy``): its own
+attribute table, hook tables and ``training`` flag, while every submodule, parameter and
+buffer is the very object of the user's module. Weights are therefore shared ("changes to
+the parameters in the returned model affect the original model and vice versa"), and so
+is any state code keeps on submodules: a Lightning module inside the wrapped module keeps
+its trainer, attributes set during a call are visible to the user's module.
+
+Submodules being shared, a wrapper's mode (``train`` for ``trainingModel``, ``eval`` for
+``inferenceModel``) is applied to the module tree for the duration of each call only
+(:class:`TrainingMode`): afterwards every module has its own flag back, so that a training
+and an inference wrapper of one module, and the user's module, each keep their mode.
 """
 from __future__ import annotations
 
@@ -14,21 +20,46 @@ import torch
 
 
 def shallow_copy_module(module: torch.nn.Module) -> torch.nn.Module:
-    """Copy the module tree, sharing parameters and buffers (see module docstring)."""
-    return _copy(module, {})
-
-
-def _copy(module: torch.nn.Module, memo: dict) -> torch.nn.Module:
-    if id(module) in memo:  # a submodule used in several places stays shared
-        return memo[id(module)]
+    """Copy the top module only; submodules, parameters and buffers are shared."""
     new = copy.copy(module)
-    memo[id(module)] = new
     for name, value in vars(module).items():
-        if isinstance(value, (dict, set, list)) and name.startswith("_"):
-            setattr(new, name, copy.copy(value))  # per-copy tables (params, hooks...)
-    new._modules = {name: None if child is None else _copy(child, memo)
-                    for name, child in module._modules.items()}
+        if "hook" in name and isinstance(value, (dict, list)):
+            # per-copy hook tables with the same entries, so that hooks the executor
+            # registers on its copy do not reach the user's module
+            new.__dict__[name] = copy.copy(value)
     return new
+
+
+class TrainingMode:
+    """Puts a module tree in one mode for the duration of a ``with`` block, then gives
+    every module its own flag back.
+
+    The modules are listed once, at the first ``with`` (the model as compiled; walking
+    the tree costs far more than checking the flags): :meth:`forget` lists them again at
+    the next one, as after ``destroy()``."""
+
+    def __init__(self, model: torch.nn.Module, training: bool) -> None:
+        self.model = model
+        self.training = training
+        self._modules: list[torch.nn.Module] | None = None
+        self._flipped: list[torch.nn.Module] = []
+
+    def forget(self) -> None:
+        """List the modules again at the next ``with`` (the tree may have changed)."""
+        self._modules = None
+
+    def __enter__(self) -> None:
+        if self._modules is None:
+            self._modules = list(self.model.modules())
+        mode = self.training
+        self._flipped = [m for m in self._modules if m.training != mode]
+        for module in self._flipped:
+            module.training = mode
+
+    def __exit__(self, *exc) -> None:
+        for module in self._flipped:
+            module.training = not self.training
+        self._flipped = []
 
 
 def iter_module_pairs(original: torch.nn.Module, copied: torch.nn.Module):

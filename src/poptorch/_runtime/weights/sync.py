@@ -114,3 +114,33 @@ def _install_access_hook(host: torch.nn.Module, sync: WeightSync) -> None:
         return base.__getattr__(self, name)
     namespace["__getattr__"] = __getattr__
     host.__class__ = type(base.__name__, (base,), namespace)
+
+
+def is_hooked(host: torch.nn.Module) -> bool:
+    """True if reads of ``host`` copy device weights back first (see above)."""
+    return bool(getattr(type(host), "_poptorch_hooked", False))
+
+
+def unhook(host: torch.nn.Module) -> bool:
+    """Copy newer device weights to ``host`` and give it back its own class, so that it
+    can be changed (re-parallelised, ...) without implicit copies. False if not hooked."""
+    if not is_hooked(host):
+        return False
+    hooked = type(host)
+    for ref in host.__dict__.get("_poptorch_weight_syncs", ()):
+        sync = ref()
+        if sync is not None:
+            sync.to_host_if_needed()
+    host.__class__ = hooked.__mro__[1]
+    host.__dict__["_poptorch_unhooked_class"] = hooked
+    return True
+
+
+def rehook(host: torch.nn.Module) -> bool:
+    """Undo :func:`unhook`: reads of ``host`` copy device weights back again. False if
+    ``host`` was not unhooked."""
+    hooked = host.__dict__.pop("_poptorch_unhooked_class", None)
+    if hooked is None:
+        return False
+    host.__class__ = hooked
+    return True

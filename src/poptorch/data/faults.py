@@ -1,0 +1,123 @@
+"""How data-loading faults reach the caller.
+
+* A worker process that dies (killed by a signal, out of memory) is a ``poptorch.Error``
+  that names the signal: torch's ``DataLoader`` reports its own workers' deaths as a
+  ``RuntimeError`` whose wording depends on the path that noticed it; both are turned into
+  one message here, for torch's workers and for the asynchronous accessor's worker alike.
+* An exception raised by the data set in a worker reaches the caller as the same type,
+  with the worker named and the worker's traceback in its message (see
+  :func:`rebuild_worker_exception`).
+"""
+from __future__ import annotations
+
+import pickle
+import re
+import signal
+from typing import Any
+
+from ..errors import Error
+
+__all__ = ["exit_code_description", "as_worker_death", "rebuild_worker_exception"]
+
+# torch: "DataLoader worker (pid 123) is killed by signal: Killed." (strsignal wording)
+# or "DataLoader worker (pid(s) 123, 456) exited unexpectedly".
+_TORCH_KILLED = re.compile(r"DataLoader worker \(pid (\d+)\) is killed by signal: ([^.]+)")
+_TORCH_EXITED = re.compile(r"DataLoader worker \(pid\(s\) ([\d, ]+)\) exited unexpectedly")
+
+
+def _signal_names() -> dict[str, str]:
+    names = {}
+    for sig in signal.Signals:
+        description = signal.strsignal(sig)
+        if description:
+            names.setdefault(description, sig.name)
+    return names
+
+
+def exit_code_description(code: int | None) -> str:
+    """``"was killed by signal SIGKILL (9)"`` or ``"exited with code 3"``."""
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = " (the system may have run out of memory)" if -code == signal.SIGKILL else ""
+        return f"was killed by signal {name} ({-code}){hint}"
+    return f"exited unexpectedly with exit code {code}"
+
+
+def as_worker_death(error: BaseException, iterator: Any = None) -> Error | None:
+    """The ``poptorch.Error`` for torch's report of a dead ``DataLoader`` worker, or None
+    when ``error`` is something else. ``iterator``: torch's iterator that raised it, whose
+    worker processes tell how they ended."""
+    if isinstance(error, Error) or not isinstance(error, (RuntimeError, OSError,
+                                                           EOFError)):
+        return None
+    text = str(error)
+    killed = _TORCH_KILLED.search(text)
+    if killed:
+        pid, description = killed.groups()
+        name = _signal_names().get(description.strip(), description.strip())
+        return Error(f"A torch DataLoader worker process (pid {pid}) was killed by "
+                     f"signal {name} while loading data. Its batch is lost: restart the "
+                     "epoch (or resume from a checkpoint, see docs/data.md).")
+    exited = _TORCH_EXITED.search(text)
+    if exited:
+        pids = {int(pid) for pid in exited.group(1).replace(" ", "").split(",") if pid}
+        how = "; ".join(
+            f"pid {worker.pid} {exit_code_description(worker.exitcode)}"
+            for worker in getattr(iterator, "_workers", [])
+            if worker.pid in pids and worker.exitcode is not None)
+        return Error(f"A torch DataLoader worker process ({how or text.strip()}) died "
+                     "while loading data. Its batch is lost: restart the epoch (or resume "
+                     "from a checkpoint, see docs/data.md).")
+    # Receiving a batch from a worker that died while sending it (torch passes tensors
+    # through sockets and file descriptors): the connection breaks.
+    dead = [worker for worker in getattr(iterator, "_workers", [])
+            if worker.exitcode not in (None, 0)]
+    if dead:
+        how = "; ".join(f"pid {worker.pid} {exit_code_description(worker.exitcode)}"
+                        for worker in dead)
+        return Error(f"A torch DataLoader worker process ({how}) died while loading data "
+                     f"({type(error).__name__}: {text}). Its batch is lost: restart the "
+                     "epoch (or resume from a checkpoint, see docs/data.md).")
+    return None
+
+
+class _VerbatimMessage(str):
+    """A message whose repr is itself, so that ``str(KeyError(message))`` stays
+    readable (multi-line traceback included)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def pickled_type(error: BaseException) -> bytes | None:
+    """The exception's class, pickled (None for a class that cannot be, e.g. a local one:
+    the caller then gets a ``poptorch.Error``)."""
+    try:
+        return pickle.dumps(type(error))
+    except Exception:
+        return None
+
+
+def rebuild_worker_exception(description: str, text: str, error_type: bytes | None,
+                             message: str) -> BaseException:
+    """The main-process exception for an error raised in a worker: the original type where
+    it can be rebuilt from a message (as torch's DataLoader does), else
+    ``poptorch.Error``; the message names the worker and holds the original traceback."""
+    try:
+        cls = pickle.loads(error_type) if error_type is not None else None
+    except Exception:
+        cls = None
+    name = cls.__name__ if isinstance(cls, type) else "an exception"
+    full = (f"Caught {name} in {description}: {message}\n"
+            f"Original traceback in the worker:\n{text}")
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        try:
+            if issubclass(cls, KeyError):  # KeyError's str() is the repr of its argument
+                return cls(_VerbatimMessage(full))
+            return cls(full)
+        except Exception:
+            pass
+    return Error(full)

@@ -1,0 +1,89 @@
+"""What a user reads off a compiled model after a call: compilation time, performance
+counters and latencies, cycle count, tensor names and anchored tensors. A base class of
+:py:class:`~poptorch.PoplarExecutor`, kept apart so that the executor module stays about
+running the model."""
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+
+from .._runtime.batching.plan import BatchPlan
+from ..errors import Error
+
+
+class ExecutorInspection:
+    """Read-only views of the last call (see module docstring)."""
+
+    _require_compiled: Any  # provided by PoplarExecutor
+
+    # ------------------------------------------------------------------ timings
+    def compilationTime(self) -> datetime.timedelta:
+        """How long compilation took."""
+        self._require_compiled("compilationTime")
+        return datetime.timedelta(seconds=self._compile_seconds)
+
+    def getPerfCounters(self) -> dict:
+        """Host timestamps of the last call: {'input', 'input_complete', 'output',
+        'output_complete'} -> [per input / output tensor][per transfer] seconds (one
+        transfer per micro-batch; outputs only those the output mode returns)."""
+        program = self._require_compiled("getPerfCounters")
+        num_inputs, num_outputs = self.__dict__.get("_io_counts", (0, 0))
+        plan = program.plan
+        return program.perf.shaped(num_inputs, num_outputs, plan.per_step,
+                                   plan.replication_factor, program.output_mode,
+                                   program.output_return_period)
+
+    def getHostIpuLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds from input requested to input transferred."""
+        return self._require_compiled("getHostIpuLatency").perf.latencies(
+            "input", "input_complete")
+
+    def getComputeLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds from input transferred to output available."""
+        return self._require_compiled("getComputeLatency").perf.latencies(
+            "input_complete", "output")
+
+    def getIpuHostLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) seconds from output available to output on the host."""
+        return self._require_compiled("getIpuHostLatency").perf.latencies(
+            "output", "output_complete")
+
+    def getLatency(self) -> tuple[float, float, float]:
+        """(min, max, mean) round-trip seconds of the iterations of the last call."""
+        return self._require_compiled("getLatency").perf.latencies(
+            "input", "output_complete")
+
+    def cycleCount(self) -> int:
+        """Device time of the last call, in nanoseconds (our devices have no cycle
+        counter: one "cycle" is one nanosecond). Needs ``Options.logCycleCount(True)``."""
+        program = self._require_compiled("cycleCount")
+        if not self._options.exists("log_cycle_count") or not self._options.log_cycle_count:
+            raise Error("cycleCount: enable it before compiling with "
+                        "opts.logCycleCount(True).")
+        return int(program.last_compute_seconds * 1e9)
+
+    # ------------------------------------------------------------------ tensors
+    def getTensorNames(self) -> list[str]:
+        """Names of the tensors that can be anchored: parameters, their gradients
+        (``Gradient___<name>``, training only) and buffers."""
+        self._require_compiled("getTensorNames")
+        from .._runtime.batching.anchors import tensor_names
+        return tensor_names(self._model, self._training)
+
+    def _anchor_recorder(self, plan: BatchPlan):
+        from .._runtime.batching.anchors import AnchorRecorder
+        recorder = AnchorRecorder(self._model, self._options, plan, self._training)
+        self.__dict__["_anchors"] = recorder
+        return recorder
+
+    def getAnchoredTensor(self, short_name: str) -> torch.Tensor:
+        """The value of an anchored tensor (``Options.anchorTensor``) after the last call."""
+        self._require_compiled("getAnchoredTensor")
+        if not self._anchors:
+            raise Error(f"getAnchoredTensor: no tensor is anchored as '{short_name}'; "
+                        "anchor it with opts.anchorTensor(short_name, long_name) before "
+                        "compiling.")
+        return self._anchors.get(short_name)
+

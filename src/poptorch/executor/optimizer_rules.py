@@ -1,0 +1,76 @@
+"""PopTorch's rules linking a training model's optimizer to its options and state view.
+
+* Mean reduction strategy: an optimizer accumulating gradients in float16
+  (``accum_type=torch.float16``, not the combined SGD variant) uses
+  ``MeanReductionStrategy.Running`` (each micro-batch loss is scaled by ``1/n`` before
+  the backward pass, so the float16 sum cannot overflow); the model's copy of the
+  options is switched to it when the model is compiled. Once compiled the strategy
+  cannot change, so ``setOptimizer`` with such an optimizer on a model compiled with
+  another strategy raises ``ValueError``.
+* ``optimizer.state_dict()`` shows the device view (``ipu_state`` / ``ipu_param``, see
+  ``optim/ipu_state.py``) once the model is compiled for a device (not for an offline
+  target).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..enums import MeanReductionStrategy
+
+
+def _needs_running_mean(optimizer: Any) -> bool:
+    return getattr(optimizer, "accum_type", None) == torch.float16 and \
+        not getattr(optimizer, "use_combined_accum", False)
+
+
+def apply_mean_reduction_rule(options: Any, optimizer: Any, compiled: bool) -> None:
+    """See module docstring; ``options`` is the model's own (unfrozen before compile)."""
+    if not _needs_running_mean(optimizer):
+        return
+    training = options.Training
+    current = MeanReductionStrategy(training.meanAccumulationAndReplicationReductionStrategy)
+    if current == MeanReductionStrategy.Running:
+        return
+    if compiled:
+        raise ValueError(
+            "Invalid optimizer: accum_type=torch.float16 needs options.Training."
+            "meanAccumulationAndReplicationReductionStrategy to be "
+            "poptorch.MeanReductionStrategy.Running, but the model is already compiled "
+            f"with {current.name}. Create a new trainingModel with this optimizer.")
+    training.setMeanAccumulationAndReplicationReductionStrategy(
+        MeanReductionStrategy.Running)
+
+
+def mark_compiled(optimizer: Any, options: Any) -> None:
+    """Let a poptorch.optim optimizer show its device view in ``state_dict()``."""
+    if hasattr(optimizer, "_compiled_on_device") and not options.exists("ipu_version"):
+        optimizer._compiled_on_device = True
+
+
+def attribute_keys(optimizer: Any) -> tuple[frozenset, list[frozenset]]:
+    """The optimizer's public attributes and each param group's keys (at compile)."""
+    own = frozenset(k for k in vars(optimizer) if not k.startswith("_"))
+    return own, [frozenset(group) for group in optimizer.param_groups]
+
+
+def warn_unexpected_attributes(compiled: tuple[frozenset, list[frozenset]],
+                               optimizer: Any) -> None:
+    """As PopTorch: attributes that appear on an optimizer after its model was compiled
+    are not part of the compiled update; say so once per attribute (WARNING)."""
+    from .._logging import log_once
+    import logging
+    own, groups = attribute_keys(optimizer)
+    for name in sorted(own - compiled[0]):
+        log_once(logging.WARNING, ("unexpected optimizer attribute", name),
+                 "setOptimizer: unexpected optimizer attribute %r (it was not there when "
+                 "the model was compiled): it is not part of the compiled update and is "
+                 "ignored.", name)
+    for i, keys in enumerate(groups):
+        known = compiled[1][i] if i < len(compiled[1]) else frozenset()
+        for name in sorted(keys - known):
+            log_once(logging.WARNING, ("unexpected group attribute", i, name),
+                     "setOptimizer: unexpected group %d attribute %r (it was not there "
+                     "when the model was compiled): it is not part of the compiled "
+                     "update and is ignored.", i, name)
