@@ -220,6 +220,11 @@ class CompiledCall:
         if self._eager_calls_left:
             self._eager_calls_left -= 1
             return False
+        if torch._C._len_torch_function_stack():
+            # A torch function mode (the precision rules' casting of a call whose input
+            # dtypes are new) is active: this call runs eagerly; the next ones, once
+            # the rules know no casting is needed, are compiled.
+            return False
         reason = self.blocker()
         if reason is not None:
             info_once(("compiled-call", self.name, reason),
