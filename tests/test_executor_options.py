@@ -435,7 +435,8 @@ def test_executable_caching_fills_the_inductor_cache(tmp_path, monkeypatch):
     model = MLP()
     pop = poptorch.inferenceModel(model, opts)
     x, _ = data(2)
-    assert (pop(x) - model(x)).abs().max() <= 1e-4
+    for _ in range(2):  # a float32 model compiles at its second call (docs/options.md)
+        assert (pop(x) - model(x)).abs().max() <= 1e-4
     assert cache.is_dir() and any(cache.rglob("*")), "inductor wrote nothing to the cache"
 
 

@@ -197,8 +197,9 @@ class PoplarExecutor(ExecutorInspection):
         if runner is not None:
             device = getattr(runner, "output_device", torch.device("cpu"))
             self.__dict__["_device"] = getattr(runner, "input_device", device)
+            self.__dict__["_backend"] = backend_name(self._options, device)
             if cache_dir is not None:
-                configure_executable_cache(cache_dir, backend_name(self._options, device))
+                configure_executable_cache(cache_dir, self._backend)
             return runner, device
         device = _devices.acquire_devices(self._options, 1)[0]
         self.__dict__["_device"] = device
