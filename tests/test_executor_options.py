@@ -132,6 +132,7 @@ def test_anchored_gradients_and_weights_match_reference_loop():
     opts.anchorTensor("weight", "fc1.weight")  # Default: the model's mode (Final)
     opts.anchorTensor("bias_grad_sum", "Gradient___fc2.bias", poptorch.OutputMode.Sum)
     opts.anchorTensor("every", "fc2.bias", poptorch.OutputMode.EveryN, 3)
+    opts.anchorTensor("updated", "UpdatedVar___fc2.weight")  # PopTorch's name
     pop = poptorch.trainingModel(model, opts,
                                  torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
@@ -151,6 +152,7 @@ def test_anchored_gradients_and_weights_match_reference_loop():
         assert (pop.getAnchoredTensor("grad_all") - torch.stack(grads)).abs().max() <= TOL
         assert (pop.getAnchoredTensor("weight") - ref.fc1.weight).abs().max() <= TOL
         assert (pop.getAnchoredTensor("bias_grad_sum") - sum(bias_grads)).abs().max() <= TOL
+        assert (pop.getAnchoredTensor("updated") - ref.fc2.weight).abs().max() <= TOL
         every = pop.getAnchoredTensor("every")
         assert every.shape == (1, 3) and (every[0] - ref.fc2.bias).abs().max() <= TOL
 
@@ -417,7 +419,8 @@ def test_executable_caching_stores_the_inductor_program(tmp_path):
     model = MLP()
     pop = poptorch.inferenceModel(model, opts)
     x, _ = data(2)
-    assert (pop(x) - model(x)).abs().max() <= 1e-4
+    for _ in range(2):  # a float32 model compiles at its second call (docs/options.md)
+        assert (pop(x) - model(x)).abs().max() <= 1e-4
     assert len(list(cache.glob("*.popcache"))) == 1, "nothing was stored in the cache"
 
 

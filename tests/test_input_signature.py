@@ -183,3 +183,36 @@ def test_failed_first_call_leaves_the_model_uncompiled():
     pop.destroy()
     with pytest.raises(poptorch.Error, match="has been destroyed"):
         pop.copyWeightsToDevice()
+
+
+def test_inputs_requiring_grad_are_detached_so_recurrent_state_trains():
+    torch.manual_seed(0)
+    rnn = nn.RNN(4, 3, batch_first=True)
+    ref = copy.deepcopy(rnn)
+
+    class WithLoss(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x, h):
+            out, h_next = self.inner(x, h)
+            return h_next, out.pow(2).mean()
+
+    pop = poptorch.trainingModel(WithLoss(rnn),
+                                 optimizer=torch.optim.SGD(rnn.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    h_pop = h_ref = torch.randn(1, 2, 3)
+    for step in range(3):
+        x = torch.randn(2, 5, 4)
+        # h from plain PyTorch carries a graph through weights updated since
+        h_cpu_graph = rnn(x, h_pop)[1]
+        h_pop, _ = pop(x, h_cpu_graph)
+        ref_opt.zero_grad()
+        out, h_next = ref(x, ref(x, h_ref)[1].detach())
+        out.pow(2).mean().backward()
+        ref_opt.step()
+        h_ref = h_next.detach()
+        torch.testing.assert_close(h_pop, h_ref)
+    pop.copyWeightsToHost()
+    torch.testing.assert_close(rnn.weight_hh_l0, ref.weight_hh_l0)

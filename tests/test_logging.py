@@ -38,10 +38,20 @@ def test_set_log_level(name, level):
     assert poptorch.logger.level == level
 
 
-@pytest.mark.parametrize("bad", ["LOUD", "", None, -1, True, 2.5])
+@pytest.mark.parametrize("bad", ["LOUD", "", None, -1, True, 2.5, 5, 9])
 def test_bad_log_level_raises(bad):
-    with pytest.raises(ValueError, match="OFF, ERR, WARN, INFO, DEBUG, TRACE, TRACE_ALL|>= 0"):
+    with pytest.raises(ValueError, match="Unknown log level|Invalid log level integer"
+                                         "|OFF, ERR, WARN, INFO, DEBUG, TRACE, TRACE_ALL"):
         poptorch.setLogLevel(bad)
+
+
+@pytest.mark.parametrize("legacy,name", [(0, "TRACE"), (1, "DEBUG"), (2, "INFO"),
+                                         (3, "WARN"), (4, "ERR"), (6, "OFF")])
+def test_poptorch_integer_levels(legacy, name):
+    poptorch.setLogLevel(legacy)
+    by_int = poptorch.logger.level
+    poptorch.setLogLevel(name)
+    assert by_int == poptorch.logger.level
 
 
 def test_levels_filter_messages(caplog):

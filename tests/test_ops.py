@@ -141,6 +141,10 @@ def test_dynamic_update_matches_slice_assignment(start):
     assert not torch.equal(out, x)  # the input is left unchanged
     with pytest.raises(poptorch.Error, match="expected"):
         poptorch.dynamic_update(x, torch.randn(4, 2), 1, start, 3)
+    with pytest.raises(poptorch.Error, match=r"same dimensionality. \(2\) vs \(1\)"):
+        poptorch.dynamic_update(x, torch.randn(3), 1, start, 3)
+    with pytest.raises(poptorch.Error, match=r"same dtype. \(torch.float32 vs torch.int64\)"):
+        poptorch.dynamic_update(x, torch.ones(4, 3, dtype=torch.long), 1, start, 3)
 
 
 # --- serializedMatMul -----------------------------------------------------------------------
@@ -246,6 +250,18 @@ def test_for_loop_matches_python_loop():
         poptorch.for_loop(2, lambda x: torch.cat([x, x]), [a])
     with pytest.raises(poptorch.Error, match="inputs\\[1\\] must be a tensor"):
         poptorch.for_loop(2, body, [a, 1.0])
+    with pytest.raises(ValueError, match="Object is not list"):
+        poptorch.for_loop(2, lambda x: x, a)
+    # inputs are passed by value: in-place updates stay inside the loop
+    counter = torch.ones(2, dtype=torch.int32)
+
+    def bump(y):
+        y += 1
+        return y
+
+    out = poptorch.for_loop(3, bump, [counter])
+    torch.testing.assert_close(counter, torch.ones(2, dtype=torch.int32))
+    torch.testing.assert_close(out[0], torch.full((2,), 4, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("flag", [True, False])

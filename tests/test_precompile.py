@@ -276,10 +276,13 @@ def test_inductor_precompiled_training_runs_in_a_fresh_process_without_compiling
     import json
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report == {"built": [], "misses": 0}, report
-    # The uninterrupted model (same compiled kernels) takes the same steps here.
+    # The uninterrupted model takes the same steps here. Not bitwise: the compiled
+    # step compiles at a model's second call, so the loaded model's first step runs
+    # eagerly (other rounding) while the uninterrupted one's is compiled.
     for xb, yb in batches(4, seed=1):
         pop(xb, yb)
-    assert_bitwise(torch.load(out), params(model))
+    for p, q in zip(torch.load(out), params(model)):
+        assert (p - q).abs().max() <= 1e-6
     # ... and agrees with eager PyTorch within rounding.
     ref = poptorch.trainingModel(twin, train_opts("eager"),
                                  torch.optim.Adam(twin.parameters(), **opt_args))

@@ -39,6 +39,8 @@ _LEVELS = {
     "TRACE_ALL": TRACE_ALL,
 }
 _DOCUMENTED_LEVELS = "OFF, ERR, WARN, INFO, DEBUG, TRACE, TRACE_ALL"
+# setLogLevel(int): PopTorch's integer levels.
+_POPTORCH_INTS = {0: "TRACE", 1: "DEBUG", 2: "INFO", 3: "WARN", 4: "ERR", 6: "OFF"}
 
 LOG_FILE_NAME = "poptorch.log"
 """Name of the file written in ``Options.logDir(dir)``."""
@@ -116,17 +118,23 @@ def _parse_level(level: Any, source: str) -> int:
         raise ValueError(f"{source}: invalid log level {level!r}; use one of "
                          f"{_DOCUMENTED_LEVELS} or a logging level number.")
     if isinstance(level, int):
-        if level < 0:
-            raise ValueError(f"{source}: log level must be >= 0, got {level}.")
+        # PopTorch's legacy integers 0-4 and 6, or a logging level number (>= 10).
+        if level in _POPTORCH_INTS:
+            return _LEVELS[_POPTORCH_INTS[level]]
+        if level < 10:
+            raise ValueError(f"{source}: Invalid log level integer {level}: use PopTorch's "
+                             f"0 (TRACE), 1 (DEBUG), 2 (INFO), 3 (WARN), 4 (ERR), 6 (OFF) "
+                             f"or a logging level number >= 10.")
         return level
     if isinstance(level, str):
         name = level.strip().upper()
         if name in _LEVELS:
             return _LEVELS[name]
         if name.isdigit():
-            return int(name)
-    raise ValueError(f"{source}: unknown log level {level!r}; use one of "
-                     f"{_DOCUMENTED_LEVELS} (any case) or a logging level number.")
+            return _parse_level(int(name), source)
+    raise ValueError(f"{source}: Unknown log level: {level}. Valid values are DEBUG, ERR, "
+                     f"INFO, OFF, TRACE and WARN (any case; also {_DOCUMENTED_LEVELS}, or "
+                     f"a logging level number >= 10).")
 
 
 def setLogLevel(level: str | int) -> None:

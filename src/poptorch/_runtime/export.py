@@ -51,7 +51,8 @@ def compile_by_running(executor: Any, args: tuple, kwargs: dict) -> None:
     rng_state = None if rng.state is None else rng.state.clone()
     host_rng = torch.get_rng_state()
     try:
-        executor(*args, **kwargs)
+        while source.fresh:  # the compiled step compiles at the first or second call
+            executor(*args, **kwargs)
     finally:
         with torch.no_grad():
             for t, saved in tensors:
@@ -75,7 +76,7 @@ def save_executor(executor: Any, filename: str, export_model: bool,
     executor.copyWeightsToHostIfNeeded()
     source = executor.__dict__["_source"]
     compiled = None
-    if source is not None and source.compiles and not source.fresh:
+    if source is not None and source.compiles and source.warmup_calls < 2:
         compiled = artifacts.collect()
     training = executor._training
     optimizer = executor._optimizer if training else None

@@ -11,23 +11,25 @@ import time
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from .. import _devices
 from . import hooks as _hooks, optimizer_rules
 from .processes import join_processes
+from .call_support import (Snapshot, backend_name, check_inference_accumulation, count_tensors,
+                           to_cpu, to_device)
 from .inspection import ExecutorInspection
 from .replica_grouping import GroupableParameter
 from .._logging import info_once, logger
 from .._runtime import context
 from .._runtime.batching.plan import BatchPlan, resolve_output_mode, split_inputs
-from .._runtime.batching.signature import InputSignature
+from .._runtime.batching.signature import InputSignature, detach_inputs
 from .._runtime.weights.modelcopy import TrainingMode, shallow_copy_module
 from .._runtime.program.optimizer import (DeviceOptimizerSync, attach_optimizer,
                                  make_loss_scaler)
 from .._runtime.program.device_loop import DeviceProgram, RngScope
 from .._runtime.program.replica_groups import grouped_parameters
 from .._runtime.program.runner import PerReplicaRunner, ReplicaBuffers, SequentialRunner
+from .._runtime.weights.constants import TensorConstants
 from .._runtime.weights.sync import WeightSync
 from ..enums import CommGroupType, OutputMode
 from ..errors import Error
@@ -64,6 +66,8 @@ class PoplarExecutor(ExecutorInspection):
         # As in PopTorch: the user's options are frozen (a later change would not reach
         # this model) and the model works on its own copy, whose Default output mode is
         # resolved (Final for training, All for inference).
+        if not training:
+            check_inference_accumulation(options)
         options._freeze()
         options = options.clone()
         if options.defaultOutputMode():
@@ -84,7 +88,11 @@ class PoplarExecutor(ExecutorInspection):
         d["_optimizer"] = optimizer
         d["_model"] = shallow_copy_module(model)
         d["_model"].training = training  # the copy's own flag; submodules: per call
-        d["_mode"] = TrainingMode(d["_model"], training)
+        # A trainingModel of a model in train mode keeps the submodules the user put in
+        # eval mode (frozen BatchNorm / Dropout when fine-tuning), as PopTorch does.
+        keep_eval = [m for m in user_model.modules() if not m.training] \
+            if training and user_model.training else []
+        d["_mode"] = TrainingMode(d["_model"], training, keep_eval)
         d["_program"] = None
         d["_weights"] = None
         d["_attached"] = False
@@ -134,11 +142,6 @@ class PoplarExecutor(ExecutorInspection):
     def _plan(self) -> BatchPlan:
         opts = self._options
         g = opts.Training.gradient_accumulation
-        if not self._training and g != 1:
-            raise Error(
-                f"An inferenceModel needs Training.gradientAccumulation(1), but the options "
-                f"have {g}: use a separate Options object for inference (for example "
-                "opts.clone() then opts.Training.gradientAccumulation(1)).")
         return BatchPlan(opts.device_iterations, g, opts.replication_factor,
                          opts.input_group_size, CommGroupType(opts.input_cgt))
 
@@ -155,6 +158,7 @@ class PoplarExecutor(ExecutorInspection):
             from .program_setup import check_precompiled_inputs
             check_precompiled_inputs(self, args, kwargs)
             self.__dict__["_signature"] = InputSignature(self._model.forward, args, kwargs)
+            self.__dict__["_tensor_constants"] = TensorConstants(self._model)
             if self._training:
                 optimizer_rules.apply_mean_reduction_rule(opts, self._optimizer, False)
             bar.update()
@@ -200,12 +204,12 @@ class PoplarExecutor(ExecutorInspection):
         if runner is not None:
             device = getattr(runner, "output_device", torch.device("cpu"))
             self.__dict__["_device"] = getattr(runner, "input_device", device)
-            self.__dict__["_backend"] = None  # model parallelism runs eagerly
+            self.__dict__["_backend"] = backend_name(self._options, device)
             return runner, device
         device = _devices.acquire_devices(self._options, 1)[0]
         self.__dict__["_device"] = device
         forward = self._model
-        backend = _backend(self._options, device)
+        backend = backend_name(self._options, device)
         self.__dict__["_backend"] = backend
         return SequentialRunner(forward), device
 
@@ -289,7 +293,7 @@ class PoplarExecutor(ExecutorInspection):
             output_return_period=opts.output_return_period, params=params,
             optimizer=self.__dict__.get("_device_optimizer"), options=opts,
             rng=RngScope(seed, device),
-            to_host=None if device.type == "cpu" else _to_cpu,
+            to_host=None if device.type == "cpu" else to_cpu,
             anchors=self._anchor_recorder(plan) if opts.anchored_tensors else None,
             cross=cross)
         if self._training:
@@ -321,23 +325,14 @@ class PoplarExecutor(ExecutorInspection):
         install_profiling(self, program)
 
     def _install_casting(self, program: DeviceProgram, policy) -> None:
-        """float16 rules of halfFloatCasting(Default) (weights follow activations, only
-        on calls that need it: ``_runtime/numerics/casting.py``) and poptorch.autocast
-        regions and policies (``autocasting.py``), entered as one program wrapper."""
+        """float16 rules and poptorch.autocast: one context entered around each call
+        (``autocasting.prepare_model``)."""
         from ..autocasting import prepare_model
-        from ..enums import HalfFloatCastingBehavior
-        casting = None
-        if policy.half_float_casting == HalfFloatCastingBehavior.Default:
-            tensors = list(self._model.parameters()) + list(self._model.buffers())
-            if any(t.is_floating_point() for t in tensors):
-                from .._runtime.numerics.casting import DefaultCasting
-                casting = DefaultCasting(self._model)
         for handle in self.__dict__.get("_autocast_hooks") or ():
             handle.remove()
         run, handles = prepare_model(self._model, self._user_model, self._options,
-                                     casting)
-        self.__dict__["_autocast_hooks"] = handles
-        self.__dict__["_casting"] = run  # entered around each call by __call__
+                                     policy.half_float_casting)
+        self.__dict__.update(_autocast_hooks=handles, _casting=run)
         if run.thread_context is not None:
             program.thread_contexts.append(run.thread_context)
 
@@ -348,19 +343,32 @@ class PoplarExecutor(ExecutorInspection):
 
     # ------------------------------------------------------------------ run
     def __call__(self, *args, **kwargs) -> Any:
+        args, kwargs = detach_inputs(args, kwargs)
         first = self._program is None
         if first:
-            self._compile(args, kwargs)
-            snapshot = _Snapshot(self._model, self.__dict__.get("_device_optimizer"))
+            # compiling may already create optimizer state (momentum buffers): a failed
+            # first call must not leave it behind
+            user_optimizer = self._optimizer if self._training else None
+            before = None if user_optimizer is None else user_optimizer.state_dict()
+            try:
+                self._compile(args, kwargs)
+            except BaseException:
+                if before is not None:
+                    user_optimizer.load_state_dict(before)
+                raise
+            snapshot = Snapshot(self._model, self.__dict__.get("_device_optimizer"),
+                                user_optimizer, before)
         else:
             self._check_signature(args, kwargs)  # before anything runs
+            if self._tensor_constants:
+                self._tensor_constants.restore()
         if not self._attached:
             self.attachToDevice()
         device = self._device
         if self._synthetic is not None:
             args, kwargs = self._synthetic(args, kwargs)
         elif device.type != "cpu":
-            args, kwargs = _to_device((args, kwargs), device)
+            args, kwargs = to_device((args, kwargs), device)
         casting = self.__dict__.get("_casting")
         opt_sync = self._optimizer_sync
         if opt_sync is not None:
@@ -383,8 +391,8 @@ class PoplarExecutor(ExecutorInspection):
         if opt_sync is not None:
             opt_sync.after_run()
         if first:
-            self.__dict__["_io_counts"] = (_count_tensors((args, kwargs)),
-                                           _count_tensors(result))
+            self.__dict__["_io_counts"] = (count_tensors((args, kwargs)),
+                                           count_tensors(result))
         return result
 
     def _check_signature(self, args: tuple, kwargs: dict) -> None:
@@ -552,49 +560,3 @@ class PoplarExecutor(ExecutorInspection):
         BeginBlock annotations), as in PopTorch."""
         from ..ops.module_repr import module_repr
         return module_repr(self.model)
-
-
-def _backend(options: Options, device: torch.device) -> str:
-    import os
-    name = options.Jit.backend or os.environ.get("POPTORCH_BACKEND")
-    if name is None:
-        name = "inductor" if device.type == "cuda" else "eager"
-    if name not in ("eager", "inductor"):
-        raise Error(f"Unknown backend {name!r}: use 'eager' or 'inductor' "
-                    "(Options.Jit.backend or POPTORCH_BACKEND).")
-    return name
-
-
-def _to_device(structure: Any, device: torch.device) -> Any:
-    def move(t):
-        if not isinstance(t, torch.Tensor) or t.device == device:
-            return t
-        return t.pin_memory().to(device, non_blocking=True)
-    return pytree.tree_map(move, structure)
-
-
-def _count_tensors(structure: Any) -> int:
-    return sum(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(structure))
-
-
-def _to_cpu(structure: Any) -> Any:
-    return pytree.tree_map(
-        lambda t: t.to("cpu") if isinstance(t, torch.Tensor) else t, structure)
-
-
-class _Snapshot:
-    """Model and optimizer state before the first call, restored if that call fails,
-    so that a failing call leaves nothing half-updated."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: Any) -> None:
-        self.tensors = [(t, t.detach().clone()) for t in
-                        list(model.parameters()) + list(model.buffers())]
-        self.optimizer = optimizer
-        self.opt_state = None if optimizer is None else optimizer.state_dict()
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for t, saved in self.tensors:
-                t.copy_(saved)
-        if self.optimizer is not None:
-            self.optimizer.load_state_dict(self.opt_state)

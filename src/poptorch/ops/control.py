@@ -24,28 +24,38 @@ def _as_list(outputs, op: str) -> list:
                 f"{type(outputs).__name__}.")
 
 
+class ControlFlowArgumentError(Error, ValueError):
+    """A ``for_loop`` / ``cond`` argument of the wrong kind (a ``poptorch.Error`` and,
+    as in PopTorch, a ``ValueError``)."""
+
+
 def _check_inputs(inputs, op: str, name: str) -> list:
-    if isinstance(inputs, torch.Tensor):
-        return [inputs]
+    """PopTorch's rule: the inputs are a list (or tuple) of tensors."""
     if not isinstance(inputs, (list, tuple)):
-        raise Error(f"{op}: {name} must be a list of tensors, got {type(inputs).__name__}.")
+        raise ControlFlowArgumentError(
+            f"{op}: {name} must be a list of tensors (Object is not list), got "
+            f"{type(inputs).__name__}; write [x] for a single tensor.")
     for index, tensor in enumerate(inputs):
         if not isinstance(tensor, torch.Tensor):
-            raise Error(f"{op}: {name}[{index}] must be a tensor, got "
-                        f"{type(tensor).__name__}.")
+            raise ControlFlowArgumentError(
+                f"{op}: {name}[{index}] must be a tensor, got {type(tensor).__name__} "
+                f"(Object contained in list at index {index} is not torch.tensor).")
     return list(inputs)
 
 
 def for_loop(count: int, body: Callable, inputs) -> list:
     """Run ``body`` ``count`` times, feeding each iteration's outputs to the next.
 
-    ``body`` takes as many tensors as it returns, with the same shapes and dtypes.
-    Returns the outputs of the last iteration as a list (``inputs`` when ``count``
-    is 0).
+    ``inputs`` is a list of tensors (a bare tensor is refused, as upstream); ``body``
+    takes as many tensors as it returns, with the same shapes and dtypes, and receives
+    copies (in-place updates do not reach the caller's tensors). Returns the outputs of
+    the last iteration as a list (copies of ``inputs`` when ``count`` is 0).
     """
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise Error(f"for_loop: count must be an int >= 0, got {count!r}.")
-    state = _check_inputs(inputs, "for_loop", "inputs")
+    # Inputs are passed by value, as upstream: in-place updates inside the body do not
+    # reach the caller's tensors.
+    state = [t.clone() for t in _check_inputs(inputs, "for_loop", "inputs")]
     for _ in range(count):
         outputs = _as_list(body(*state), "for_loop")
         if len(outputs) != len(state):

@@ -123,6 +123,12 @@ def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int, start,
     op = "dynamic_update"
     dim = _check_dim(input, dim, op)
     _check_static_int(size, "size", op, 1)
+    if src.dim() != input.dim():
+        raise Error(f"{op}: input and src tensors must have same dimensionality. "
+                    f"({input.dim()}) vs ({src.dim()})")
+    if src.dtype != input.dtype:
+        raise Error(f"{op}: input and src tensor must have same dtype. "
+                    f"({input.dtype} vs {src.dtype}); convert src with .to({input.dtype}).")
     expected = list(input.shape)
     expected[dim] = size
     if list(src.shape) != expected:
@@ -132,4 +138,4 @@ def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int, start,
     if isinstance(begin, torch.Tensor):
         begin = begin.to(input.device)
     index = begin + torch.arange(size, device=input.device)
-    return input.index_copy(dim, index, src.to(input.dtype))
+    return input.index_copy(dim, index, src)

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import _logging, enums
+from .. import _devices, _logging, enums
 from ..annotations.strategies import PipelinedExecution, _IExecutionStrategy
 from ..errors import ConfigFileError, Error
 from .config_file import dotted_name, safe_value
@@ -116,6 +116,14 @@ class Options(OptionsDict):
         cache_dir = os.environ.get("POPTORCH_CACHE_DIR")
         if cache_dir:
             self.enableExecutableCaching(cache_dir)
+        defaults = os.environ.get("POPTORCH_DEFAULT_OPTIONS")
+        if defaults:
+            # As in PopTorch: every new Options object starts from these (JSON, as
+            # from_json takes it).
+            try:
+                self.from_json(defaults)
+            except Error as exc:
+                raise Error(f"POPTORCH_DEFAULT_OPTIONS: {exc.message}") from None
 
     # -- sub-objects ---------------------------------------------------------------
     @property
@@ -259,9 +267,12 @@ class Options(OptionsDict):
         """Upstream: compile for an absent IPU of this version (1, 2 or 21) without
         running. Recorded only: our devices can always compile and run."""
         version = check_int("useOfflineIpuTarget", ipu_version)
-        if version not in (1, 2, 21):
-            raise Error(f"useOfflineIpuTarget: ipu_version must be 1, 2 or 21, "
-                        f"got {version}.")
+        # Programs write useOfflineIpuTarget(poptorch.ipuHardwareVersion()): whatever
+        # that returns on this machine is a valid target too.
+        if version not in (1, 2, 21, _devices.ipuHardwareVersion()):
+            raise Error(f"useOfflineIpuTarget: ipu_version must be 1, 2, 21 or this "
+                        f"machine's poptorch.ipuHardwareVersion() "
+                        f"({_devices.ipuHardwareVersion()}), got {version}.")
         self.createOrSet(ipu_version=version)
         return self
 
@@ -497,7 +508,7 @@ class Options(OptionsDict):
         :py:class:`poptorch.ConfigFileError` naming the file and line.
         """
         with open(filepath, encoding="utf-8") as handle:
-            lines = handle.read().splitlines()
+            lines = handle.read().split("\n")  # \n only: a form feed is no line break
         for lineno, line in enumerate(lines, start=1):
             text = line.strip()
             if not text or text.startswith("#"):

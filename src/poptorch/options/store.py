@@ -188,6 +188,9 @@ def check_enum(option: str, value: Any, enum_type: type[enum.Enum],
         member = value
     elif isinstance(value, str) and value in enum_type.__members__:
         member = enum_type[value]
+    elif isinstance(value, str) and value.startswith(enum_type.__name__ + ".") and \
+            value.split(".", 1)[1] in enum_type.__members__:
+        member = enum_type[value.split(".", 1)[1]]  # "ConnectionType.OnDemand"
     elif not isinstance(value, (bool, enum.Enum)):
         try:
             member = enum_type(value)

@@ -80,11 +80,12 @@ class _TensorLocationOptions(OptionsDict):
                          location_optimizer={}, location_accumulator={})
 
     def numIOTiles(self, num_tiles: int) -> "_TensorLocationOptions":
-        """Upstream: tiles reserved for IO (an even number >= 32). Recorded only."""
-        check_int("TensorLocations.numIOTiles", num_tiles, minimum=32)
-        if num_tiles % 2:
-            raise Error(f"TensorLocations.numIOTiles: the number of IO tiles must be even, "
-                        f"got {num_tiles}.")
+        """Upstream: tiles reserved for IO, an even number between 32 and 192 (the
+        limits are checked as upstream does). Recorded only."""
+        check_int("TensorLocations.numIOTiles", num_tiles)
+        if num_tiles % 2 or not 32 <= num_tiles <= 192:
+            raise Error(f"TensorLocations.numIOTiles: numIOTiles must be an even number "
+                        f"between 32 and 192, got {num_tiles}.")
         self.set(num_io_tiles=num_tiles)
         return self
 

@@ -3,7 +3,9 @@
 ``Options.anchorTensor(short_name, long_name, output_mode, output_return_period)`` names a
 tensor of ``PoplarExecutor.getTensorNames()``: a parameter (its value after the
 iteration, i.e. the updated weight in training), ``Gradient___<parameter>`` (the reduced,
-unscaled gradient of the iteration's optimizer step) or a buffer (replica 0's copy).
+unscaled gradient of the iteration's optimizer step), ``UpdatedVar___<parameter>``
+(PopTorch's name of the weight after the update; training only) or a buffer (replica
+0's copy).
 
 The program calls the recorder after every device iteration ``i``; what is kept follows
 the anchor's output mode (``None``: the model's, with ``Default`` resolved as for
@@ -22,13 +24,15 @@ from ...errors import Error
 from .plan import BatchPlan, resolve_output_mode
 
 GRADIENT_PREFIX = "Gradient___"
+UPDATED_PREFIX = "UpdatedVar___"
 
 
 def tensor_names(model: torch.nn.Module, training: bool) -> list[str]:
     """Anchorable names: parameters, their gradients (training only), buffers."""
     names = [n for n, _ in model.named_parameters()]
     grads = [GRADIENT_PREFIX + n for n in names] if training else []
-    return names + grads + [n for n, _ in model.named_buffers()]
+    updated = [UPDATED_PREFIX + n for n in names] if training else []
+    return names + grads + updated + [n for n, _ in model.named_buffers()]
 
 
 def _reader(model: torch.nn.Module, long_name: str,
@@ -38,6 +42,9 @@ def _reader(model: torch.nn.Module, long_name: str,
             long_name[len(GRADIENT_PREFIX):] in params:
         param = params[long_name[len(GRADIENT_PREFIX):]]
         return lambda: param.grad
+    if training and long_name.startswith(UPDATED_PREFIX) and \
+            long_name[len(UPDATED_PREFIX):] in params:
+        long_name = long_name[len(UPDATED_PREFIX):]  # the weight after the update
     if long_name in params:
         param = params[long_name]
         return lambda: param

@@ -219,3 +219,24 @@ class InputSignature:
             "accepts inputs of the same structure, dtypes and shapes (and the same "
             "non-tensor values): call destroy() on it first to compile it again for "
             "the new inputs, or wrap the model again.")
+
+
+def detach_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Inputs that require grad are detached, as in PopTorch: the device program does
+    not back-propagate into its inputs (a graph attached to an input, e.g. a hidden state
+    computed by an earlier step, would otherwise be walked again). Logged once."""
+    if not kwargs and all(isinstance(a, torch.Tensor) and not a.requires_grad
+                          for a in args):
+        return args, kwargs  # the common case: nothing to do
+    from torch.utils import _pytree as pytree
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+        return args, kwargs
+    import logging
+    from ..._logging import log_once
+    log_once(logging.WARNING, ("input requires grad",),
+             "Input tensor has requires_grad=True set. This tensor will be detached "
+             "because backward pass via inputs is not supported.")
+    leaves = [t.detach() if isinstance(t, torch.Tensor) and t.requires_grad else t
+              for t in leaves]
+    return pytree.tree_unflatten(leaves, spec)

@@ -32,7 +32,9 @@ class ProgramSource:
         self.signature = signature
         self.expected = None
         self.installed = False
-        self.fresh = True  # until the first call has run
+        # The compiled step compiles at the first or second call: the first two calls
+        # run under first_call(), and the cache entry is written after each.
+        self.warmup_calls = 2
         self.cache_dir = cache_dir if self.compiles else None
         self.cache_key: str | None = None
         if cache_dir is not None:
@@ -77,11 +79,17 @@ class ProgramSource:
     def first_call(self) -> Iterator[None]:
         """Around the executor's first call: kernels come prebuilt when installed; the
         cache entry is written once the call has compiled everything."""
-        self.fresh = False
+        self.warmup_calls -= 1
         with artifacts.prebuilt_kernels() if self.installed else contextlib.nullcontext():
             yield
         if self.cache_key is not None:
             compiled = artifacts.collect()
             if compiled is not None:
                 executable_cache.write(self.cache_dir, self.cache_key, compiled)
-            self.cache_key = None
+            if self.warmup_calls == 0:
+                self.cache_key = None
+
+    @property
+    def fresh(self) -> bool:
+        """True during the calls that may still compile (see ``first_call``)."""
+        return self.warmup_calls > 0

@@ -351,18 +351,19 @@ def _check_pipeline_depth(part: Partition, options: Any, training: bool) -> None
         needed = 2 * n - 1
         if g < needed:
             raise Error(
-                f"opts.Training.gradientAccumulation({g}) must be greater than or equal to "
-                f"the number of pipeline stages ({needed}) when using "
-                f"poptorch.PipelinedExecution: a model with {n} pipeline stages has "
-                f"{n - 1} additional (backward) stages when training. Increase "
-                "gradientAccumulation, or use poptorch.ShardedExecution.")
+                f"poptorch.Options().Training.gradientAccumulation must be greater than or "
+                f"equal to the number of pipeline stages ({needed}) when using "
+                f"poptorch.PipelinedExecution. Please note that a model with {n} pipeline "
+                f"stages in PopTorch will have an additional {n - 1} stages when training. "
+                f"It is {g}: increase it, or use poptorch.ShardedExecution.")
     else:
         d = options.device_iterations
         if d < n:
             raise Error(
-                f"opts.deviceIterations({d}) must be greater than or equal to the number of "
-                f"pipeline stages ({n}) for inference with poptorch.PipelinedExecution. "
-                "Increase deviceIterations, or use poptorch.ShardedExecution.")
+                f"poptorch.Options().deviceIterations must be greater than or equal to the "
+                f"number of pipeline stages ({n}) for inference with "
+                f"poptorch.PipelinedExecution. It is {d}: increase it, or use "
+                "poptorch.ShardedExecution.")
 
 
 __all__ = ["BlockNamer", "BlockTrace", "Partition", "StagePlan", "trace_blocks",

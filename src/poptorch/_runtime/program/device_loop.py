@@ -145,11 +145,26 @@ class DeviceProgram:
 
     def _loss_of(self, output: Any) -> torch.Tensor:
         loss = find_loss(output, context.take_marked_losses())
+        if not loss.requires_grad:
+            loss = self._zero_gradient_loss(loss)
         if self.loss_multiplier != 1.0:
             loss = loss * self.loss_multiplier
         if self.scaler is not None:
             loss = self.scaler.scale(loss)
         return loss
+
+    def _zero_gradient_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """A loss that depends on no trainable parameter (PopTorch accepts it): every
+        parameter gets a zero gradient, so the optimizer still steps (weight decay,
+        momentum) as PopTorch's would."""
+        from ..._logging import log_once
+        import logging
+        log_once(logging.WARNING, ("loss without gradient",),
+                 "The training model's loss does not depend on any trainable parameter: "
+                 "its gradients are zero.")
+        anchor = sum((p.reshape(-1)[0] * 0.0 for p in self.params),
+                     torch.zeros((), device=loss.device))
+        return loss.detach() + anchor
 
     def _train_step(self, microbatches: list) -> list:
         params = self.params

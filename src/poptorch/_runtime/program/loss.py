@@ -5,11 +5,16 @@ PopTorch trains on the loss the model computes. In order of preference:
 1. a tensor marked by :py:func:`poptorch.identity_loss` during the forward pass and
    returned by the model (several marked and returned losses are summed);
 2. the output itself, when the model returns a single tensor with one element;
-3. the last element of a returned tuple or list, when it is a one-element tensor
-   (the ``(output, loss)`` convention), else its first element, when that is one
-   (Hugging Face's ``(loss, logits, ...)`` convention);
+3. in a returned tuple or list, a one-element tensor chosen in this order: one that
+   depends on the parameters before one that does not (``(loss, accuracy)``), a 0-dim
+   tensor before a one-element one (Hugging Face's ``(loss, logits, ...)`` with a
+   single-row ``logits``), the last element before the first (the ``(output, loss)``
+   convention), then the last such element in between;
 4. the ``"loss"`` entry of a returned mapping (a dict, or a dict-like output such as
    Hugging Face's ``ModelOutput``), when it is a one-element tensor.
+
+A loss that depends on no trainable parameter is accepted, as in PopTorch: its
+gradients are zero (see ``DeviceProgram``).
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from torch.utils import _pytree as pytree
 from ...errors import Error
 
 _NO_LOSS = (
-    "A training model must compute its loss: return the loss, or (output, loss), or "
+    "Couldn't find a loss in graph: a training model must compute its loss: return the loss, or (output, loss), or "
     "mark it with poptorch.identity_loss(loss, reduction). This model returned {what}.")
 
 
@@ -39,23 +44,37 @@ def find_loss(output: Any, marked: list) -> torch.Tensor:
         return loss
     candidate = output
     if isinstance(output, (tuple, list)) and output:
-        candidate = output[-1]
-        if not _is_scalar(candidate) and _is_scalar(output[0]):
-            candidate = output[0]
+        candidate = _tuple_loss(output)
     elif isinstance(output, Mapping):
         candidate = output.get("loss")
-    if isinstance(candidate, torch.Tensor) and candidate.numel() == 1:
-        if not candidate.requires_grad:
-            raise Error(
-                "The loss returned by the training model does not depend on any trainable "
-                "parameter (it has no gradient): check that the model's parameters have "
-                "requires_grad=True and that the loss is computed from the model's output.")
+    if _is_scalar(candidate):
         return candidate if candidate.dim() == 0 else candidate.reshape(())
     return _raise_no_loss(output)
 
 
 def _is_scalar(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.numel() == 1
+
+
+def _tuple_loss(output: Any) -> Any:
+    """The loss of a returned tuple or list (rule 3 of the module docstring)."""
+    first, last = output[0], output[-1]
+
+    def with_grad(v: Any) -> bool:
+        return _is_scalar(v) and v.requires_grad
+
+    for test in (lambda v: with_grad(v) and v.dim() == 0, with_grad):
+        for candidate in (last, first):
+            if test(candidate):
+                return candidate
+    inner = [t for t in output if with_grad(t)]
+    if inner:
+        return inner[-1]
+    for test in (lambda v: _is_scalar(v) and v.dim() == 0, _is_scalar):
+        for candidate in (last, first):
+            if test(candidate):
+                return candidate
+    return last
 
 
 def _raise_no_loss(output: Any) -> torch.Tensor:

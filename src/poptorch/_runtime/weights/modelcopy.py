@@ -38,9 +38,12 @@ class TrainingMode:
     the tree costs far more than checking the flags): :meth:`forget` lists them again at
     the next one, as after ``destroy()``."""
 
-    def __init__(self, model: torch.nn.Module, training: bool) -> None:
+    def __init__(self, model: torch.nn.Module, training: bool,
+                 keep_eval: list[torch.nn.Module] | None = None) -> None:
         self.model = model
         self.training = training
+        # modules left in eval mode by a training wrapper (see PoplarExecutor)
+        self._keep = {id(m) for m in keep_eval or ()}
         self._modules: list[torch.nn.Module] | None = None
         self._flipped: list[torch.nn.Module] = []
 
@@ -52,7 +55,8 @@ class TrainingMode:
         if self._modules is None:
             self._modules = list(self.model.modules())
         mode = self.training
-        self._flipped = [m for m in self._modules if m.training != mode]
+        self._flipped = [m for m in self._modules
+                         if m.training != mode and id(m) not in self._keep]
         for module in self._flipped:
             module.training = mode
 
