@@ -6,6 +6,7 @@ sharing in ``_runtime/weights/``, model parallelism in ``_runtime/placement/``.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -26,7 +27,6 @@ from .._runtime.weights.modelcopy import TrainingMode, shallow_copy_module
 from .._runtime.program.optimizer import (DeviceOptimizerSync, attach_optimizer,
                                  make_loss_scaler)
 from .._runtime.program.device_loop import DeviceProgram, RngScope
-from .._runtime.tracing import configure_executable_cache
 from .._runtime.program.replica_groups import grouped_parameters
 from .._runtime.program.runner import PerReplicaRunner, ReplicaBuffers, SequentialRunner
 from .._runtime.weights.constants import TensorConstants
@@ -37,6 +37,8 @@ from ..optim.optimizers import SGD
 from ..options.options import Options
 
 __all__ = ["PoplarExecutor", "isRunningOnIpu"]
+
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 def isRunningOnIpu() -> bool:
@@ -102,6 +104,8 @@ class PoplarExecutor(ExecutorInspection):
         d["_replica_buffers"] = None
         d["_precision"] = None
         d["_optimizer_sync"] = None
+        d["_backend"] = None
+        d["_source"] = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -151,6 +155,8 @@ class PoplarExecutor(ExecutorInspection):
         try:
             plan = self._plan()
             split_inputs(plan, args, kwargs)  # check batch sizes before anything else
+            from .program_setup import check_precompiled_inputs
+            check_precompiled_inputs(self, args, kwargs)
             self.__dict__["_signature"] = InputSignature(self._model.forward, args, kwargs)
             self.__dict__["_tensor_constants"] = TensorConstants(self._model)
             if self._training:
@@ -173,6 +179,8 @@ class PoplarExecutor(ExecutorInspection):
                 compile_device_program(self._program, runner, self._model, device,
                                        self._model_name(),
                                        bool(opts.show_compilation_progress_bar))
+            from .program_setup import program_source
+            self.__dict__["_source"] = program_source(self, args, kwargs)
             if opts.synthetic_data:
                 from .._runtime.batching.synthetic import SyntheticInputs
                 self.__dict__["_synthetic"] = SyntheticInputs(self._device)
@@ -193,21 +201,16 @@ class PoplarExecutor(ExecutorInspection):
     def _build_runner(self):
         from .._runtime.placement.build import build_runner
         runner = build_runner(self._model, self._options, self._training)
-        cache_dir = self._options.executable_cache_dir
         if runner is not None:
             device = getattr(runner, "output_device", torch.device("cpu"))
             self.__dict__["_device"] = getattr(runner, "input_device", device)
             self.__dict__["_backend"] = backend_name(self._options, device)
-            if cache_dir is not None:
-                configure_executable_cache(cache_dir, self._backend)
             return runner, device
         device = _devices.acquire_devices(self._options, 1)[0]
         self.__dict__["_device"] = device
         forward = self._model
         backend = backend_name(self._options, device)
         self.__dict__["_backend"] = backend
-        if cache_dir is not None:
-            configure_executable_cache(cache_dir, backend)
         return SequentialRunner(forward), device
 
     def _per_replica_state(self, runner, plan: BatchPlan, cross):
@@ -318,10 +321,8 @@ class PoplarExecutor(ExecutorInspection):
         if policy.checks_finite:
             program.finite_check = policy.check_step
             program.named_params = list(self._model.named_parameters())
-        if opts.profile_dir is not None:
-            from .._runtime.tracing import CallProfiler
-            program.wrappers.insert(0, CallProfiler(opts.profile_dir, self._model_name(),
-                                                    self._device))
+        from .program_setup import install_profiling
+        install_profiling(self, program)
 
     def _install_casting(self, program: DeviceProgram, policy) -> None:
         """float16 rules and poptorch.autocast: one context entered around each call
@@ -373,7 +374,8 @@ class PoplarExecutor(ExecutorInspection):
         if opt_sync is not None:
             opt_sync.before_run()
         try:
-            with self._mode:
+            source = self._source
+            with self._mode, (source.first_call() if source.fresh else _NO_CONTEXT):
                 if casting is None:
                     result = self._program.run(args, kwargs)
                 else:
@@ -516,8 +518,11 @@ class PoplarExecutor(ExecutorInspection):
 
     def compileAndExport(self, filename: str, *args, export_model: bool = True,
                          **kwargs) -> None:
-        """Compile for these inputs and save the result to ``filename``."""
-        self.compile(*args, **kwargs)
+        """Compile for these inputs and save the result (with the compiled program and
+        the input signature, see docs/precompilation.md) to ``filename``; the model's
+        state is left as it was."""
+        from .._runtime.export import compile_by_running
+        compile_by_running(self, args, kwargs)
         self.save(filename, export_model=export_model)
 
     def loadExecutable(self, filename: str) -> None:
