@@ -146,6 +146,7 @@ def test_missing_name_domain_and_bad_attributes_raise(library):
     h = torch.randn(2, 6)
     with pytest.raises(poptorch.Error, match="has no operator 'Cube'.*ScaledCube"):
         poptorch.custom_op([h, h], "Cube", "com.acme", 1, example_outputs=[h, h])
+    # A domain nobody registered: what a user sees when the library was never loaded.
     with pytest.raises(poptorch.Error, match="nothing is registered.*LoadLibrary"):
         poptorch.custom_op([h], "ScaledCube", "org.nobody", 1, example_outputs=[h])
     with pytest.raises(RuntimeError, match="mode must be 'add' or 'subtract'"):

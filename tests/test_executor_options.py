@@ -397,21 +397,6 @@ def test_half_upcast_to_float_is_active_while_the_program_runs():
 
 
 # ---------------------------------------------------------------- profiling and caching
-def test_profiling_writes_one_trace_per_call(tmp_path):
-    import json
-    model = MLP()
-    opts = poptorch.Options().deviceIterations(2).enableProfiling(str(tmp_path))
-    opts.modelName("net")
-    pop = poptorch.inferenceModel(model, opts)
-    x, _ = data(4)
-    for _ in range(2):
-        assert (pop(x) - model(x)).abs().max() <= TOL
-    names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["net.inference.call0.json", "net.inference.call1.json"]
-    events = json.loads((tmp_path / names[0]).read_text())["traceEvents"]
-    assert any("linear" in str(e.get("name", "")) for e in events)
-
-
 def test_executable_caching_with_eager_is_recorded_and_logged(tmp_path, caplog):
     import logging
     cache = tmp_path / "cache"
@@ -426,8 +411,7 @@ def test_executable_caching_with_eager_is_recorded_and_logged(tmp_path, caplog):
     assert opts.executable_cache_dir == str(cache) and not cache.exists()
 
 
-def test_executable_caching_fills_the_inductor_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "previous"))
+def test_executable_caching_stores_the_inductor_program(tmp_path):
     torch._dynamo.reset()
     cache = tmp_path / "cache"
     opts = poptorch.Options().enableExecutableCaching(str(cache))
@@ -435,8 +419,9 @@ def test_executable_caching_fills_the_inductor_cache(tmp_path, monkeypatch):
     model = MLP()
     pop = poptorch.inferenceModel(model, opts)
     x, _ = data(2)
-    assert (pop(x) - model(x)).abs().max() <= 1e-4
-    assert cache.is_dir() and any(cache.rglob("*")), "inductor wrote nothing to the cache"
+    for _ in range(2):  # a float32 model compiles at its second call (docs/options.md)
+        assert (pop(x) - model(x)).abs().max() <= 1e-4
+    assert len(list(cache.glob("*.popcache"))) == 1, "nothing was stored in the cache"
 
 
 # ------------------------------------------------------- optimizer state on accelerators

@@ -195,23 +195,26 @@ def test_mapping_without_a_loss_is_a_clear_error():
 class LossFirst(torch.nn.Module):
     """Hugging Face's tuple convention: (loss, logits) when labels are given."""
 
-    def __init__(self):
+    def __init__(self, outputs=2):
         super().__init__()
-        self.fc = torch.nn.Linear(4, 2)
+        self.fc = torch.nn.Linear(4, outputs)
 
     def forward(self, x, y):
         out = self.fc(x)
         return torch.nn.functional.mse_loss(out, y), out
 
 
-def test_loss_first_in_a_tuple_when_the_last_element_is_not_a_scalar():
+@pytest.mark.parametrize("rows,outputs", [(4, 2), (1, 1)])
+def test_loss_first_in_a_tuple_when_the_last_element_is_not_a_0dim_tensor(rows, outputs):
+    # (1, 1): the logits of a single row are a one-element tensor too; the 0-dim loss wins
     torch.manual_seed(0)
-    model = LossFirst()
+    model = LossFirst(outputs)
     ref = copy.deepcopy(model)
     pop = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(3):
-        x, y = _data(step)
+        x, y = _data(step, n=rows)
+        y = y[:, :outputs]
         loss, _ = pop(x, y)
         ref_opt.zero_grad()
         ref_loss, _ = ref(x, y)

@@ -68,7 +68,8 @@ def setters():
 
 
 SETTERS = setters()
-ALIASES = {"anchorMode": "outputMode"}  # deprecated names report the current one
+ALIASES = {"anchorMode": "outputMode",  # deprecated names report the current one
+           "accumulationReductionType": "accumulationAndReplicationReductionType"}
 
 
 def names_argument(message, *names):
@@ -111,7 +112,7 @@ line = st.one_of(
     st.builds(setter_line, st.sampled_from(SETTERS),
               st.lists(st.one_of(st.none(), st.booleans(), st.integers(-10, 10**6),
                                  st.floats(-1e3, 1e3), st.text(max_size=6)), max_size=2)),
-    st.text(max_size=30),
+    st.text(max_size=30).map(lambda t: t.replace("\n", " ").replace("\r", " ")),
     st.sampled_from(["", "# comment", "deviceIterations(", "import os", "__import__('os')",
                      "deviceIterations(4) + 1", "Training.nope(1)", "x = 1",
                      "outputMode(poptorch.OutputMode.All)", "Precision.setPartialsType("

@@ -17,7 +17,7 @@ SHAPES = [((8, 12), (12, 4)),            # 2-D
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("factor", [1, 2, 4])
+@pytest.mark.parametrize("factor", [1, 4])
 @pytest.mark.parametrize("shapes", SHAPES)
 def test_forward_and_gradients_equal_matmul(mode, factor, shapes):
     torch.manual_seed(0)

@@ -18,12 +18,14 @@ so casts are recorded by autograd and float32 weights receive float32 gradients)
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any, Callable, Iterable
 
 import torch
 
 from ._runtime.numerics.autocast import (AutocastRun, CastRules, enter_region, exit_region,
                                 canonical_name, install_module_hooks, op_name)
+from ._runtime.numerics.casting import DefaultCasting
 from ._runtime.weights.modelcopy import iter_module_pairs
 from .errors import Error
 
@@ -222,12 +224,19 @@ def options_settings(options: Any) -> tuple[bool, Policy]:
     return bool(enabled), policy if policy is not None else default
 
 
-def prepare_model(model: torch.nn.Module, user_model: torch.nn.Module,
-                  options: Any, default_casting: Any = None) -> tuple[AutocastRun, list]:
-    """Hook the compiled copy ``model`` for autocasting. Module switches are read from
+def prepare_model(model: torch.nn.Module, user_model: torch.nn.Module, options: Any,
+                  half_float_casting: Any = None) -> tuple[AutocastRun, list]:
+    """The context the executor enters around each call of the compiled copy ``model``:
+    autocast regions and policy, and (``half_float_casting`` is ``Default``) the
+    float16 rules of ``_runtime/numerics/casting.py``. Module switches are read from
     the user's modules (``user_model``), so ``layer.autocast()`` called after wrapping
-    still counts. ``default_casting`` (the float16 rules' wrapper, or None) is entered by
-    the same program wrapper. Returns the wrapper and the hook handles."""
+    still counts. Returns the context and the handles of the wrapped forwards."""
+    from .enums import HalfFloatCastingBehavior
+    default_casting = None
+    if half_float_casting == HalfFloatCastingBehavior.Default and any(
+            t.is_floating_point() for t in itertools.chain(model.parameters(),
+                                                           model.buffers())):
+        default_casting = DefaultCasting(model)
     enabled, policy = options_settings(options)
     rules = policy.rules()
     handles: list = []

@@ -1,75 +1,330 @@
-"""Profiling (``Options.enableProfiling(profile_dir)``) and executable caching
-(``Options.enableExecutableCaching(path)``).
+"""Profiling: one Chrome / Perfetto trace per run and a summary of where the time went.
 
-Profiling runs each call's device program under :py:mod:`torch.profiler` and writes one
-Chrome / Perfetto trace (JSON, open it in ``chrome://tracing`` or ui.perfetto.dev) per
-call: ``<profile_dir>/<name>.<training|inference>.call<N>.json``, where ``name`` is
-``Options.modelName`` or the model's class name and ``N`` counts the calls of this
-compiled model from 0. Profile a few calls, not a whole training run: each trace is
-written when its call ends.
+Turned on by ``Options.enableProfiling(dir)``, or the variables PopTorch users set for
+PopVision: ``POPLAR_ENGINE_OPTIONS='{"autoReport.all":"true",
+"autoReport.directory":"dir"}'`` or ``PVTI_OPTIONS='{"enable":"true"}'`` (directory: the
+current one unless ``"directory"`` or ``autoReport.directory`` says otherwise).
 
-Caching points the inductor backend's caches (compiled graphs, autograd graphs) at the
-directory, so that another process compiling the same model starts faster. torch keeps
-one cache directory per process (``TORCHINDUCTOR_CACHE_DIR``), so the last model
-compiled with caching chooses it. The eager backend generates no code: there is nothing
-to cache, which is logged once at INFO.
+The first profiled model starts one :py:mod:`torch.profiler` session for the whole
+process; it ends when the process exits (or :py:func:`finish` is called), writing
+``<dir>/poptorch.<pid>.trace.json`` (open it in ui.perfetto.dev or chrome://tracing) and
+printing a summary. The trace holds torch's operator events and these ranges:
+
+* ``poptorch::<model> call <n>``: one call of a compiled model (its device loop);
+* ``poptorch::device iteration <i>``: one optimizer step (training) or iteration;
+* ``poptorch::micro-batch <k> replica <r>``: the forward pass of one micro-batch;
+* ``Optimizer.step#<Optimizer>.step``: the optimizer update (torch's own range);
+* ``stage <s> forward|backward <k>``: each pipeline / sharded / phased stage op, on one
+  row per stage (these run on worker threads, so they are added from the schedule's
+  timestamps when the trace is written);
+* the user's ``poptorch.profiling.Channel`` tracepoints (``<channel>::<name>``) and
+  ``poptorch.NameScope`` scopes, when they run on the calling thread.
 """
 from __future__ import annotations
 
+import atexit
+import json
 import os
+import threading
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .._logging import info_once, logger
+from ..errors import Error
+
+_TRUE = ("true", "1", "yes", "on")
+
+
+def _env_json(name: str) -> dict:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise Error(f"{name} is not valid JSON ({e}): expected for example "
+                    f"{name}='{{\"autoReport.all\":\"true\"}}'.") from e
+    if not isinstance(value, dict):
+        raise Error(f"{name} must be a JSON object, got {text!r}.")
+    return value
+
+
+def profile_directory(options: Any) -> str | None:
+    """Where this model's run is profiled, or None (module docstring)."""
+    if options.profile_dir is not None:
+        return options.profile_dir
+    engine = _env_json("POPLAR_ENGINE_OPTIONS")
+    if str(engine.get("autoReport.all", "")).lower() in _TRUE:
+        return str(engine.get("autoReport.directory", "."))
+    pvti = _env_json("PVTI_OPTIONS")
+    if str(pvti.get("enable", "")).lower() in _TRUE:
+        return str(pvti.get("directory", engine.get("autoReport.directory", ".")))
+    return None
+
+
+@dataclass
+class ModelStats:
+    """Host timings of one profiled model, summed over the run."""
+    name: str
+    calls: int = 0
+    call_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    waiting_seconds: float = 0.0
+    iterations: int = 0
+    microbatches: int = 0
+    forward_seconds: float = 0.0
+    stage_busy: dict = field(default_factory=dict)
+    stage_span: float = 0.0
+    bubble: list = field(default_factory=list)
+
+
+class RunProfiler:
+    """The process's profiling session (module docstring). Use :py:func:`session`."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.models: list[ModelStats] = []
+        self.stage_events: list[dict] = []
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profile = torch.profiler.profile(activities=activities)
+        self.profile.__enter__()
+        # A range with a known host time, to place the stage events on torch's clock.
+        self.clock_ns = time.perf_counter_ns()
+        with torch.profiler.record_function("poptorch::run"):
+            pass
+        self.path: str | None = None
+        self.summary: str | None = None
+
+    def add_stage_events(self, name: str, record: Any, stats: ModelStats) -> None:
+        """Record the ops of one pipeline / sharded / phased step (``ScheduleRecord``)."""
+        events = [e for e in record.events if e.end is not None]
+        if not events:
+            return
+        for e in events:
+            kind = "forward" if e.kind == "F" else "backward"
+            self.stage_events.append({
+                "name": f"stage {e.stage} {kind} {e.microbatch}", "stage": e.stage,
+                "model": name, "start": e.start, "end": e.end})
+            stats.stage_busy[e.stage] = stats.stage_busy.get(e.stage, 0.0) + e.end - e.start
+        stats.stage_span += max(e.end for e in events) - min(e.start for e in events)
+        stats.bubble.append(record.bubble_fraction())
+
+    def finish(self) -> str:
+        """Stop profiling, write the trace and return its path (idempotent)."""
+        if self.path is not None:
+            return self.path
+        self.profile.__exit__(None, None, None)
+        os.makedirs(self.directory, exist_ok=True)
+        path = os.path.join(self.directory, f"poptorch.{os.getpid()}.trace.json")
+        self.profile.export_chrome_trace(path)
+        self._add_stage_rows(path)
+        self.path = path
+        self.summary = render_summary(self.models, path)
+        return path
+
+    def _add_stage_rows(self, path: str) -> None:
+        if not self.stage_events:
+            return
+        with open(path, encoding="utf-8") as f:
+            trace = json.load(f)
+        events = trace.setdefault("traceEvents", [])
+        marker = next((e for e in events if e.get("name") == "poptorch::run"), None)
+        if marker is None:
+            return
+        offset_us = float(marker["ts"]) - self.clock_ns / 1000.0
+        pid = marker.get("pid", os.getpid())
+        for stage in sorted({e["stage"] for e in self.stage_events}):
+            events.append({"ph": "M", "name": "thread_name", "pid": pid,
+                           "tid": f"poptorch stage {stage}",
+                           "args": {"name": f"poptorch stage {stage}"}})
+        for e in self.stage_events:
+            events.append({"ph": "X", "cat": "poptorch", "name": e["name"], "pid": pid,
+                           "tid": f"poptorch stage {e['stage']}",
+                           "ts": e["start"] * 1e6 + offset_us,
+                           "dur": (e["end"] - e["start"]) * 1e6,
+                           "args": {"model": e["model"]}})
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(trace, f)
+
+
+_SESSION: RunProfiler | None = None
+_LOCK = threading.Lock()
+
+
+def session(directory: str) -> RunProfiler:
+    """The run's profiler, started on first use (the first directory asked wins)."""
+    global _SESSION
+    with _LOCK:
+        if _SESSION is None:
+            _SESSION = RunProfiler(directory)
+            atexit.register(_at_exit)
+            info_once(("profile", directory),
+                      "Profiling this run: the trace is written to %s when the process "
+                      "exits", os.path.join(directory, f"poptorch.{os.getpid()}.trace.json"))
+        elif os.path.abspath(directory) != os.path.abspath(_SESSION.directory):
+            info_once(("profile-dir", directory),
+                      "Profiling: one trace per run, already written to %s (not %s)",
+                      _SESSION.directory, directory)
+        return _SESSION
+
+
+def finish() -> str | None:
+    """End the run's profiling now: write the trace, print the summary, return the
+    trace's path (None when nothing was profiled). A later profiled call starts a new
+    trace."""
+    global _SESSION
+    with _LOCK:
+        current, _SESSION = _SESSION, None
+    if current is None:
+        return None
+    path = current.finish()
+    print(current.summary, flush=True)
+    return path
+
+
+def _at_exit() -> None:
+    try:
+        finish()
+    except Exception as e:  # never turn a finished run into a crash at exit
+        logger.warning("Profiling: could not write the trace: %s", e)
 
 
 class CallProfiler:
-    """Context manager: profiles one call and writes its trace (module docstring)."""
+    """Profiles every call of one model: wraps ``program.run`` (the whole call, with
+    the host's input splitting and output collection) and is entered around the device
+    loop (the compute part)."""
 
-    def __init__(self, directory: str, name: str, device: torch.device) -> None:
+    def __init__(self, directory: str, name: str, program: Any, runner: Any) -> None:
         self.directory = directory
         self.name = name
-        self.calls = 0
-        self.activities = [torch.profiler.ProfilerActivity.CPU]
-        if device.type == "cuda":
-            self.activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self._profile: Any = None
-        self.last_trace: str | None = None
+        self.runner = runner
+        self.stats: ModelStats | None = None
+        self._session: RunProfiler | None = None
+        self._last_end: float | None = None
+        run = program.run
+
+        def profiled_run(args: tuple, kwargs: dict) -> Any:
+            self._begin()
+            t0 = time.perf_counter()
+            with torch.profiler.record_function(
+                    f"poptorch::{self.name} call {self.stats.calls}"):
+                try:
+                    return run(args, kwargs)
+                finally:
+                    end = time.perf_counter()
+                    stats = self.stats
+                    stats.calls += 1
+                    stats.call_seconds += end - t0
+                    if self._last_end is not None:
+                        stats.waiting_seconds += max(0.0, t0 - self._last_end)
+                    self._last_end = end
+
+        program.run = profiled_run
+
+    def _begin(self) -> None:
+        session_ = session(self.directory)
+        if session_ is not self._session:
+            self._session = session_
+            self.stats = ModelStats(self.name)
+            session_.models.append(self.stats)
+            self._last_end = None
+        if self.runner is not None:
+            self.runner.begin_call(self.stats, session_, self.name)
 
     def __enter__(self) -> None:
-        self._profile = torch.profiler.profile(activities=self.activities)
-        self._profile.__enter__()
+        self._t0 = time.perf_counter()
 
     def __exit__(self, *exc: Any) -> None:
-        profile, self._profile = self._profile, None
-        profile.__exit__(*exc)
-        if exc[0] is not None:
-            return
-        os.makedirs(self.directory, exist_ok=True)
-        path = os.path.join(self.directory, f"{self.name}.call{self.calls}.json")
-        profile.export_chrome_trace(path)
-        self.calls += 1
-        self.last_trace = path
-        info_once(("profile", self.directory, self.name),
-                  "Profiling %s: one trace per call in %s", self.name, self.directory)
-        logger.debug("Profile of call %d written to %s", self.calls - 1, path)
+        self.stats.compute_seconds += time.perf_counter() - self._t0
 
 
-def configure_executable_cache(path: str | None, backend: str) -> None:
-    """Point torch's compiler caches at ``path`` for the inductor backend."""
-    if path is None:
-        return
-    if backend != "inductor":
-        info_once(("executable-cache", backend),
-                  "enableExecutableCaching(%r): the %s backend generates no code, so "
-                  "there is nothing to cache (recorded only).", path, backend)
-        return
-    path = os.path.abspath(path)
-    os.makedirs(path, exist_ok=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-    inductor_config.fx_graph_cache = True
-    functorch_config.enable_autograd_cache = True
-    info_once(("executable-cache", path), "Caching compiled programs in %s", path)
+class TracingRunner:
+    """Wraps a step runner: one range per runner call (device iteration) and, for the
+    sequential runners, one per micro-batch forward pass naming its replica."""
+
+    def __init__(self, runner: Any, per_step: int, replicas: int) -> None:
+        self.inner = runner
+        self.per_step = per_step
+        self.replicas = replicas
+        self.stats: ModelStats | None = None
+        self.session: RunProfiler | None = None
+        self.name = ""
+        self._iteration = 0
+        self._microbatch = 0
+        sequential = getattr(runner, "inner", runner)
+        if hasattr(sequential, "forward") and callable(sequential.forward):
+            sequential.forward = self._traced_forward(sequential.forward)
+        for attr in ("input_device", "output_device"):
+            if hasattr(runner, attr):
+                setattr(self, attr, getattr(runner, attr))
+
+    def begin_call(self, stats: ModelStats, session_: RunProfiler, name: str) -> None:
+        self.stats, self.session, self.name = stats, session_, name
+        self._iteration = 0
+
+    def _traced_forward(self, forward: Any) -> Any:
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            k = self._microbatch
+            self._microbatch += 1
+            t0 = time.perf_counter()
+            with torch.profiler.record_function(
+                    f"poptorch::micro-batch {k % self.per_step} replica {k % self.replicas}"):
+                out = forward(*args, **kwargs)
+            if self.stats is not None:
+                self.stats.forward_seconds += time.perf_counter() - t0
+                self.stats.microbatches += 1
+            return out
+        return traced
+
+    def __call__(self, microbatches: list, loss_of: Any) -> list:
+        first = self._iteration
+        count = max(1, len(microbatches) // self.per_step)
+        self._iteration += count
+        self._microbatch = 0
+        label = f"device iteration {first}" if count == 1 else \
+            f"device iterations {first}-{first + count - 1}"
+        with torch.profiler.record_function(f"poptorch::{label}"):
+            outputs = self.inner(microbatches, loss_of)
+        if self.stats is not None:
+            self.stats.iterations += count
+            record = getattr(self.inner, "last_schedule", None)
+            if record is not None and self.session is not None:
+                self.session.add_stage_events(self.name, record, self.stats)
+        return outputs
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def render_summary(models: list[ModelStats], path: str) -> str:
+    """The text printed when the run's trace is written."""
+    lines = [f"[poptorch] Profile of this run: {path} (open in ui.perfetto.dev)"]
+    for s in models:
+        if s.calls == 0:
+            continue
+        host = max(0.0, s.call_seconds - s.compute_seconds)
+        lines.append(f"  {s.name}: {s.calls} calls, {s.iterations} device iterations, "
+                     f"{s.call_seconds:.4f} s in calls = {s.compute_seconds:.4f} s compute "
+                     f"(device loop) + {host:.4f} s host (inputs, outputs); "
+                     f"{s.waiting_seconds:.4f} s waiting for the host between calls "
+                     "(data loading, user code)")
+        if s.microbatches:
+            rest = max(0.0, s.compute_seconds - s.forward_seconds)
+            lines.append(f"    forward passes: {s.forward_seconds:.4f} s over "
+                         f"{s.microbatches} micro-batches; backward, optimizer and host "
+                         f"work inside calls: {rest:.4f} s")
+        if s.stage_busy:
+            span = s.stage_span or 1e-12
+            per_stage = ", ".join(f"stage {k}: {v:.4f} s ({100 * v / span:.0f}% busy)"
+                                  for k, v in sorted(s.stage_busy.items()))
+            idle = 1.0 - sum(s.stage_busy.values()) / (span * len(s.stage_busy))
+            schedule = sum(s.bubble) / len(s.bubble)
+            lines.append(f"    time per stage: {per_stage}")
+            lines.append(f"    pipeline bubble: {schedule:.3f} of the schedule's slots "
+                         f"idle, {max(0.0, idle):.3f} of stage time idle as measured")
+    return "\n".join(lines)

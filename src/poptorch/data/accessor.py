@@ -32,7 +32,8 @@ from typing import Any
 import torch
 import torch.multiprocessing
 
-from .faults import exit_code_description, rebuild_worker_exception
+from .faults import (WorkerDiedError, exit_code_description,
+                     rebuild_worker_exception)
 from .tree import unflatten
 from .worker import DatasetFile, WorkerConfig, run_worker
 from .._logging import info_once
@@ -194,8 +195,8 @@ class AsynchronousDataAccessor:
         dataset_file = None
         source: Any = dataset
         if self.sharing_strategy == SharingStrategy.FileSystem:
-            handle, dataset_file = tempfile.mkstemp(prefix=f"poptorch_dataset_{os.getpid()}_",
-                                                    suffix=".pkl")
+            handle, dataset_file = tempfile.mkstemp(
+                prefix=f"poptorch_dataset_{os.getpid()}_", suffix=".pkl")
             with os.fdopen(handle, "wb") as out:
                 pickle.dump(dataset, out)
             source = DatasetFile(dataset_file)
@@ -348,7 +349,7 @@ class AsynchronousDataAccessor:
     def _worker_died(self) -> Error:
         code = self._process.exitcode
         self.terminate()
-        return Error(
+        return WorkerDiedError(
             f"The AsynchronousDataAccessor worker process (pid {self._process.pid}) "
             f"{exit_code_description(code)}; the batches it was loading are lost. "
             "Create a new loader (or resume from a checkpoint, see docs/data.md).")

@@ -13,11 +13,19 @@ from __future__ import annotations
 import pickle
 import re
 import signal
+import time
 from typing import Any
 
 from ..errors import Error
 
-__all__ = ["exit_code_description", "as_worker_death", "rebuild_worker_exception"]
+__all__ = ["WorkerDiedError", "exit_code_description", "as_worker_death",
+           "rebuild_worker_exception", "stop_torch_workers", "install_sigchld_translation"]
+
+
+class WorkerDiedError(Error, RuntimeError):
+    """A data-loading worker process died. A ``poptorch.Error``, and a ``RuntimeError``
+    as torch's own report of a dead worker is, so that code written for torch's loader
+    still catches it."""
 
 # torch: "DataLoader worker (pid 123) is killed by signal: Killed." (strsignal wording)
 # or "DataLoader worker (pid(s) 123, 456) exited unexpectedly".
@@ -50,6 +58,8 @@ def as_worker_death(error: BaseException, iterator: Any = None) -> Error | None:
     """The ``poptorch.Error`` for torch's report of a dead ``DataLoader`` worker, or None
     when ``error`` is something else. ``iterator``: torch's iterator that raised it, whose
     worker processes tell how they ended."""
+    if isinstance(error, WorkerDiedError):
+        return error
     if isinstance(error, Error) or not isinstance(error, (RuntimeError, OSError,
                                                            EOFError)):
         return None
@@ -58,9 +68,10 @@ def as_worker_death(error: BaseException, iterator: Any = None) -> Error | None:
     if killed:
         pid, description = killed.groups()
         name = _signal_names().get(description.strip(), description.strip())
-        return Error(f"A torch DataLoader worker process (pid {pid}) was killed by "
-                     f"signal {name} while loading data. Its batch is lost: restart the "
-                     "epoch (or resume from a checkpoint, see docs/data.md).")
+        return WorkerDiedError(
+            f"A torch DataLoader worker process (pid {pid}) was killed by signal {name} "
+            "while loading data. Its batch is lost: restart the epoch (or resume from a "
+            "checkpoint, see docs/data.md).")
     exited = _TORCH_EXITED.search(text)
     if exited:
         pids = {int(pid) for pid in exited.group(1).replace(" ", "").split(",") if pid}
@@ -68,19 +79,20 @@ def as_worker_death(error: BaseException, iterator: Any = None) -> Error | None:
             f"pid {worker.pid} {exit_code_description(worker.exitcode)}"
             for worker in getattr(iterator, "_workers", [])
             if worker.pid in pids and worker.exitcode is not None)
-        return Error(f"A torch DataLoader worker process ({how or text.strip()}) died "
-                     "while loading data. Its batch is lost: restart the epoch (or resume "
-                     "from a checkpoint, see docs/data.md).")
+        return WorkerDiedError(
+            f"A torch DataLoader worker process ({how or text.strip()}) died while "
+            "loading data. Its batch is lost: restart the epoch (or resume from a "
+            "checkpoint, see docs/data.md).")
     # Receiving a batch from a worker that died while sending it (torch passes tensors
     # through sockets and file descriptors): the connection breaks.
-    dead = [worker for worker in getattr(iterator, "_workers", [])
-            if worker.exitcode not in (None, 0)]
+    dead = _dead_workers(getattr(iterator, "_workers", []))
     if dead:
         how = "; ".join(f"pid {worker.pid} {exit_code_description(worker.exitcode)}"
                         for worker in dead)
-        return Error(f"A torch DataLoader worker process ({how}) died while loading data "
-                     f"({type(error).__name__}: {text}). Its batch is lost: restart the "
-                     "epoch (or resume from a checkpoint, see docs/data.md).")
+        return WorkerDiedError(
+            f"A torch DataLoader worker process ({how}) died while loading data "
+            f"({type(error).__name__}: {text}). Its batch is lost: restart the epoch (or "
+            "resume from a checkpoint, see docs/data.md).")
     return None
 
 
@@ -90,6 +102,17 @@ class _VerbatimMessage(str):
 
     def __repr__(self) -> str:
         return str(self)
+
+
+def _dead_workers(workers: list, wait_s: float = 1.0) -> list:
+    """The workers that ended badly; a broken connection comes a moment before the
+    worker's exit status, so wait for it briefly."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = [worker for worker in workers if worker.exitcode not in (None, 0)]
+        if dead or not workers or time.monotonic() > deadline:
+            return dead
+        time.sleep(0.01)
 
 
 def pickled_type(error: BaseException) -> bytes | None:
@@ -121,3 +144,56 @@ def rebuild_worker_exception(description: str, text: str, error_type: bytes | No
         except Exception:
             pass
     return Error(full)
+
+
+def stop_torch_workers(iterator: Any) -> None:
+    """Stops the workers of a torch iterator one of whose workers died. Their pids are
+    unregistered from torch's SIGCHLD handler first: it would otherwise raise the death
+    again (as a RuntimeError) at any later point of the program, even inside the
+    shutdown itself."""
+    try:
+        from torch.utils.data._utils import signal_handling
+        if getattr(iterator, "_worker_pids_set", False):
+            signal_handling._remove_worker_pids(id(iterator))
+            iterator._worker_pids_set = False
+    except Exception:  # noqa: BLE001 - torch internals moved: still shut down below
+        pass
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    for _ in range(3):  # a signal handler may interrupt it once; try again
+        if shutdown is None:
+            return
+        try:
+            shutdown()
+            return
+        except Exception:  # noqa: BLE001 - best effort: the death is being reported
+            continue
+
+
+def install_sigchld_translation() -> None:
+    """torch's SIGCHLD handler raises a worker's death as a ``RuntimeError`` wherever the
+    main thread happens to be; wrapped, it raises the same death as a
+    :class:`WorkerDiedError` (still a ``RuntimeError``). Installed after torch installed
+    its handler (its first multi-worker iterator), once."""
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return
+    current = signal.getsignal(signal.SIGCHLD)
+    if not callable(current) or getattr(current, "_poptorch_translates", False):
+        return
+
+    reported: set[str] = set()
+
+    def translating_handler(signum, frame):
+        try:
+            current(signum, frame)
+        except RuntimeError as error:
+            death = as_worker_death(error)
+            if death is None:
+                raise
+            if str(death) in reported:  # torch raises it again at every SIGCHLD
+                return
+            reported.add(str(death))
+            raise death from error
+
+    translating_handler._poptorch_translates = True
+    signal.signal(signal.SIGCHLD, translating_handler)

@@ -15,7 +15,7 @@ import torch
 import torch.utils.data
 
 from .accessor import AsynchronousDataAccessor
-from .faults import as_worker_death
+from .faults import as_worker_death, install_sigchld_translation, stop_torch_workers
 from .resume import STATE_VERSION, ResumableIndexSampler, check_state
 from .samplers import CombinedBatchSampler, DistributedPartitionSampler
 from .._runtime.distributed.world import shared_random_seed
@@ -88,14 +88,26 @@ class _PassIterator:
         except StopIteration:
             self.finished = True
             raise
-        except (RuntimeError, OSError, EOFError) as error:
-            death = as_worker_death(error, self._inner)
-            if death is None:
+        except (RuntimeError, OSError, EOFError, Error) as error:
+            death = self._as_death(error)
+            if death is None or death is error:
                 raise
-            _stop_torch_workers(self._inner)
             raise death from error
         self.consumed += 1
         return batch
+
+    def _as_death(self, error: BaseException):
+        """The ``poptorch.Error`` for a dead torch worker (None for other errors); torch's
+        SIGCHLD handler may raise the same death again while this runs."""
+        for _ in range(3):
+            try:
+                death = as_worker_death(error, self._inner)
+                if death is not None:
+                    stop_torch_workers(self._inner)
+                return death
+            except RuntimeError as again:
+                error = again
+        return as_worker_death(error, self._inner)
 
 
 def _read_options(options: Any) -> tuple[int, int, int, int, int, int | None]:
@@ -344,6 +356,8 @@ class DataLoader(torch.utils.data.DataLoader):
         self._started_before = sampler.epochs_started if sampler is not None else 0
         consumed = 0 if resume is None or resume["finished"] else resume["consumed"]
         self._pass = _PassIterator(super().__iter__(), skip, consumed)
+        if self.num_workers > 0:
+            install_sigchld_translation()
         self._previous_position = previous
         return self._pass
 
@@ -441,17 +455,6 @@ def _check_arguments(num_workers: Any, rebatched_worker_size: Any,
     if async_options is not None and not isinstance(async_options, dict):
         raise TypeError("async_options must be a dict of AsynchronousDataAccessor keyword "
                         f"arguments or None; got {type(async_options).__name__}.")
-
-
-def _stop_torch_workers(iterator: Any) -> None:
-    """Stops the workers of a torch iterator one of whose workers died (torch's SIGCHLD
-    handler would otherwise raise again at any later point of the program)."""
-    shutdown = getattr(iterator, "_shutdown_workers", None)
-    if shutdown is not None:
-        try:
-            shutdown()
-        except Exception:  # noqa: BLE001 - best effort: the death is being reported
-            pass
 
 
 def _length_or_none(dataset: Any) -> int | None:

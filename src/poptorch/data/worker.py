@@ -6,8 +6,8 @@ asks for the next batch. Protocol (all messages are tuples on two one-way pipes)
 
 * main -> worker (``commands``): ``("start", epoch, resume)`` begin epoch ``epoch``
   (abandoning an older one still running) at the position ``resume`` (a
-  ``DataLoader.state_dict()``, or None: from the start), ``("free", slot)`` the main process is done with ``slot``,
-  ``("stop",)`` shut down.
+  ``DataLoader.state_dict()``, or None: from the start), ``("free", slot)`` the main
+  process is done with ``slot``, ``("stop",)`` shut down.
 * worker -> main (``results``): ``("batch", epoch, slot, skeleton, tensors_or_None,
   start_or_None)`` (``tensors`` is sent only when the slot's shared tensors had to be
   (re)allocated; ``start``, the random state the epoch's order was drawn from, with the
@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from .faults import as_worker_death, pickled_type
+from .faults import (as_worker_death, install_sigchld_translation, pickled_type,
+                     stop_torch_workers)
 from .tree import Rebatcher, flatten
 
 __all__ = ["WorkerConfig", "DatasetFile", "run_worker"]
@@ -178,6 +179,7 @@ class _Worker:
         self.send_start = True
         try:
             iterator = iter(self.dataset)
+            install_sigchld_translation()
             for batch in iterator:
                 ready = rebatcher.push(batch) if rebatcher else [batch]
                 if skip:  # a resumed pass the data set cannot skip by itself
@@ -255,9 +257,7 @@ class _Worker:
         # one of the data set's torch workers died
         death = as_worker_death(error, getattr(iterator, "_inner", iterator))
         if death is not None:
-            shutdown = getattr(iterator, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()  # no more SIGCHLD reports from its workers
+            stop_torch_workers(iterator)  # no more SIGCHLD reports from its workers
             death.__traceback__ = error.__traceback__
             error = death
         error_type = pickled_type(error)

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from .._runtime.export import read_payload
+from .._runtime.export import read_payload, stash_precompiled
 from ..errors import Error
 from .poplar_executor import PoplarExecutor
 from ..optim.optimizers import SGD
@@ -152,4 +152,5 @@ def load(filename: str, edit_opts_fn: Callable[[Any], None] | None = None) -> Po
     else:
         executor = inferenceModel(model, options)
     executor.__dict__["_pending_rng_state"] = payload["rng_state"]
+    stash_precompiled(executor, payload)
     return executor

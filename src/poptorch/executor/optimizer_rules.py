@@ -1,9 +1,6 @@
 """PopTorch's rules linking a model's optimizer and options (checked when wrapping and
 compiling).
 
-* An ``inferenceModel`` refuses options with ``gradientAccumulation != 1`` when it is
-  wrapped (with a hint for pipelined execution).
-
 * Mean reduction strategy: an optimizer accumulating gradients in float16
   (``accum_type=torch.float16``, not the combined SGD variant) uses
   ``MeanReductionStrategy.Running`` (each micro-batch loss is scaled by ``1/n`` before
@@ -78,22 +75,3 @@ def warn_unexpected_attributes(compiled: tuple[frozenset, list[frozenset]],
                      "setOptimizer: unexpected group %d attribute %r (it was not there "
                      "when the model was compiled): it is not part of the compiled "
                      "update and is ignored.", i, name)
-
-
-def check_inference_accumulation(options: Any) -> None:
-    """PopTorch refuses an inferenceModel whose options accumulate gradients, when the
-    model is wrapped."""
-    g = options.Training.gradient_accumulation
-    if g == 1:
-        return
-    message = ("You must set poptorch.Options().Training.gradientAccumulation to 1 or leave "
-               "it as its default value (1) when running a poptorch.inferenceModel().")
-    from ..annotations.strategies import PipelinedExecution, ShardedExecution
-    from ..errors import Error
-    strategy = options._execution_strategy
-    if isinstance(strategy, PipelinedExecution) and \
-            not isinstance(strategy, ShardedExecution):
-        message += (" Use poptorch.Options().deviceIterations() to process a sufficient "
-                    "number of batches each run for pipelined execution instead.")
-    raise Error(f"{message} (It is {g}; for example use opts.clone() then "
-                "opts.Training.gradientAccumulation(1) for inference.)")

@@ -6,15 +6,17 @@ sharing in ``_runtime/weights/``, model parallelism in ``_runtime/placement/``.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from .. import _devices
 from . import hooks as _hooks, optimizer_rules
 from .processes import join_processes
+from .call_support import (Snapshot, backend_name, check_inference_accumulation, count_tensors,
+                           to_cpu, to_device)
 from .inspection import ExecutorInspection
 from .replica_grouping import GroupableParameter
 from .._logging import info_once, logger
@@ -25,7 +27,6 @@ from .._runtime.weights.modelcopy import TrainingMode, shallow_copy_module
 from .._runtime.program.optimizer import (DeviceOptimizerSync, attach_optimizer,
                                  make_loss_scaler)
 from .._runtime.program.device_loop import DeviceProgram, RngScope
-from .._runtime.tracing import configure_executable_cache
 from .._runtime.program.replica_groups import grouped_parameters
 from .._runtime.program.runner import PerReplicaRunner, ReplicaBuffers, SequentialRunner
 from .._runtime.weights.constants import TensorConstants
@@ -36,6 +37,8 @@ from ..optim.optimizers import SGD
 from ..options.options import Options
 
 __all__ = ["PoplarExecutor", "isRunningOnIpu"]
+
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 def isRunningOnIpu() -> bool:
@@ -64,7 +67,7 @@ class PoplarExecutor(ExecutorInspection):
         # this model) and the model works on its own copy, whose Default output mode is
         # resolved (Final for training, All for inference).
         if not training:
-            optimizer_rules.check_inference_accumulation(options)
+            check_inference_accumulation(options)
         options._freeze()
         options = options.clone()
         if options.defaultOutputMode():
@@ -101,6 +104,8 @@ class PoplarExecutor(ExecutorInspection):
         d["_replica_buffers"] = None
         d["_precision"] = None
         d["_optimizer_sync"] = None
+        d["_backend"] = None
+        d["_source"] = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -150,6 +155,8 @@ class PoplarExecutor(ExecutorInspection):
         try:
             plan = self._plan()
             split_inputs(plan, args, kwargs)  # check batch sizes before anything else
+            from .program_setup import check_precompiled_inputs
+            check_precompiled_inputs(self, args, kwargs)
             self.__dict__["_signature"] = InputSignature(self._model.forward, args, kwargs)
             self.__dict__["_tensor_constants"] = TensorConstants(self._model)
             if self._training:
@@ -172,6 +179,8 @@ class PoplarExecutor(ExecutorInspection):
                 compile_device_program(self._program, runner, self._model, device,
                                        self._model_name(),
                                        bool(opts.show_compilation_progress_bar))
+            from .program_setup import program_source
+            self.__dict__["_source"] = program_source(self, args, kwargs)
             if opts.synthetic_data:
                 from .._runtime.batching.synthetic import SyntheticInputs
                 self.__dict__["_synthetic"] = SyntheticInputs(self._device)
@@ -192,20 +201,16 @@ class PoplarExecutor(ExecutorInspection):
     def _build_runner(self):
         from .._runtime.placement.build import build_runner
         runner = build_runner(self._model, self._options, self._training)
-        cache_dir = self._options.executable_cache_dir
         if runner is not None:
             device = getattr(runner, "output_device", torch.device("cpu"))
             self.__dict__["_device"] = getattr(runner, "input_device", device)
-            if cache_dir is not None:
-                configure_executable_cache(cache_dir, _backend(self._options, device))
+            self.__dict__["_backend"] = backend_name(self._options, device)
             return runner, device
         device = _devices.acquire_devices(self._options, 1)[0]
         self.__dict__["_device"] = device
         forward = self._model
-        backend = _backend(self._options, device)
+        backend = backend_name(self._options, device)
         self.__dict__["_backend"] = backend
-        if cache_dir is not None:
-            configure_executable_cache(cache_dir, backend)
         return SequentialRunner(forward), device
 
     def _per_replica_state(self, runner, plan: BatchPlan, cross):
@@ -288,7 +293,7 @@ class PoplarExecutor(ExecutorInspection):
             output_return_period=opts.output_return_period, params=params,
             optimizer=self.__dict__.get("_device_optimizer"), options=opts,
             rng=RngScope(seed, device),
-            to_host=None if device.type == "cpu" else _to_cpu,
+            to_host=None if device.type == "cpu" else to_cpu,
             anchors=self._anchor_recorder(plan) if opts.anchored_tensors else None,
             cross=cross)
         if self._training:
@@ -316,29 +321,18 @@ class PoplarExecutor(ExecutorInspection):
         if policy.checks_finite:
             program.finite_check = policy.check_step
             program.named_params = list(self._model.named_parameters())
-        if opts.profile_dir is not None:
-            from .._runtime.tracing import CallProfiler
-            program.wrappers.insert(0, CallProfiler(opts.profile_dir, self._model_name(),
-                                                    self._device))
+        from .program_setup import install_profiling
+        install_profiling(self, program)
 
     def _install_casting(self, program: DeviceProgram, policy) -> None:
-        """float16 rules of halfFloatCasting(Default) (weights follow activations, only
-        on calls that need it: ``_runtime/numerics/casting.py``) and poptorch.autocast
-        regions and policies (``autocasting.py``), entered as one program wrapper."""
+        """float16 rules and poptorch.autocast: one context entered around each call
+        (``autocasting.prepare_model``)."""
         from ..autocasting import prepare_model
-        from ..enums import HalfFloatCastingBehavior
-        casting = None
-        if policy.half_float_casting == HalfFloatCastingBehavior.Default:
-            tensors = list(self._model.parameters()) + list(self._model.buffers())
-            if any(t.is_floating_point() for t in tensors):
-                from .._runtime.numerics.casting import DefaultCasting
-                casting = DefaultCasting(self._model)
         for handle in self.__dict__.get("_autocast_hooks") or ():
             handle.remove()
         run, handles = prepare_model(self._model, self._user_model, self._options,
-                                     casting)
-        self.__dict__["_autocast_hooks"] = handles
-        self.__dict__["_casting"] = run  # entered around each call by __call__
+                                     policy.half_float_casting)
+        self.__dict__.update(_autocast_hooks=handles, _casting=run)
         if run.thread_context is not None:
             program.thread_contexts.append(run.thread_context)
 
@@ -352,8 +346,18 @@ class PoplarExecutor(ExecutorInspection):
         args, kwargs = detach_inputs(args, kwargs)
         first = self._program is None
         if first:
-            self._compile(args, kwargs)
-            snapshot = _Snapshot(self._model, self.__dict__.get("_device_optimizer"))
+            # compiling may already create optimizer state (momentum buffers): a failed
+            # first call must not leave it behind
+            user_optimizer = self._optimizer if self._training else None
+            before = None if user_optimizer is None else user_optimizer.state_dict()
+            try:
+                self._compile(args, kwargs)
+            except BaseException:
+                if before is not None:
+                    user_optimizer.load_state_dict(before)
+                raise
+            snapshot = Snapshot(self._model, self.__dict__.get("_device_optimizer"),
+                                user_optimizer, before)
         else:
             self._check_signature(args, kwargs)  # before anything runs
             if self._tensor_constants:
@@ -364,13 +368,14 @@ class PoplarExecutor(ExecutorInspection):
         if self._synthetic is not None:
             args, kwargs = self._synthetic(args, kwargs)
         elif device.type != "cpu":
-            args, kwargs = _to_device((args, kwargs), device)
+            args, kwargs = to_device((args, kwargs), device)
         casting = self.__dict__.get("_casting")
         opt_sync = self._optimizer_sync
         if opt_sync is not None:
             opt_sync.before_run()
         try:
-            with self._mode:
+            source = self._source
+            with self._mode, (source.first_call() if source.fresh else _NO_CONTEXT):
                 if casting is None:
                     result = self._program.run(args, kwargs)
                 else:
@@ -386,8 +391,8 @@ class PoplarExecutor(ExecutorInspection):
         if opt_sync is not None:
             opt_sync.after_run()
         if first:
-            self.__dict__["_io_counts"] = (_count_tensors((args, kwargs)),
-                                           _count_tensors(result))
+            self.__dict__["_io_counts"] = (count_tensors((args, kwargs)),
+                                           count_tensors(result))
         return result
 
     def _check_signature(self, args: tuple, kwargs: dict) -> None:
@@ -511,8 +516,11 @@ class PoplarExecutor(ExecutorInspection):
 
     def compileAndExport(self, filename: str, *args, export_model: bool = True,
                          **kwargs) -> None:
-        """Compile for these inputs and save the result to ``filename``."""
-        self.compile(*args, **kwargs)
+        """Compile for these inputs and save the result (with the compiled program and
+        the input signature, see docs/precompilation.md) to ``filename``; the model's
+        state is left as it was."""
+        from .._runtime.export import compile_by_running
+        compile_by_running(self, args, kwargs)
         self.save(filename, export_model=export_model)
 
     def loadExecutable(self, filename: str) -> None:
@@ -549,51 +557,3 @@ class PoplarExecutor(ExecutorInspection):
         BeginBlock annotations), as in PopTorch."""
         from ..ops.module_repr import module_repr
         return module_repr(self.model)
-
-
-def _backend(options: Options, device: torch.device) -> str:
-    import os
-    name = options.Jit.backend or os.environ.get("POPTORCH_BACKEND")
-    if name is None:
-        name = "inductor" if device.type == "cuda" else "eager"
-    if name not in ("eager", "inductor"):
-        raise Error(f"Unknown backend {name!r}: use 'eager' or 'inductor' "
-                    "(Options.Jit.backend or POPTORCH_BACKEND).")
-    return name
-
-
-def _to_device(structure: Any, device: torch.device) -> Any:
-    def move(t):
-        if not isinstance(t, torch.Tensor) or t.device == device:
-            return t
-        return t.pin_memory().to(device, non_blocking=True)
-    return pytree.tree_map(move, structure)
-
-
-def _count_tensors(structure: Any) -> int:
-    return sum(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(structure))
-
-
-def _to_cpu(structure: Any) -> Any:
-    return pytree.tree_map(
-        lambda t: t.to("cpu") if isinstance(t, torch.Tensor) else t, structure)
-
-
-class _Snapshot:
-    """Model and optimizer state before the first call, restored if that call fails,
-    so that a failing call leaves nothing half-updated."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: Any) -> None:
-        self.tensors = [(t, t.detach().clone()) for t in
-                        list(model.parameters()) + list(model.buffers())]
-        self.optimizer = optimizer
-        self.opt_state = None if optimizer is None else getattr(  # host state only
-            optimizer, "get_state_dict", optimizer.state_dict)()
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for t, saved in self.tensors:
-                t.copy_(saved)
-        if self.optimizer is not None:
-            getattr(self.optimizer, "set_state_dict", self.optimizer.load_state_dict)(
-                self.opt_state)

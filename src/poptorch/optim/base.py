@@ -83,6 +83,25 @@ class Optimizer:
             del state[key]  # hooks: rebuilt empty by torch's __setstate__
         return state
 
+    # --- pickling (torch.save of a model with its optimizer, poptorch.load) --------
+    def __getstate__(self) -> Dict[str, Any]:
+        """torch keeps only defaults, state and param_groups; PopTorch's attributes
+        (loss_scaling, accumulator types, ...) travel too. Hooks and the device reader
+        belong to this process and are left out, as torch leaves out its hooks."""
+        state = super().__getstate__()  # type: ignore[misc]
+        for key, value in self.__dict__.items():
+            if key not in state and not key.startswith("_optimizer_") \
+                    and key != "_device_state_reader":
+                state[key] = value
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)  # type: ignore[misc]
+        self.__dict__.setdefault("host_state_is_dirty", False)
+        self.__dict__.setdefault("ipu_state_is_dirty", False)
+        self.__dict__.setdefault("_extra_state", {})
+        self._device_state_reader = None
+
     # --- construction helpers ---------------------------------------------------
     def _prepare(self, params: Any, passed: Dict[str, Any]) -> Tuple[List[Any], Dict[str, Any]]:
         """Validate param groups and explicit arguments before torch's __init__.

@@ -508,7 +508,7 @@ class Options(OptionsDict):
         :py:class:`poptorch.ConfigFileError` naming the file and line.
         """
         with open(filepath, encoding="utf-8") as handle:
-            lines = handle.read().splitlines()
+            lines = handle.read().split("\n")  # \n only: a form feed is no line break
         for lineno, line in enumerate(lines, start=1):
             text = line.strip()
             if not text or text.startswith("#"):

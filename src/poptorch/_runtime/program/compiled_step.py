@@ -140,6 +140,8 @@ def _device_function(program: Any, model: torch.nn.Module,
             for p, g in zip(params, total):
                 if g is not None:
                     p.grad.copy_(g / divide if divide != 1.0 else g)
+                elif p.grad is not None:  # eager would skip it with grad=None
+                    raise Uncapturable("a parameter that had a gradient gets none")
             raw_step(optimizer)
         return outputs
 
@@ -218,12 +220,19 @@ class CompiledCall:
         if self._eager_calls_left:
             self._eager_calls_left -= 1
             return False
+        if torch._C._len_torch_function_stack():
+            # A torch function mode (the precision rules' casting of a call whose input
+            # dtypes are new) is active: this call runs eagerly; the next ones, once
+            # the rules know no casting is needed, are compiled.
+            return False
         reason = self.blocker()
         if reason is not None:
             info_once(("compiled-call", self.name, reason),
                       "%s: this call runs on the eager device loop: %s.", self.name, reason)
             return False
         if self._fn is None:
+            if self.program.training and all(p.grad is None for p in self.params):
+                return False  # no eager step has completed yet (it raised): run one
             self._build()
         for p in self._grad_params:
             if p.grad is None:
@@ -238,19 +247,19 @@ class CompiledCall:
             return self._run(self._fn, args, kwargs)
         program = self.program
         steps = split_inputs(program.plan, args, kwargs)
-        if self._traced and program.plan.factor == 1:
-            return self._fn(steps[0])[0]  # one micro-batch: its output, in every mode
+        if program.plan.factor == 1:  # one micro-batch: its output, in every mode
+            return self._run(self._fn, steps[0])[0]
         collector = OutputCollector(program.plan, program.output_mode,
                                     program.output_return_period)
         step = self._fn
         for i, microbatches in enumerate(steps):
-            if not self._traced:
+            if step is self._eager_step:
+                outputs = step(microbatches)
+            else:
                 outputs = self._run(step, microbatches, first=i == 0)
-                if outputs is None:  # capture failed after iteration 0
+                if outputs is None:  # capture failed after iteration 0: finish eagerly
                     step = self._eager_step
                     outputs = step(microbatches)
-            else:
-                outputs = step(microbatches)
             for n, out in enumerate(outputs):
                 if collector.wants(i, n):
                     collector.add(n, out)
@@ -260,16 +269,25 @@ class CompiledCall:
         return [_detach(out) for out in self.program._train_step(microbatches)]
 
     def _run(self, fn: Callable[..., Any], *inputs: Any, first: bool = True) -> Any:
-        """Run ``fn``; the call that traces it shows progress and handles failure."""
+        """Run ``fn``. A failed (re)trace raises nothing mid-graph: it abandons the
+        compiled path and raises :py:class:`CaptureFailed` in the first iteration of a
+        call (nothing ran), returns None in a later one (the caller finishes eagerly).
+        The call that first traces ``fn`` shows progress."""
         if self._traced:
-            return fn(*inputs)
+            try:
+                return fn(*inputs)
+            except (torch._dynamo.exc.TorchDynamoException, Uncapturable) as error:
+                self._fail(error)
+                if first:
+                    raise CaptureFailed(str(error)) from error
+                return None
         from tqdm import tqdm
         t0 = time.perf_counter()
         bar = tqdm(total=1, desc=f"Compiling the device program ({self.name})",
                    leave=False, unit="program", disable=not self.progress)
         try:
             result = fn(*inputs)
-        except torch._dynamo.exc.TorchDynamoException as error:
+        except (torch._dynamo.exc.TorchDynamoException, Uncapturable) as error:
             self._fail(error)
             if first:
                 raise CaptureFailed(str(error)) from error
@@ -325,6 +343,10 @@ class CompiledCall:
 
 class CaptureFailed(Exception):
     """Capture of the whole call failed before anything ran: use the eager loop."""
+
+
+class Uncapturable(Exception):
+    """Raised while tracing when the graph would differ from the eager step."""
 
 
 def _compile_forward(runner: Any, model: torch.nn.Module) -> None:

@@ -5,13 +5,12 @@ PopTorch trains on the loss the model computes. In order of preference:
 1. a tensor marked by :py:func:`poptorch.identity_loss` during the forward pass and
    returned by the model (several marked and returned losses are summed);
 2. the output itself, when the model returns a single tensor with one element;
-3. the last element of a returned tuple or list, when it is a one-element tensor
-   (the ``(output, loss)`` convention) that depends on the parameters, or when no
-   other element does;
-4. otherwise the last one-element element of the tuple that depends on the parameters
-   (``(loss, accuracy)``: the accuracy has no gradient, the loss has; Hugging Face's
-   ``(loss, logits, ...)`` convention), else its first element when that is one;
-5. the ``"loss"`` entry of a returned mapping (a dict, or a dict-like output such as
+3. in a returned tuple or list, a one-element tensor chosen in this order: one that
+   depends on the parameters before one that does not (``(loss, accuracy)``), a 0-dim
+   tensor before a one-element one (Hugging Face's ``(loss, logits, ...)`` with a
+   single-row ``logits``), the last element before the first (the ``(output, loss)``
+   convention), then the last such element in between;
+4. the ``"loss"`` entry of a returned mapping (a dict, or a dict-like output such as
    Hugging Face's ``ModelOutput``), when it is a one-element tensor.
 
 A loss that depends on no trainable parameter is accepted, as in PopTorch: its
@@ -45,13 +44,7 @@ def find_loss(output: Any, marked: list) -> torch.Tensor:
         return loss
     candidate = output
     if isinstance(output, (tuple, list)) and output:
-        candidate = output[-1]
-        if not (_is_scalar(candidate) and candidate.requires_grad):
-            with_grad = [t for t in output if _is_scalar(t) and t.requires_grad]
-            if with_grad:
-                candidate = with_grad[-1]
-            elif not _is_scalar(candidate) and _is_scalar(output[0]):
-                candidate = output[0]
+        candidate = _tuple_loss(output)
     elif isinstance(output, Mapping):
         candidate = output.get("loss")
     if _is_scalar(candidate):
@@ -61,6 +54,27 @@ def find_loss(output: Any, marked: list) -> torch.Tensor:
 
 def _is_scalar(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.numel() == 1
+
+
+def _tuple_loss(output: Any) -> Any:
+    """The loss of a returned tuple or list (rule 3 of the module docstring)."""
+    first, last = output[0], output[-1]
+
+    def with_grad(v: Any) -> bool:
+        return _is_scalar(v) and v.requires_grad
+
+    for test in (lambda v: with_grad(v) and v.dim() == 0, with_grad):
+        for candidate in (last, first):
+            if test(candidate):
+                return candidate
+    inner = [t for t in output if with_grad(t)]
+    if inner:
+        return inner[-1]
+    for test in (lambda v: _is_scalar(v) and v.dim() == 0, _is_scalar):
+        for candidate in (last, first):
+            if test(candidate):
+                return candidate
+    return last
 
 
 def _raise_no_loss(output: Any) -> torch.Tensor:
