@@ -216,3 +216,14 @@ def test_inputs_requiring_grad_are_detached_so_recurrent_state_trains():
         torch.testing.assert_close(h_pop, h_ref)
     pop.copyWeightsToHost()
     torch.testing.assert_close(rnn.weight_hh_l0, ref.weight_hh_l0)
+
+
+def test_weight_copies_of_a_loaded_model_before_its_first_call(tmp_path):
+    model = nn.Linear(3, 2)
+    pop = poptorch.inferenceModel(model)
+    x = torch.randn(2, 3)
+    pop.compileAndExport(str(tmp_path / "m.poptorch"), x)
+    loaded = poptorch.load(str(tmp_path / "m.poptorch"))
+    loaded.copyWeightsToHost()  # nothing ran yet: nothing to copy, no error
+    loaded.copyWeightsToDevice()
+    torch.testing.assert_close(loaded(x), model(x))

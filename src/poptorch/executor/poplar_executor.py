@@ -406,8 +406,15 @@ class PoplarExecutor(ExecutorInspection):
     # ------------------------------------------------------------------ weights
     def copyWeightsToHost(self) -> None:
         """Copy the device weights (and buffers) to the user's model."""
+        if self._loaded_not_run():
+            return
         self._require_compiled("copyWeightsToHost")
         self._weights.to_host()
+
+    def _loaded_not_run(self) -> bool:
+        """A model from ``poptorch.load`` compiles at its first call; until then its
+        weights live only in the host model, so weight copies have nothing to do."""
+        return self._program is None and "_pending_precompiled" in self.__dict__
 
     def copyWeightsToHostIfNeeded(self) -> bool:
         """Copy the weights to the host if the device has newer ones; True if copied."""
@@ -415,6 +422,8 @@ class PoplarExecutor(ExecutorInspection):
 
     def copyWeightsToDevice(self) -> None:
         """Copy the user's model weights (and buffers) to the device."""
+        if self._loaded_not_run():
+            return
         self._require_compiled("copyWeightsToDevice")
         self._weights_to_device()
 
