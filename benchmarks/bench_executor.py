@@ -11,57 +11,17 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
 import time
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
-import poptorch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from workloads import CNN, MLP, Tiny  # noqa: E402  (benchmarks/workloads.py)
 
-
-class Tiny(nn.Module):
-    """Overhead-bound: one Linear 32->10."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(32, 10)
-
-    def forward(self, x, y):
-        out = self.fc(x)
-        return out, F.cross_entropy(out, y)
-
-
-class MLP(nn.Module):
-    """784-512-512-10."""
-
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512),
-                                 nn.ReLU(), nn.Linear(512, 10))
-
-    def forward(self, x, y):
-        out = self.net(x)
-        return out, F.cross_entropy(out, y)
-
-
-class CNN(nn.Module):
-    """Small CNN on 1x28x28 images."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
-        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
-        self.fc = nn.Linear(32 * 7 * 7, 10)
-
-    def forward(self, x, y):
-        h = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        h = F.max_pool2d(F.relu(self.conv2(h)), 2)
-        out = self.fc(h.flatten(1))
-        return out, F.cross_entropy(out, y)
-
+import poptorch  # noqa: E402
 
 CASES = [("tiny Linear 32->10", Tiny, (32,), 16, 0.85),
          ("MLP 784-512-512-10", MLP, (784,), 64, 0.95),

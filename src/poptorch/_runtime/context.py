@@ -10,19 +10,29 @@ import threading
 
 import torch
 
-_state = threading.local()
+
+class _ThreadState(threading.local):
+    """Initialised in every thread that reads it (``threading.local`` calls
+    ``__init__`` per thread), so hot paths read plain attributes."""
+
+    def __init__(self) -> None:
+        self.depth = 0      # executor calls running in this thread
+        self.losses = []    # losses marked by identity_loss in the current forward
+
+
+_state = _ThreadState()
 
 
 def is_running_on_ipu() -> bool:
     """True only while an executor runs the wrapped model."""
-    return getattr(_state, "depth", 0) > 0
+    return _state.depth > 0
 
 
 class running_on_ipu:
     """Context manager marking the model as running on the IPU (re-entrant, per thread)."""
 
     def __enter__(self) -> "running_on_ipu":
-        _state.depth = getattr(_state, "depth", 0) + 1
+        _state.depth += 1
         return self
 
     def __exit__(self, *exc) -> None:
@@ -39,16 +49,25 @@ def worker_scope(factories: list) -> contextlib.ExitStack:
     return stack
 
 
+def thread_state() -> threading.local:
+    """The per-thread state object itself, for a caller's hot path: ``depth`` counts
+    the executor calls running in this thread, ``losses`` is the list of marked
+    losses."""
+    return _state
+
+
 def _marked() -> list:
-    marked = getattr(_state, "losses", None)
-    if marked is None:
-        marked = _state.losses = []
-    return marked
+    return _state.losses
 
 
 def mark_loss(tensor: torch.Tensor) -> None:
     """Record ``tensor`` as a loss produced by ``identity_loss`` in this forward."""
-    _marked().append(tensor)
+    _state.losses.append(tensor)
+
+
+def marked_losses() -> list:
+    """This thread's list of marked losses itself (hot paths clear it in place)."""
+    return _marked()
 
 
 def take_marked_losses() -> list:

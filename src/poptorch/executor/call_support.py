@@ -33,12 +33,13 @@ def check_inference_accumulation(options: Options) -> None:
 
 def backend_name(options: Options, device: torch.device) -> str:
     """The backend that runs the model: Options.Jit.backend, POPTORCH_BACKEND, else
-    inductor on CUDA and eager on the CPU."""
+    inductor on CUDA and eager on the CPU. ``fastest``: inductor, kept for an inference
+    model only where it beats the eager loop (``compiled_step.BackendTrial``)."""
     name = options.Jit.backend or os.environ.get("POPTORCH_BACKEND")
     if name is None:
         name = "inductor" if device.type == "cuda" else "eager"
-    if name not in ("eager", "inductor"):
-        raise Error(f"Unknown backend {name!r}: use 'eager' or 'inductor' "
+    if name not in ("eager", "inductor", "fastest"):
+        raise Error(f"Unknown backend {name!r}: use 'eager', 'inductor' or 'fastest' "
                     "(Options.Jit.backend or POPTORCH_BACKEND).")
     return name
 

@@ -13,13 +13,14 @@ from typing import Any
 import torch
 
 from .. import _devices
-from . import hooks as _hooks, optimizer_rules
+from . import hooks as _hooks, optimizer_rules, program_setup
+from .fast_call import MISS, make_fast_call
 from .processes import join_processes
 from .call_support import (Snapshot, backend_name, check_inference_accumulation, count_tensors,
                            to_cpu, to_device)
 from .inspection import ExecutorInspection
 from .replica_grouping import GroupableParameter
-from .._logging import info_once, logger
+from .._logging import logger
 from .._runtime import context
 from .._runtime.batching.plan import BatchPlan, resolve_output_mode, split_inputs
 from .._runtime.batching.signature import InputSignature, detach_inputs
@@ -27,8 +28,7 @@ from .._runtime.weights.modelcopy import TrainingMode, shallow_copy_module
 from .._runtime.program.optimizer import (DeviceOptimizerSync, attach_optimizer,
                                  make_loss_scaler)
 from .._runtime.program.device_loop import DeviceProgram, RngScope
-from .._runtime.program.replica_groups import grouped_parameters
-from .._runtime.program.runner import PerReplicaRunner, ReplicaBuffers, SequentialRunner
+from .._runtime.program.runner import SequentialRunner
 from .._runtime.weights.constants import TensorConstants
 from .._runtime.weights.sync import WeightSync
 from ..enums import CommGroupType, OutputMode
@@ -106,6 +106,7 @@ class PoplarExecutor(ExecutorInspection):
         d["_optimizer_sync"] = None
         d["_backend"] = None
         d["_source"] = None
+        d["_fast"] = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -148,6 +149,7 @@ class PoplarExecutor(ExecutorInspection):
     def _compile(self, args: tuple, kwargs: dict) -> None:
         from tqdm import tqdm
         opts = self._options
+        self.__dict__["_fast"] = None
         t0 = time.perf_counter()
         _hooks.run_pre_compile_hooks()
         bar = tqdm(total=4, desc="Graph compilation", leave=False, unit="stage",
@@ -168,17 +170,19 @@ class PoplarExecutor(ExecutorInspection):
             # Only training needs the other processes; an inference model runs on its
             # own (a program may evaluate on process 0 alone).
             cross = self._join_processes(device) if self._training else None
-            runner = self._per_replica_state(runner, plan, cross)
+            runner = program_setup.per_replica_state(self, runner, plan, cross)
             if cross is not None:
                 runner = cross.wrap_runner(runner, plan.per_step, device)
             bar.update()
             self.__dict__["_program"] = self._build_program(plan, runner, device, cross)
-            self._install_program_extras(self._program)
-            if self.__dict__.get("_backend") == "inductor":
+            program_setup.install_program_extras(self, self._program)
+            backend = self.__dict__.get("_backend")
+            if backend in ("inductor", "fastest"):
                 from .._runtime.program.compiled_step import compile_device_program
                 compile_device_program(self._program, runner, self._model, device,
                                        self._model_name(),
-                                       bool(opts.show_compilation_progress_bar))
+                                       bool(opts.show_compilation_progress_bar),
+                                       measure=backend == "fastest")
             from .program_setup import program_source
             self.__dict__["_source"] = program_source(self, args, kwargs)
             if opts.synthetic_data:
@@ -213,35 +217,6 @@ class PoplarExecutor(ExecutorInspection):
         self.__dict__["_backend"] = backend
         return SequentialRunner(forward), device
 
-    def _per_replica_state(self, runner, plan: BatchPlan, cross):
-        """Give each simulated replica its own buffers (``ReplicaBuffers``) and its
-        group's value of replica-grouped weights (``replica_groups``); no work without
-        replicas, buffers or groupings."""
-        r = plan.replication_factor
-        processes = cross.world.size if cross is not None else 1
-        groupings = self.__dict__.get("_replica_groupings") or {}
-        grouped = grouped_parameters(
-            self._model, groupings, (cross.world.rank if cross is not None else 0) * r, r,
-            r * processes) if groupings else []
-        has_buffers = r > 1 and next(self._model.buffers(), None) is not None
-        if not grouped and not has_buffers:
-            return runner
-        if not isinstance(runner, SequentialRunner):
-            if grouped:
-                raise Error("replicaGrouping needs the default execution (one model per "
-                            "replica); it does not combine with execution strategies or "
-                            "block annotations.")
-            info_once(("shared-replica-buffers",),
-                      "Model-parallel execution with replicationFactor(%d): the replicas "
-                      "share one set of buffers (broadcastBuffers has no effect).", r)
-            return runner
-        states = list(grouped)
-        if has_buffers:
-            buffers = ReplicaBuffers(self._model, r, bool(self._options.broadcast_buffers))
-            self.__dict__["_replica_buffers"] = buffers
-            states.append(buffers)
-        return PerReplicaRunner(runner, states, r, plan.per_step)
-
     def _weights_to_device(self, **which) -> None:
         """Host -> device copy; every replica then holds the host's buffers."""
         self._weights.to_device(**which)
@@ -274,6 +249,7 @@ class PoplarExecutor(ExecutorInspection):
         if DeviceOptimizerSync.needed(user_optimizer, device_optimizer):
             sync = DeviceOptimizerSync(user_optimizer, device_optimizer)
         self.__dict__["_optimizer_sync"] = sync
+        self.__dict__["_fast"] = None  # built again with this sync
 
     def _join_processes(self, device: torch.device):
         return join_processes(self._options, self._model, self._training,
@@ -307,35 +283,6 @@ class PoplarExecutor(ExecutorInspection):
         name = opts.model_name if opts.exists("model_name") else type(self._user_model).__name__
         return f"{name}.{'training' if self._training else 'inference'}"
 
-    def _install_program_extras(self, program: DeviceProgram) -> None:
-        """Precision policy and profiling: installed only when their options ask, so
-        that a call without them costs nothing more."""
-        from .._runtime.numerics.precision import PrecisionPolicy
-        opts = self._options
-        policy = PrecisionPolicy(opts, self._model, self._training, self._device)
-        self.__dict__["_precision"] = policy
-        policy.prepare_optimizer(self.__dict__.get("_device_optimizer"))
-        if policy.active:
-            program.wrappers.append(policy)
-        self._install_casting(program, policy)
-        if policy.checks_finite:
-            program.finite_check = policy.check_step
-            program.named_params = list(self._model.named_parameters())
-        from .program_setup import install_profiling
-        install_profiling(self, program)
-
-    def _install_casting(self, program: DeviceProgram, policy) -> None:
-        """float16 rules and poptorch.autocast: one context entered around each call
-        (``autocasting.prepare_model``)."""
-        from ..autocasting import prepare_model
-        for handle in self.__dict__.get("_autocast_hooks") or ():
-            handle.remove()
-        run, handles = prepare_model(self._model, self._user_model, self._options,
-                                     policy.half_float_casting)
-        self.__dict__.update(_autocast_hooks=handles, _casting=run)
-        if run.thread_context is not None:
-            program.thread_contexts.append(run.thread_context)
-
     def compile(self, *args, **kwargs) -> None:
         """Compile the model for these inputs without running it (no-op if compiled)."""
         if self._program is None:
@@ -343,6 +290,11 @@ class PoplarExecutor(ExecutorInspection):
 
     # ------------------------------------------------------------------ run
     def __call__(self, *args, **kwargs) -> Any:
+        fast = self._fast  # executor/fast_call.py: None = not known yet, False = never
+        if fast:
+            result = fast(args, kwargs)
+            if result is not MISS:
+                return result
         args, kwargs = detach_inputs(args, kwargs)
         first = self._program is None
         if first:
@@ -393,6 +345,8 @@ class PoplarExecutor(ExecutorInspection):
         if first:
             self.__dict__["_io_counts"] = (count_tensors((args, kwargs)),
                                            count_tensors(result))
+        elif fast is None:
+            self.__dict__["_fast"] = make_fast_call(self, args, kwargs)
         return result
 
     def _check_signature(self, args: tuple, kwargs: dict) -> None:
@@ -504,7 +458,8 @@ class PoplarExecutor(ExecutorInspection):
         """Release the device and the compiled program; the next call compiles again."""
         if self._weights is not None:
             self._weights.to_host_if_needed()
-        for name in ("_program", "_weights", "_device", "_replica_buffers", "_synthetic"):
+        for name in ("_program", "_weights", "_device", "_replica_buffers", "_synthetic",
+                     "_fast"):
             self.__dict__[name] = None
         self._mode.forget()
         self.__dict__["_attached"] = False

@@ -1,13 +1,18 @@
 """What a compiled model adds around its device program when its options or its
-origin ask: profiling (``_runtime/tracing.py``) and the source of its compiled program,
-a precompiled file or the executable cache (``_runtime/executable/``)."""
+origin ask: per-replica state, precision and casting, profiling
+(``_runtime/tracing.py``) and the source of its compiled program, a precompiled file or
+the executable cache (``_runtime/executable/``)."""
 from __future__ import annotations
 
 from typing import Any
 
+from .._logging import info_once
 from .._runtime.executable.signature import InputSignature
+from .._runtime.program.replica_groups import grouped_parameters
+from .._runtime.program.runner import PerReplicaRunner, ReplicaBuffers, SequentialRunner
 from .._runtime.executable.source import ProgramSource
 from .._runtime.tracing import CallProfiler, TracingRunner, profile_directory
+from ..errors import Error
 
 
 def install_profiling(executor: Any, program: Any) -> None:
@@ -41,3 +46,67 @@ def program_source(executor: Any, args: tuple, kwargs: dict) -> ProgramSource:
         key_parts={"inputs": (args, kwargs), "training": d["_training"],
                    "options": d["_options"], "model": d["_model"],
                    "optimizer": d["_optimizer"], "version": d["_poptorch_version"]})
+
+
+def per_replica_state(executor: Any, runner: Any, plan: Any, cross: Any) -> Any:
+    """Give each simulated replica its own buffers (``ReplicaBuffers``) and its group's
+    value of replica-grouped weights (``replica_groups``); no work without replicas,
+    buffers or groupings. Returns the runner to use."""
+    d = executor.__dict__
+    model = d["_model"]
+    r = plan.replication_factor
+    processes = cross.world.size if cross is not None else 1
+    groupings = d.get("_replica_groupings") or {}
+    grouped = grouped_parameters(
+        model, groupings, (cross.world.rank if cross is not None else 0) * r, r,
+        r * processes) if groupings else []
+    has_buffers = r > 1 and next(model.buffers(), None) is not None
+    if not grouped and not has_buffers:
+        return runner
+    if not isinstance(runner, SequentialRunner):
+        if grouped:
+            raise Error("replicaGrouping needs the default execution (one model per "
+                        "replica); it does not combine with execution strategies or "
+                        "block annotations.")
+        info_once(("shared-replica-buffers",),
+                  "Model-parallel execution with replicationFactor(%d): the replicas "
+                  "share one set of buffers (broadcastBuffers has no effect).", r)
+        return runner
+    states = list(grouped)
+    if has_buffers:
+        buffers = ReplicaBuffers(model, r, bool(d["_options"].broadcast_buffers))
+        d["_replica_buffers"] = buffers
+        states.append(buffers)
+    return PerReplicaRunner(runner, states, r, plan.per_step)
+
+
+def install_program_extras(executor: Any, program: Any) -> None:
+    """Precision policy, casting and profiling: installed only when their options ask,
+    so that a call without them costs nothing more."""
+    from .._runtime.numerics.precision import PrecisionPolicy
+    d = executor.__dict__
+    model, opts = d["_model"], d["_options"]
+    policy = PrecisionPolicy(opts, model, d["_training"], d["_device"])
+    d["_precision"] = policy
+    policy.prepare_optimizer(d.get("_device_optimizer"))
+    if policy.active:
+        program.wrappers.append(policy)
+    _install_casting(executor, program, policy)
+    if policy.checks_finite:
+        program.finite_check = policy.check_step
+        program.named_params = list(model.named_parameters())
+    install_profiling(executor, program)
+
+
+def _install_casting(executor: Any, program: Any, policy: Any) -> None:
+    """float16 rules and poptorch.autocast: one context entered around each call
+    (``autocasting.prepare_model``)."""
+    from ..autocasting import prepare_model
+    d = executor.__dict__
+    for handle in d.get("_autocast_hooks") or ():
+        handle.remove()
+    run, handles = prepare_model(d["_model"], d["_user_model"], d["_options"],
+                                 policy.half_float_casting)
+    d.update(_autocast_hooks=handles, _casting=run)
+    if run.thread_context is not None:
+        program.thread_contexts.append(run.thread_context)

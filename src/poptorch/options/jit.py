@@ -7,7 +7,7 @@ from typing import Any
 from ..errors import Error
 from .store import OptionsDict, check_bool
 
-_BACKENDS = ("eager", "inductor")
+_BACKENDS = ("eager", "inductor", "fastest")
 
 
 class _JitOptions(OptionsDict):
@@ -30,7 +30,11 @@ class _JitOptions(OptionsDict):
 
     @property
     def backend(self) -> "_BackendName | _AutoBackend":
-        """The compiler backend: ``"eager"``, ``"inductor"`` or automatic.
+        """The compiler backend: ``"eager"``, ``"inductor"``, ``"fastest"`` or automatic.
+
+        ``"fastest"`` compiles like ``"inductor"``; an inference model then times its
+        compiled program against the eager loop over its first calls and keeps the
+        faster one.
 
         Reads as the chosen backend name (a ``str``: ``opts.Jit.backend == "eager"``);
         call it to choose one (``opts.Jit.backend("inductor")``, ``None`` for

@@ -220,6 +220,14 @@ class OutputCollector:
         parts = self._kept if self.mode != OutputMode.Sum else self._sums
         if len(parts) == 1:
             return parts[0]
+        first = parts[0]
+        if isinstance(first, torch.Tensor):
+            if all(isinstance(p, torch.Tensor) for p in parts):
+                return _combine(parts)
+        elif type(first) is tuple and all(
+                type(p) is tuple and len(p) == len(first)
+                and all(isinstance(t, torch.Tensor) for t in p) for p in parts):
+            return tuple(_combine([p[k] for p in parts]) for k in range(len(first)))
         flat = [pytree.tree_flatten(p) for p in parts]
         spec = flat[0][1]
         combined = [_combine([f[0][k] for f in flat]) for k in range(len(flat[0][0]))]

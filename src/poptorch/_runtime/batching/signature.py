@@ -170,6 +170,11 @@ class InputSignature:
                 named[name] = _describe(value)
         return named
 
+    def fingerprint(self) -> tuple | None:
+        """``((dtype, shape), ...)`` of the compiled inputs when they are positional
+        tensors only (the case a call can be checked by comparing these); else None."""
+        return self._fast
+
     def check(self, args: tuple, kwargs: dict) -> None:
         """Raise :py:class:`poptorch.Error` if this call's inputs differ."""
         fast = self._fast

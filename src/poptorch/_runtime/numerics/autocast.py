@@ -223,24 +223,35 @@ class AutocastRun:
             self.default_casting.observe(args, kwargs)
 
     def __enter__(self) -> None:
-        global _global_run
         if self.default_casting is not None:
             self.default_casting.__enter__()
+        self.enter_run()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.exit_run()
+        finally:
+            if self.default_casting is not None:
+                self.default_casting.__exit__(*exc)
+
+    def enter_run(self) -> None:
+        """:py:meth:`__enter__` without the float16 rules (for calls known to need no
+        casting, see ``DefaultCasting.settled``); paired with :py:meth:`exit_run`."""
+        global _global_run
         tls = _tls
         self._saved.append((tls.run, _global_run))
         tls.run = _global_run = self
         if tls.stack and tls.mode is None and self.enabled:
             _start_mode(self, owner=self)  # called inside ``with poptorch.autocast():``
 
-    def __exit__(self, *exc: Any) -> None:
+    def exit_run(self) -> None:
+        """Undo :py:meth:`enter_run`."""
         global _global_run
         try:
             if _tls.mode is not None and _tls.owner is self:
                 _stop_mode()
         finally:
             _tls.run, _global_run = self._saved.pop()
-            if self.default_casting is not None:
-                self.default_casting.__exit__(*exc)
 
 
 class AutocastMode(TorchFunctionMode):

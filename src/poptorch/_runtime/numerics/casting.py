@@ -130,6 +130,13 @@ class DefaultCasting:
         """Record the input dtype signature of the coming call."""
         self._signature = _signature(args, kwargs)
 
+    def settled(self, args: tuple, kwargs: dict) -> bool:
+        """Observe these inputs; True if calls with their dtypes are known to need no
+        casting (then a caller may skip :meth:`observe` for further calls with the same
+        dtypes: the observed signature stays the same)."""
+        self.observe(args, kwargs)
+        return self._signature in self.not_needed
+
     def needed(self) -> bool:
         """Whether the coming call runs with the casting mode."""
         return self._signature not in self.not_needed

@@ -176,7 +176,7 @@ class CompiledCall:
 
     def __init__(self, program: Any, model: torch.nn.Module, device: torch.device,
                  name: str, progress: bool,
-                 on_fallback: Callable[[str], None]) -> None:
+                 on_fallback: Callable[[str], None], measure: bool = False) -> None:
         self.program = program
         self.model = model
         self.device = device
@@ -193,6 +193,9 @@ class CompiledCall:
         self._grads: list[torch.Tensor] = []
         # Training: one eager call first (optimizer state, which params get gradients).
         self._eager_calls_left = 1 if program.training else 0
+        # Backend "fastest" (inference): the first calls after tracing time this
+        # program against the eager loop; the faster one stays.
+        self.trial = BackendTrial(self) if measure and not program.training else None
 
     # ------------------------------------------------------------------ per call
     def blocker(self) -> str | None:
@@ -238,6 +241,8 @@ class CompiledCall:
             if p.grad is None:
                 self._restore_grads()
                 break
+        if self.trial is not None and self._traced:
+            return self.trial.next_turn()
         return True
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
@@ -341,6 +346,60 @@ class CompiledCall:
         self.on_fallback(reason)
 
 
+class BackendTrial:
+    """The ``fastest`` backend's choice for one inference model (docs/options.md).
+
+    Once the compiled program is traced, the next ``2 * (SKIP + CALLS)`` calls alternate
+    between it and the eager device loop, each timed whole (inputs to outputs; the first
+    ``SKIP`` of each side, with cold caches, are not counted); then the one with the
+    lower median stays for good: the compiled program, or the eager loop
+    (the program is dropped: ``program.compiled`` becomes None). One INFO line gives
+    both medians. Every call of the trial is a real call with correct outputs (the two
+    paths agree within the compiled kernels' rounding)."""
+
+    CALLS = 6
+    SKIP = 1
+
+    def __init__(self, compiled: "CompiledCall") -> None:
+        self.compiled = compiled
+        self.times: dict[bool, list[float]] = {True: [], False: []}
+        self._skip = {True: self.SKIP, False: self.SKIP}
+        self.pending: bool | None = None  # the path ready() chose for this call
+        self._next = True
+
+    def next_turn(self) -> bool:
+        """The path of the coming call (True: the compiled program)."""
+        self.pending = use = self._next
+        self._next = not use
+        return use
+
+    def record(self, used_compiled: bool, seconds: float) -> None:
+        """The time of a call that followed :py:meth:`next_turn`; decides at the end."""
+        pending, self.pending = self.pending, None
+        if pending is None or pending != used_compiled or self.compiled.failed:
+            return
+        if self._skip[used_compiled]:
+            self._skip[used_compiled] -= 1
+            return
+        self.times[used_compiled].append(seconds)
+        if min(len(t) for t in self.times.values()) < self.CALLS:
+            return
+        import statistics
+        fast = statistics.median(self.times[True])
+        slow = statistics.median(self.times[False])
+        compiled = self.compiled
+        compiled.trial = None
+        keep = fast < slow
+        logger.info("%s: the compiled program takes %.0f us per call, the eager device "
+                    "loop %.0f us: %s.", compiled.name, fast * 1e6, slow * 1e6,
+                    "keeping the compiled program" if keep else
+                    "running the eager loop from now on")
+        if not keep:
+            compiled.failed = True
+            compiled._fn = None
+            compiled.program.compiled = None
+
+
 class CaptureFailed(Exception):
     """Capture of the whole call failed before anything ran: use the eager loop."""
 
@@ -357,15 +416,23 @@ def _compile_forward(runner: Any, model: torch.nn.Module) -> None:
 
 
 def compile_device_program(program: Any, runner: Any, model: torch.nn.Module,
-                           device: torch.device, name: str, progress: bool) -> None:
+                           device: torch.device, name: str, progress: bool,
+                           measure: bool = False) -> None:
     """Give ``program`` its compiled whole-call path (inductor backend), or, when the
-    step cannot be one graph, log why at INFO and compile the forward only."""
+    step cannot be one graph, log why at INFO and compile the forward only. With
+    ``measure`` (the ``fastest`` backend) an inference program is kept only if it is
+    faster than the eager loop (:py:class:`BackendTrial`), and a step that cannot be
+    one graph runs the eager loop as it is."""
     reason = capture_blocker(program, runner)
     if reason is not None:
         info_once(("compiled-call-blocked", name, reason),
                   "%s: the call is not compiled as one program (%s); the device loop "
                   "runs a torch.compile'd forward instead.", name, reason)
-        _compile_forward(runner, model)
+        if not measure:
+            _compile_forward(runner, model)
         return
-    program.compiled = CompiledCall(program, model, device, name, progress,
-                                    lambda _reason: _compile_forward(runner, model))
+    def on_fallback(_reason: str) -> None:
+        if not measure:
+            _compile_forward(runner, model)
+    program.compiled = CompiledCall(program, model, device, name, progress, on_fallback,
+                                    measure=measure)

@@ -21,7 +21,7 @@ from ..batching.structures import register_mapping_outputs
 from .loss import find_loss
 from .optimizer import fast_step
 from .perf import PerfCounters
-from .runner import StepRunner
+from .runner import SequentialRunner, StepRunner
 
 
 def detach(output: Any) -> Any:
@@ -34,6 +34,20 @@ def detach(output: Any) -> Any:
     register_mapping_outputs(output)  # dict-like outputs: gathered key by key
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t,
                            output)
+
+
+def detach_needed(output: Any) -> Any:
+    """:py:func:`detach` for an inference output: tensors computed without gradients
+    are returned as they are (the common single tensor / tuple of tensors without a
+    copy of the tuple)."""
+    if isinstance(output, torch.Tensor):
+        return output.detach() if output.requires_grad else output
+    if type(output) is tuple:
+        for t in output:
+            if not isinstance(t, torch.Tensor) or t.requires_grad:
+                return detach(output)
+        return output
+    return detach(output)
 
 
 class RngScope:
@@ -186,9 +200,10 @@ class DeviceProgram:
         return outputs
 
     def _collect(self, collector: OutputCollector, i: int, outputs: list) -> None:
+        strip = detach if self.training else detach_needed  # inference ran in no_grad
         for n, out in enumerate(outputs):
             if collector.wants(i, n):
-                collector.add(n, detach(out))
+                collector.add(n, strip(out))
         if self.finite_check is not None:
             self.finite_check(outputs, self.named_params)
         if self.anchors is not None:
@@ -242,6 +257,58 @@ class DeviceProgram:
         self.last_compute_seconds = t_end - t_start
         return result
 
+    def single_ready(self) -> bool:
+        """Whether :py:meth:`run_single` may run this program's calls: one micro-batch
+        per call on the CPU through the default runner, with nothing around the steps
+        (profiling, precision checks, anchors, several processes)."""
+        return (self.plan.factor == 1 and type(self.runner) is SequentialRunner
+                and not self.wrappers and self.anchors is None
+                and self.finite_check is None and self.to_host is None
+                and self.cross is None)
+
+    def run_single(self, args: tuple, kwargs: dict) -> Any:
+        """:py:meth:`run` for a program where :py:meth:`single_ready` holds: the same
+        results, perf counters and errors, without the batching and output machinery
+        that one micro-batch does not need."""
+        if self.compiled is not None:
+            return self._run_either(self._single_loop, args, kwargs)
+        return self._single_loop(args, kwargs)
+
+    def _single_loop(self, args: tuple, kwargs: dict) -> Any:
+        """The eager path of :py:meth:`run_single`."""
+        marked = context.marked_losses()
+        if marked:
+            marked.clear()  # drop marks left by runs outside the executor
+        state = context.thread_state()
+        depth = state.depth
+        state.depth = depth + 1
+        rng = self.rng if self.rng.enabled else None
+        perf_counter = time.perf_counter
+        t_start = perf_counter()
+        try:
+            if rng is not None:
+                rng.__enter__()
+            if self.training:
+                output = detach(self._train_step([(args, kwargs)])[0])
+            else:
+                grad = torch.is_grad_enabled()
+                torch._C._set_grad_enabled(False)
+                try:
+                    output = self.runner.forward(*args, **kwargs)
+                finally:
+                    torch._C._set_grad_enabled(grad)
+                if marked:
+                    marked.clear()
+                output = detach_needed(output)
+        finally:
+            state.depth = depth
+            if rng is not None:
+                rng.__exit__(None, None, None)
+        t_end = perf_counter()
+        self.perf.record_single(t_start, t_end)
+        self.last_compute_seconds = t_end - t_start
+        return output
+
     def _share_thread_contexts(self) -> None:
         """Give runners that use worker threads (pipelines) the thread-local part of
         the wrappers (``thread_context()``: torch function modes)."""
@@ -257,13 +324,34 @@ class DeviceProgram:
 
     def run(self, args: tuple, kwargs: dict) -> Any:
         """Run one call on inputs already on the device; return host outputs."""
+        if self.compiled is None:
+            return self._run_loop(args, kwargs)
+        return self._run_either(self._run_loop, args, kwargs)
+
+    def _run_either(self, loop: Callable[[tuple, dict], Any], args: tuple,
+                    kwargs: dict) -> Any:
+        """A call through the compiled program when it is ready, else through ``loop``
+        (the eager path); timed for the compiled program's backend trial while it
+        runs (``compiled_step.BackendTrial``)."""
+        from .compiled_step import CaptureFailed
         compiled = self.compiled
-        if compiled is not None and compiled.ready():
-            from .compiled_step import CaptureFailed
+        use = compiled.ready()
+        trial = compiled.trial
+        t_start = time.perf_counter() if trial is not None else 0.0
+        result = None
+        if use:
             try:
-                return self._run_compiled(args, kwargs)
+                result = self._run_compiled(args, kwargs)
             except CaptureFailed:
-                pass  # logged once; this call and the next ones run the loop below
+                use = False  # logged once; this call and the next ones run the loop
+        if not use:
+            result = loop(args, kwargs)
+        if trial is not None:
+            trial.record(use, time.perf_counter() - t_start)
+        return result
+
+    def _run_loop(self, args: tuple, kwargs: dict) -> Any:
+        """The eager device loop of one call."""
         t_start = time.perf_counter()
         steps = split_inputs(self.plan, args, kwargs)  # raises before anything runs
         collector = OutputCollector(self.plan, self.output_mode, self.output_return_period)

@@ -26,6 +26,17 @@ class PerfCounters:
     def __init__(self) -> None:
         self.counters: dict[str, list[float]] = {key: [] for key in KEYS}
         self.synthetic = False  # set by the executor when inputs never leave the device
+        self._lists = tuple(self.counters[key] for key in KEYS)  # the same list objects
+
+    def record_single(self, t_start: float, t_end: float) -> None:
+        """The counters of a call of one device iteration that took inputs at
+        ``t_start`` and gave outputs at ``t_end`` (the lists are updated in place)."""
+        inputs, inputs_complete, outputs, outputs_complete = self._lists
+        if len(inputs) != 1 or len(outputs_complete) != 1:
+            for stamps in self._lists:
+                stamps[:] = (0.0,)
+        inputs[0] = inputs_complete[0] = t_start
+        outputs[0] = outputs_complete[0] = t_end
 
     def latencies(self, start: str, end: str) -> tuple[float, float, float]:
         """(min, max, mean) of ``end - start`` over the iterations of the last call."""

@@ -36,7 +36,10 @@ class TrainingMode:
 
     The modules are listed once, at the first ``with`` (the model as compiled; walking
     the tree costs far more than checking the flags): :meth:`forget` lists them again at
-    the next one, as after ``destroy()``."""
+    the next one, as after ``destroy()``. Flags are written straight into the modules'
+    ``__dict__`` (what ``nn.Module.__setattr__`` ends up doing for a bool, minus its
+    parameter / buffer / submodule checks); a module class with its own ``__setattr__``
+    gets a real ``setattr``."""
 
     def __init__(self, model: torch.nn.Module, training: bool,
                  keep_eval: list[torch.nn.Module] | None = None) -> None:
@@ -45,26 +48,43 @@ class TrainingMode:
         # modules left in eval mode by a training wrapper (see PoplarExecutor)
         self._keep = {id(m) for m in keep_eval or ()}
         self._modules: list[torch.nn.Module] | None = None
-        self._flipped: list[torch.nn.Module] = []
+        self._plain: list[dict] = []      # __dict__ of the modules with plain attributes
+        self._custom: list[torch.nn.Module] = []  # modules with their own __setattr__
+        self._flipped: list[dict] = []
+        self._flipped_custom: list[torch.nn.Module] = []
 
     def forget(self) -> None:
         """List the modules again at the next ``with`` (the tree may have changed)."""
         self._modules = None
 
+    def _list(self) -> None:
+        self._modules = [m for m in self.model.modules() if id(m) not in self._keep]
+        plain_setattr = torch.nn.Module.__setattr__
+        self._plain = [m.__dict__ for m in self._modules
+                       if type(m).__setattr__ is plain_setattr and "training" in m.__dict__]
+        plain = {id(d) for d in self._plain}
+        self._custom = [m for m in self._modules if id(m.__dict__) not in plain]
+
     def __enter__(self) -> None:
         if self._modules is None:
-            self._modules = list(self.model.modules())
+            self._list()
         mode = self.training
-        self._flipped = [m for m in self._modules
-                         if m.training != mode and id(m) not in self._keep]
-        for module in self._flipped:
-            module.training = mode
+        flipped = [d for d in self._plain if d["training"] != mode]
+        for d in flipped:
+            d["training"] = mode
+        self._flipped = flipped
+        if self._custom:
+            self._flipped_custom = [m for m in self._custom if m.training != mode]
+            for module in self._flipped_custom:
+                module.training = mode
 
     def __exit__(self, *exc) -> None:
-        for module in self._flipped:
-            module.training = not self.training
-        self._flipped = []
-
+        other = not self.training
+        for d in self._flipped:
+            d["training"] = other
+        for module in self._flipped_custom:
+            module.training = other
+        self._flipped = self._flipped_custom = []
 
 def iter_module_pairs(original: torch.nn.Module, copied: torch.nn.Module):
     """Yield (original_submodule, copied_submodule) pairs in ``named_modules`` order."""

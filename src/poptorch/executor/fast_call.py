@@ -1,0 +1,186 @@
+"""The per-call fast path of a compiled model: the common call, with nothing to decide.
+
+After its warm-up calls, a model is usually called again and again with inputs like
+those it was compiled for. Everything the general path of ``PoplarExecutor.__call__``
+works out per call (parsing and checking the arguments against the compiled signature,
+detaching inputs, batch splitting, output assembly, which contexts to enter) then has
+the same answer every time. :py:func:`make_fast_call` works it out once, when the model
+qualifies, and :py:class:`FastCall` runs each later call with only what must happen per
+call: a fingerprint check of the inputs (positional tensors of the compiled dtypes and
+shapes, none requiring grad), the tensor-constant check (version counters), the
+wrapper's training mode, the casting context, the program's one micro-batch
+(``DeviceProgram.run_single``), the optimizer-attribute sync of a training model.
+
+A model qualifies when one call is one micro-batch (deviceIterations,
+gradientAccumulation and replicationFactor all 1) on the CPU through the default runner,
+without profiling, precision checks, anchors, synthetic data or several processes, and
+its float16 casting rules are known to cast nothing for these inputs. Any call that does
+not fit (other inputs, a destroyed or detached model, ...) makes :py:class:`FastCall`
+return :py:data:`MISS` before doing anything, and the executor takes the general path,
+which gives the same results and raises the same errors.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+from .._runtime import context
+from .._runtime.program.device_loop import detach_needed
+
+MISS = object()  # FastCall's answer when the call must take the general path
+
+_Tensor = torch.Tensor
+
+
+class FastCall:
+    """One compiled model's fast path (see module docstring)."""
+
+    def __init__(self, executor: Any, args: tuple) -> None:
+        state = executor.__dict__
+        self._state = state
+        self._program = state["_program"]
+        self._compiled = self._program.compiled
+        self._fingerprint = tuple((a.dtype, a.shape) for a in args)
+        self._count = len(args)
+        constants = state.get("_tensor_constants")
+        self._constants = constants if constants else None
+        self._mode = state["_mode"]
+        self._casting = state.get("_casting")
+        self._optimizer_sync = state.get("_optimizer_sync")
+        weights = state["_weights"]
+        self._weights = None if weights.shared else weights
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        state = self._state
+        program = self._program
+        if kwargs or state["_program"] is not program or not state["_attached"] \
+                or len(args) != self._count:
+            return MISS
+        for arg, (dtype, shape) in zip(args, self._fingerprint):
+            if type(arg) is not _Tensor or arg.requires_grad or arg.dtype != dtype \
+                    or arg.shape != shape:
+                return MISS
+        if program.compiled is not self._compiled:  # the fastest backend chose eager
+            state["_fast"] = None  # built again after this call
+            return MISS
+        if self._constants is not None:
+            self._constants.restore()
+        opt_sync = self._optimizer_sync
+        if opt_sync is not None:
+            opt_sync.before_run()
+        mode = self._mode
+        casting = self._casting
+        mode.__enter__()
+        try:
+            if casting is None:
+                result = program.run_single(args, kwargs)
+            else:  # the float16 rules are settled: nothing to cast (make_fast_call)
+                casting.enter_run()
+                try:
+                    result = program.run_single(args, kwargs)
+                finally:
+                    casting.exit_run()
+        finally:
+            mode.__exit__(None, None, None)
+        if self._weights is not None:
+            self._weights.mark_device_newer()
+        if opt_sync is not None:
+            opt_sync.after_run()
+        return result
+
+
+def _eager_inference(executor: Any, args: tuple) -> Callable[[tuple, dict], Any]:
+    """:py:class:`FastCall` of an inference model on the eager backend, with the one
+    micro-batch of ``DeviceProgram.run_single`` inlined: this is the call whose host
+    overhead shows most (a small model's forward takes tens of microseconds)."""
+    state = executor.__dict__
+    program = state["_program"]
+    forward = program.runner.forward
+    fingerprint = tuple((a.dtype, a.shape) for a in args)
+    count = len(args)
+    constants = state.get("_tensor_constants") or None
+    mode = state["_mode"]
+    casting = state.get("_casting")
+    enter_casting = casting.enter_run if casting is not None else None
+    exit_casting = casting.exit_run if casting is not None else None
+    rng = program.rng
+    record = program.perf.record_single
+    thread_state = context.thread_state()
+    perf_counter = time.perf_counter
+    grad_enabled, set_grad = torch.is_grad_enabled, torch._C._set_grad_enabled
+    tensor = _Tensor
+
+    def fast_inference(args: tuple, kwargs: dict) -> Any:
+        if kwargs or state["_program"] is not program or not state["_attached"] \
+                or len(args) != count:
+            return MISS
+        for arg, (dtype, shape) in zip(args, fingerprint):
+            if type(arg) is not tensor or arg.requires_grad or arg.dtype != dtype \
+                    or arg.shape != shape:
+                return MISS
+        if constants is not None:
+            constants.restore()
+        if program.compiled is not None or rng.enabled:
+            return MISS  # (cannot happen for this program: a safety net)
+        mode.__enter__()
+        losses = thread_state.losses
+        if losses:
+            losses.clear()  # marks left by runs outside the executor
+        depth = thread_state.depth
+        thread_state.depth = depth + 1
+        grad = grad_enabled()
+        set_grad(False)
+        t_start = perf_counter()
+        try:
+            if enter_casting is not None:
+                enter_casting()
+                try:
+                    output = forward(*args)
+                finally:
+                    exit_casting()
+            else:
+                output = forward(*args)
+        finally:
+            set_grad(grad)
+            thread_state.depth = depth
+            mode.__exit__(None, None, None)
+        t_end = perf_counter()
+        if losses:
+            losses.clear()
+        record(t_start, t_end)
+        program.last_compute_seconds = t_end - t_start
+        return detach_needed(output)
+
+    return fast_inference
+
+
+def make_fast_call(executor: Any, args: tuple, kwargs: dict
+                   ) -> Callable[[tuple, dict], Any] | None | bool:
+    """The fast path of ``executor`` for calls like this one (just run on the general
+    path): a :py:class:`FastCall`; None when it may qualify later (warm-up calls, casting
+    rules still learning); False when it never will."""
+    state = executor.__dict__
+    program = state["_program"]
+    if program is None or not program.single_ready() \
+            or state.get("_synthetic") is not None or state["_device"].type != "cpu":
+        return False
+    if kwargs or not all(type(a) is _Tensor for a in args):
+        return None  # the inputs of a later call may qualify
+    source = state.get("_source")
+    if source is not None and source.fresh:
+        return None
+    signature = state.get("_signature")
+    compiled = None if signature is None else signature.fingerprint()
+    if compiled is None or len(compiled) != len(args) \
+            or any((a.dtype, a.shape) != fp for a, fp in zip(args, compiled)):
+        return None  # a call that does not match the compiled inputs
+    casting = state.get("_casting")
+    default = getattr(casting, "default_casting", None)
+    if default is not None and not default.settled(args, kwargs):
+        return None
+    if not program.training and program.compiled is None and not program.rng.enabled \
+            and state["_weights"].shared and state.get("_optimizer_sync") is None:
+        return _eager_inference(executor, args)
+    return FastCall(executor, args)
