@@ -165,6 +165,23 @@ def test_fast_path_follows_destroy_and_detach():
     assert torch.equal(pop(x8, y8)[0], want8[0])
 
 
+def test_rng_state_set_after_the_fast_path_is_built_is_used():
+    class Noisy(nn.Module):
+        def forward(self, x):
+            return x + torch.rand_like(x)
+
+    pop = poptorch.inferenceModel(Noisy(), _opts())
+    x = torch.zeros(2, 3)
+    for _ in range(3):
+        pop(x)
+    assert pop.__dict__["_fast"]
+    pop.rng_state = [7, torch.Generator().manual_seed(7).get_state()]
+    host = torch.get_rng_state()
+    want = torch.rand(4, 3, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(pop(x), want[:2]) and torch.equal(pop(x), want[2:])
+    assert torch.equal(torch.get_rng_state(), host)  # the host's stream is left alone
+
+
 def test_module_with_own_setattr_gets_its_mode_switched_and_restored():
     class Logged(nn.Linear):
         def __setattr__(self, name, value):

@@ -49,8 +49,6 @@ class FastCall:
         self._mode = state["_mode"]
         self._casting = state.get("_casting")
         self._optimizer_sync = state.get("_optimizer_sync")
-        weights = state["_weights"]
-        self._weights = None if weights.shared else weights
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         state = self._state
@@ -84,8 +82,7 @@ class FastCall:
                     casting.exit_run()
         finally:
             mode.__exit__(None, None, None)
-        if self._weights is not None:
-            self._weights.mark_device_newer()
+        # (the CPU shares the weights with the host: nothing to mark as newer)
         if opt_sync is not None:
             opt_sync.after_run()
         return result
@@ -102,11 +99,16 @@ def _eager_inference(executor: Any, args: tuple) -> Callable[[tuple, dict], Any]
     count = len(args)
     constants = state.get("_tensor_constants") or None
     mode = state["_mode"]
+    flags = mode.plain_flags()  # the modules' __dict__s: their training flags
+    training = mode.training
     casting = state.get("_casting")
     enter_casting = casting.enter_run if casting is not None else None
     exit_casting = casting.exit_run if casting is not None else None
     rng = program.rng
-    record = program.perf.record_single
+    program.perf.record_single(0.0, 0.0)  # one entry per counter list from now on
+    stamps = program.perf.counters
+    inputs, inputs_complete = stamps["input"], stamps["input_complete"]
+    outputs, outputs_complete = stamps["output"], stamps["output_complete"]
     thread_state = context.thread_state()
     perf_counter = time.perf_counter
     grad_enabled, set_grad = torch.is_grad_enabled, torch._C._set_grad_enabled
@@ -122,9 +124,15 @@ def _eager_inference(executor: Any, args: tuple) -> Callable[[tuple, dict], Any]
                 return MISS
         if constants is not None:
             constants.restore()
-        if program.compiled is not None or rng.enabled:
-            return MISS  # (cannot happen for this program: a safety net)
-        mode.__enter__()
+        if rng.enabled:  # the rng_state setter turned the program's own stream on
+            state["_fast"] = None  # built again (as a FastCall) after this call
+            return MISS
+        if flags is None:
+            mode.__enter__()
+        else:
+            flipped = [d for d in flags if d["training"] != training]
+            for d in flipped:
+                d["training"] = training
         losses = thread_state.losses
         if losses:
             losses.clear()  # marks left by runs outside the executor
@@ -145,12 +153,25 @@ def _eager_inference(executor: Any, args: tuple) -> Callable[[tuple, dict], Any]
         finally:
             set_grad(grad)
             thread_state.depth = depth
-            mode.__exit__(None, None, None)
+            if flags is None:
+                mode.__exit__(None, None, None)
+            else:
+                for d in flipped:
+                    d["training"] = not training
         t_end = perf_counter()
         if losses:
             losses.clear()
-        record(t_start, t_end)
+        if len(inputs) != 1 or len(outputs_complete) != 1:  # the general path ran
+            program.perf.record_single(t_start, t_end)
+        else:
+            inputs[0] = inputs_complete[0] = t_start
+            outputs[0] = outputs_complete[0] = t_end
         program.last_compute_seconds = t_end - t_start
+        if type(output) is tuple:
+            for t in output:
+                if type(t) is not tensor or t.requires_grad:
+                    return detach_needed(output)
+            return output
         return detach_needed(output)
 
     return fast_inference
@@ -180,7 +201,6 @@ def make_fast_call(executor: Any, args: tuple, kwargs: dict
     default = getattr(casting, "default_casting", None)
     if default is not None and not default.settled(args, kwargs):
         return None
-    if not program.training and program.compiled is None and not program.rng.enabled \
-            and state["_weights"].shared and state.get("_optimizer_sync") is None:
+    if not program.training and program.compiled is None and not program.rng.enabled:
         return _eager_inference(executor, args)
     return FastCall(executor, args)

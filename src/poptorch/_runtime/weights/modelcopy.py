@@ -65,6 +65,14 @@ class TrainingMode:
         plain = {id(d) for d in self._plain}
         self._custom = [m for m in self._modules if id(m.__dict__) not in plain]
 
+    def plain_flags(self) -> list[dict] | None:
+        """The ``__dict__`` of every module whose flag this switches, for a caller that
+        writes the flags itself (a hot path); None if some module has its own
+        ``__setattr__`` (then use the ``with`` block)."""
+        if self._modules is None:
+            self._list()
+        return None if self._custom else self._plain
+
     def __enter__(self) -> None:
         if self._modules is None:
             self._list()
