@@ -9,8 +9,8 @@ deviceIterations 1 and 16, the same micro-batches go through:
 * ``lightning`` / ``accelerate``: the loop a Lightning Fabric or an Accelerate user
   writes (``fabric.backward`` / ``accelerator.backward``), when installed
   (``pip install lightning accelerate``);
-* ``pop-eager``: poptorch with ``Options.Jit.backend("eager")``;
-* ``pop-inductor``: poptorch with the ``inductor`` backend (the whole call compiled,
+* with ``--detail``: ``pop-eager``: poptorch with ``Options.Jit.backend("eager")``, and
+  ``pop-inductor``: poptorch with the ``inductor`` backend (the whole call compiled,
   ``_runtime/program/compiled_step.py``), forced on;
 * ``pop``: poptorch with the ``fastest`` backend: compiled like ``inductor``; an
   inference model keeps the compiled program only where it beats the eager loop (timed
@@ -27,7 +27,8 @@ Targets (issue 14): ``pop`` >= 0.95 x eager at deviceIterations 1 and
 printed in microseconds: poptorch's time per call minus the eager loop's time for the
 same micro-batches.
 
-Run: ``python benchmarks/bench_compiled.py [--quick] [--workload tiny|mlp|cnn|gpt]``.
+Run: ``python benchmarks/bench_compiled.py [--quick] [--detail] [--workload tiny|mlp|cnn|gpt]``
+(``--detail`` adds the ``pop-eager`` and ``pop-inductor`` columns).
 """
 from __future__ import annotations
 
@@ -174,7 +175,7 @@ class PopLoop(Contender):
         return time.perf_counter() - start
 
 
-def contenders(kind, training, d, peers):
+def contenders(kind, training, d, peers, detail=False):
     torch.manual_seed(0)
     base = kind()
     made = [Loop("eager", copy.deepcopy(base), training, d)]
@@ -185,8 +186,9 @@ def contenders(kind, training, d, peers):
         made.append(FabricLoop(copy.deepcopy(base), training, d))
     if "accelerate" in peers:
         made.append(AccelerateLoop(copy.deepcopy(base), training, d))
-    made.append(PopLoop("pop-eager", copy.deepcopy(base), training, d, "eager"))
-    made.append(PopLoop("pop-inductor", copy.deepcopy(base), training, d, "inductor"))
+    if detail:
+        made.append(PopLoop("pop-eager", copy.deepcopy(base), training, d, "eager"))
+        made.append(PopLoop("pop-inductor", copy.deepcopy(base), training, d, "inductor"))
     made.append(PopLoop("pop", copy.deepcopy(base), training, d, "fastest"))
     return made
 
@@ -212,7 +214,7 @@ def _timed_pass(contender, xs, ys, batch, min_seconds):
     return total / passes
 
 
-def run_workload(name, quick):
+def run_workload(name, quick, detail=False):
     """Measure one workload in this process; returns a list of result rows."""
     kind, batch, make_x, make_y = WORKLOADS[name]
     peers = {k for k, v in available_peers().items() if v == "ok"}
@@ -224,7 +226,7 @@ def run_workload(name, quick):
             micro = 32 if quick else 64  # micro-batches per round
             g = torch.Generator().manual_seed(0)
             xs, ys = make_x(micro * batch, g), make_y(micro * batch, g)
-            runners = contenders(kind, training, d, peers)
+            runners = contenders(kind, training, d, peers, detail)
             for c in runners:
                 c.warm_up(xs, ys, batch)
                 c.round(xs, ys, batch)
@@ -253,7 +255,9 @@ def report(rows, peers):
             print(f"  {name}: {state}")
     names = list(rows[0]["mb_per_s"])
     header = f"{'workload':<9}{'mode':<6}{'d':>3}" + "".join(f"{n:>13}" for n in names)
-    header += f"{'ind/eager':>10}{'pop/eager':>10}{'pop/best':>9}{'target':>8}  ok  pop ran"
+    detail = "pop-inductor" in names
+    header += (f"{'ind/eager':>10}" if detail else "") + \
+        f"{'pop/eager':>10}{'pop/best':>9}{'target':>8}  ok  pop ran"
     print(header)
     failures = 0
     for row in rows:
@@ -265,7 +269,8 @@ def report(rows, peers):
         failures += not ok
         print(f"{row['workload']:<9}{row['mode']:<6}{row['d']:>3}"
               + "".join(f"{t[n]:>13.1f}" for n in names)
-              + f"{t['pop-inductor'] / t['eager']:>10.2f}{vs_eager:>10.2f}{vs_best:>9.2f}"
+              + (f"{t['pop-inductor'] / t['eager']:>10.2f}" if detail else "")
+              + f"{vs_eager:>10.2f}{vs_best:>9.2f}"
               + f"{target:>8}  {'yes' if ok else 'NO ':<3} {row.get('pop_ran', '')}")
     print("\nCompile time (s: the warm-up until compiled, one pass included; training: "
           "poptorch's first call is eager, the second compiles; pop: until the fastest "
@@ -273,8 +278,8 @@ def report(rows, peers):
     for row in rows:
         c = row["compile_s"]
         print(f"{row['workload']:<9}{row['mode']:<6}{row['d']:>3}  torch.compile loop "
-              f"{c.get('compile', 0):7.1f}   pop-inductor {c.get('pop-inductor', 0):7.1f}"
-              f"   pop {c.get('pop', 0):7.1f}")
+              f"{c.get('compile', 0):7.1f}   pop {c.get('pop', 0):7.1f}"
+              + (f"   pop-inductor {c['pop-inductor']:7.1f}" if "pop-inductor" in c else ""))
     tiny = [r for r in rows if r["workload"] == "tiny"]
     if tiny:
         print("\nTiny MLP: microseconds per call (one call = d micro-batches for "
@@ -292,6 +297,8 @@ def report(rows, peers):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument("--detail", action="store_true",
+                        help="also poptorch with the eager and the inductor backend forced")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), action="append",
                         help="only these workloads (default: all, one process each)")
     parser.add_argument("--threads", type=int, default=1,
@@ -301,7 +308,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.json:
-        rows = run_workload(args.workload[0], args.quick)
+        rows = run_workload(args.workload[0], args.quick, args.detail)
         with open(args.json, "w") as f:
             json.dump(rows, f)
         return 0
@@ -314,6 +321,8 @@ def main(argv=None) -> int:
                "--threads", str(args.threads)]
         if args.quick:
             cmd.append("--quick")
+        if args.detail:
+            cmd.append("--detail")
         t0 = time.perf_counter()
         env = dict(os.environ, POPTORCH_LOG_LEVEL="WARN")
         subprocess.run(cmd, check=True, env=env)

@@ -352,12 +352,14 @@ class BackendTrial:
     Once the compiled program is traced, the next ``2 * (SKIP + CALLS)`` calls alternate
     between it and the eager device loop, each timed whole (inputs to outputs; the first
     ``SKIP`` of each side, with cold caches, are not counted); then the one with the
-    lower median stays for good: the compiled program, or the eager loop
+    lower minimum stays for good (machine noise only adds time: on a shared machine
+    the minimum of interleaved calls tells the paths' own cost best, a median can
+    flip with a burst of load): the compiled program, or the eager loop
     (the program is dropped: ``program.compiled`` becomes None). One INFO line gives
-    both medians. Every call of the trial is a real call with correct outputs (the two
+    both times. Every call of the trial is a real call with correct outputs (the two
     paths agree within the compiled kernels' rounding)."""
 
-    CALLS = 6
+    CALLS = 8
     SKIP = 1
 
     def __init__(self, compiled: "CompiledCall") -> None:
@@ -384,9 +386,7 @@ class BackendTrial:
         self.times[used_compiled].append(seconds)
         if min(len(t) for t in self.times.values()) < self.CALLS:
             return
-        import statistics
-        fast = statistics.median(self.times[True])
-        slow = statistics.median(self.times[False])
+        fast, slow = min(self.times[True]), min(self.times[False])
         compiled = self.compiled
         compiled.trial = None
         keep = fast < slow
