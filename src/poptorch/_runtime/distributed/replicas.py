@@ -34,6 +34,9 @@ class CrossProcessReplicas:
         self.reducer: Any = GradientReducer(world, params)
         self.buffers = [b for b in model.buffers()] if broadcast_buffers else []
         self.ddp_runner: Any = None
+        # How many processes the reduced gradients were divided by: DDP averages, the
+        # reducer sums. The device program scales the result to PopTorch's Mean / Sum.
+        self.averaged_over = 1
 
     def wrap_runner(self, runner: Any, per_step: int, device: torch.device) -> Any:
         """Give a sequential runner (running the model itself, not a compiled copy)
@@ -48,6 +51,7 @@ class CrossProcessReplicas:
             return runner
         self.ddp_runner = wrap_for_ddp(inner, self.model, self.world.group, per_step, device)
         self.reducer = None
+        self.averaged_over = self.world.size
         if per_replica:
             runner.inner = self.ddp_runner
             return runner
