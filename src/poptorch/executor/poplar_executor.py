@@ -15,6 +15,7 @@ import torch
 from .. import _devices
 from . import hooks as _hooks, optimizer_rules, program_setup
 from .fast_call import MISS, make_fast_call
+from .local_replicas import local_replica_runner
 from .processes import join_processes
 from .call_support import (Snapshot, backend_name, check_inference_accumulation, count_tensors,
                            to_cpu, to_device)
@@ -170,7 +171,7 @@ class PoplarExecutor(ExecutorInspection):
             # Only training needs the other processes; an inference model runs on its
             # own (a program may evaluate on process 0 alone).
             cross = self._join_processes(device) if self._training else None
-            runner = program_setup.per_replica_state(self, runner, plan, cross)
+            runner = local_replica_runner(self, runner, plan, cross)
             if cross is not None:
                 runner = cross.wrap_runner(runner, plan.per_step, device)
             bar.update()

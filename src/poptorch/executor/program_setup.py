@@ -1,18 +1,14 @@
 """What a compiled model adds around its device program when its options or its
-origin ask: per-replica state, precision and casting, profiling
+origin ask: precision and casting, profiling
 (``_runtime/tracing.py``) and the source of its compiled program, a precompiled file or
 the executable cache (``_runtime/executable/``)."""
 from __future__ import annotations
 
 from typing import Any
 
-from .._logging import info_once
 from .._runtime.executable.signature import InputSignature
-from .._runtime.program.replica_groups import grouped_parameters
-from .._runtime.program.runner import PerReplicaRunner, ReplicaBuffers, SequentialRunner
 from .._runtime.executable.source import ProgramSource
 from .._runtime.tracing import CallProfiler, TracingRunner, profile_directory
-from ..errors import Error
 
 
 def install_profiling(executor: Any, program: Any) -> None:
@@ -46,38 +42,6 @@ def program_source(executor: Any, args: tuple, kwargs: dict) -> ProgramSource:
         key_parts={"inputs": (args, kwargs), "training": d["_training"],
                    "options": d["_options"], "model": d["_model"],
                    "optimizer": d["_optimizer"], "version": d["_poptorch_version"]})
-
-
-def per_replica_state(executor: Any, runner: Any, plan: Any, cross: Any) -> Any:
-    """Give each simulated replica its own buffers (``ReplicaBuffers``) and its group's
-    value of replica-grouped weights (``replica_groups``); no work without replicas,
-    buffers or groupings. Returns the runner to use."""
-    d = executor.__dict__
-    model = d["_model"]
-    r = plan.replication_factor
-    processes = cross.world.size if cross is not None else 1
-    groupings = d.get("_replica_groupings") or {}
-    grouped = grouped_parameters(
-        model, groupings, (cross.world.rank if cross is not None else 0) * r, r,
-        r * processes) if groupings else []
-    has_buffers = r > 1 and next(model.buffers(), None) is not None
-    if not grouped and not has_buffers:
-        return runner
-    if not isinstance(runner, SequentialRunner):
-        if grouped:
-            raise Error("replicaGrouping needs the default execution (one model per "
-                        "replica); it does not combine with execution strategies or "
-                        "block annotations.")
-        info_once(("shared-replica-buffers",),
-                  "Model-parallel execution with replicationFactor(%d): the replicas "
-                  "share one set of buffers (broadcastBuffers has no effect).", r)
-        return runner
-    states = list(grouped)
-    if has_buffers:
-        buffers = ReplicaBuffers(model, r, bool(d["_options"].broadcast_buffers))
-        d["_replica_buffers"] = buffers
-        states.append(buffers)
-    return PerReplicaRunner(runner, states, r, plan.per_step)
 
 
 def install_program_extras(executor: Any, program: Any) -> None:
