@@ -27,8 +27,10 @@ Targets (issue 14): ``pop`` >= 0.95 x eager at deviceIterations 1 and
 printed in microseconds: poptorch's time per call minus the eager loop's time for the
 same micro-batches.
 
-Run: ``python benchmarks/bench_compiled.py [--quick] [--detail] [--workload tiny|mlp|cnn|gpt]``
-(``--detail`` adds the ``pop-eager`` and ``pop-inductor`` columns).
+Run: ``python benchmarks/bench_compiled.py [--quick] [--detail] [--cold]
+[--workload tiny|mlp|cnn|gpt]`` (``--detail`` adds the ``pop-eager`` and ``pop-inductor``
+columns; ``--cold`` compiles with an empty inductor cache, for first-run compile times).
+About 4-5 minutes on a quiet 2-core machine (``--quick``: about 2).
 """
 from __future__ import annotations
 
@@ -274,7 +276,8 @@ def report(rows, peers):
               + f"{target:>8}  {'yes' if ok else 'NO ':<3} {row.get('pop_ran', '')}")
     print("\nCompile time (s: the warm-up until compiled, one pass included; training: "
           "poptorch's first call is eager, the second compiles; pop: until the fastest "
-          "backend has chosen)")
+          "backend has chosen; inductor's on-disk cache may hold earlier runs' kernels: "
+          "--cold for first-run times)")
     for row in rows:
         c = row["compile_s"]
         print(f"{row['workload']:<9}{row['mode']:<6}{row['d']:>3}  torch.compile loop "
@@ -297,6 +300,9 @@ def report(rows, peers):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument("--cold", action="store_true",
+                        help="compile with an empty inductor cache (a fresh temporary "
+                        "folder): compile times of a first run on a machine")
     parser.add_argument("--detail", action="store_true",
                         help="also poptorch with the eager and the inductor backend forced")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), action="append",
@@ -325,6 +331,8 @@ def main(argv=None) -> int:
             cmd.append("--detail")
         t0 = time.perf_counter()
         env = dict(os.environ, POPTORCH_LOG_LEVEL="WARN")
+        if args.cold:
+            env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_compiled_")
         subprocess.run(cmd, check=True, env=env)
         with open(out) as f:
             rows.extend(json.load(f))
