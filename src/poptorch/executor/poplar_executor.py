@@ -455,7 +455,8 @@ class PoplarExecutor(ExecutorInspection):
         if self._program is not None:
             from ..optim.attributes import check_update
             optimizer_rules.apply_mean_reduction_rule(self._options, optimizer, True)
-            optimizer_rules.warn_unexpected_attributes(self._optimizer_keys, optimizer)
+            optimizer_rules.warn_unexpected_attributes(
+                self._optimizer_keys, optimizer, self._options.relax_optimizer_attributes_checks)
             check_update(self._constants, optimizer,
                          self._options.relax_optimizer_attributes_checks)
             attached = attach_optimizer(optimizer, self._model, self._user_model,
