@@ -558,3 +558,48 @@ def test_optimizer_step_hooks_still_run():
     x, y = make_inputs(MLP, 4)
     pop(x, y)
     assert calls == ["pre", "post", "pre", "post"]
+
+
+# -- buffers must stay registered during the compiling call (PopTorch's rule) ------------
+class _BufferModel(nn.Module):
+    def __init__(self, action):
+        super().__init__()
+        self.action = action
+        self.register_buffer("y", torch.tensor([2.0]))
+        self.fc = nn.Linear(1, 1)
+
+    def forward(self, x):
+        if self.action == "copy":
+            self.y.copy_(self.y + x.sum())
+        elif self.action == "remove":
+            del self._buffers["y"]
+        elif self.action == "reassign":
+            self.y = x.sum().reshape(1)
+        return self.fc(x) + 1
+
+
+@pytest.mark.parametrize("action,match", [
+    ("remove", r"Buffer y is removed from the model when calling the forward method"),
+    ("reassign", r"Buffer y is reassigned within the model .*self\.y\.copy_\(src\)")])
+def test_forward_that_removes_or_rebinds_a_buffer_is_refused_unchanged(action, match):
+    torch.manual_seed(0)
+    model = _BufferModel(action)
+    buffer, weight = model.y, model.fc.weight.detach().clone()
+    pop = poptorch.inferenceModel(model)
+    with pytest.raises(poptorch.Error, match=match):
+        pop(torch.ones(2, 1))
+    # nothing half-changed: the same buffer object, value and weights
+    assert model._buffers["y"] is buffer and torch.equal(buffer, torch.tensor([2.0]))
+    assert torch.equal(model.fc.weight, weight)
+
+
+def test_forward_updating_a_buffer_in_place_matches_pytorch():
+    torch.manual_seed(0)
+    model, ref = _BufferModel("copy"), _BufferModel("copy")
+    ref.load_state_dict(model.state_dict())
+    pop = poptorch.inferenceModel(model)
+    for _ in range(2):
+        x = torch.randn(2, 1)
+        assert torch.equal(pop(x), ref(x))
+    pop.copyWeightsToHost()
+    assert torch.equal(model.y, ref.y)

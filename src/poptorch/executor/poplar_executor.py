@@ -382,6 +382,8 @@ class PoplarExecutor(ExecutorInspection):
                     casting.observe(args, kwargs)
                     with casting:
                         result = self._program.run(args, kwargs)
+            if first:
+                snapshot.check_buffers()
         except BaseException:
             if first:  # a failed first call leaves nothing compiled or changed
                 snapshot.restore()
