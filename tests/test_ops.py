@@ -503,6 +503,29 @@ def test_multiconv_runs_convolutions_normally_and_checks_counts():
         poptorch.MultiConv().planType("serial")
 
 
+def test_multiconv_scope_rules_as_poptorch():
+    conv = torch.nn.Conv2d(1, 2, 3)
+    x = torch.randn(1, 1, 6, 6)
+    with pytest.raises(poptorch.Error, match="Nested poptorch.MultiConv is not supported"):
+        with poptorch.MultiConv():
+            with poptorch.MultiConv():
+                conv(x)
+    with pytest.raises(poptorch.Error, match="Unexpected end_multi_conv"):
+        with poptorch.MultiConv():
+            torch.pow(x, 2)
+    # the scope is usable again after both errors and computes plain convolutions
+    with poptorch.MultiConv():
+        y = conv(x)
+    torch.testing.assert_close(y, torch.nn.functional.conv2d(x, conv.weight, conv.bias))
+    # bad settings: poptorch.Error, and the exception types PopTorch raises for them
+    with pytest.raises(ValueError, match="Invalid partials types"):
+        poptorch.MultiConv().partialsTypes("half")
+    with pytest.raises(poptorch.Error, match="Invalid partials types"):
+        poptorch.MultiConv().partialsTypes([torch.float, "float"])
+    with pytest.raises(AssertionError, match="Invalid plan type"):
+        poptorch.MultiConv().planType("parallel")
+
+
 def test_module_repr_and_print(capsys):
     model = torch.nn.Sequential(torch.nn.Linear(2, 3),
                                 torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Linear(3, 1)))
