@@ -583,3 +583,14 @@ def test_toDict_lists_our_own_options_only_when_set():
     d = opts.toDict()
     assert d["executable_cache_dir"] == "/tmp/cache" and d["log_cycle_count"] is True
     assert opts.executable_cache_dir == "/tmp/cache"
+
+
+@pytest.mark.parametrize("tiles", [10, 33, 193, 194])
+def test_num_io_tiles_limits_raise_poptorch_error_and_assertion_error(tiles):
+    # PopTorch raises AssertionError here; ours is also a poptorch.Error
+    with pytest.raises(AssertionError, match="even number between 32 and 192"):
+        poptorch.Options().TensorLocations.numIOTiles(tiles)
+    for ok in (32, 100, 192):
+        opts = poptorch.Options()
+        opts.TensorLocations.numIOTiles(ok)
+        assert opts.TensorLocations.num_io_tiles == ok
