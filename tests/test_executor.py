@@ -603,3 +603,33 @@ def test_forward_updating_a_buffer_in_place_matches_pytorch():
         assert torch.equal(pop(x), ref(x))
     pop.copyWeightsToHost()
     assert torch.equal(model.y, ref.y)
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.1),
+    lambda ps: poptorch.optim.Adam(ps, lr=0.1)])
+def test_training_model_with_every_parameter_frozen_runs_like_pytorch(make_opt):
+    class Frozen(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn, self.fc = nn.BatchNorm1d(4), nn.Linear(4, 4)
+
+        def forward(self, x, t):
+            y = self.fc(self.bn(x))
+            return y, F.mse_loss(y, t)
+
+    torch.manual_seed(0)
+    model = Frozen()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    ref = copy.deepcopy(model).train()
+    pop = poptorch.trainingModel(model, optimizer=make_opt(model.parameters()))
+    for _ in range(2):
+        x, t = torch.randn(8, 4), torch.randn(8, 4)
+        out, loss = pop(x, t)
+        ref_out, ref_loss = ref(x, t)
+        assert torch.equal(out, ref_out) and torch.equal(loss, ref_loss)
+    pop.copyWeightsToHost()
+    for a, b in itertools.chain(zip(model.parameters(), ref.parameters()),
+                                zip(model.buffers(), ref.buffers())):
+        assert torch.equal(a, b)  # nothing trained; running statistics as in PyTorch

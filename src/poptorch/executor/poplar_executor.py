@@ -284,9 +284,6 @@ class PoplarExecutor(ExecutorInspection):
         opts = self._options
         seed = opts.random_seed if opts.exists("random_seed") else None
         params = [p for p in self._model.parameters() if p.requires_grad]
-        if self._training and not params:
-            raise Error("trainingModel: the model has no trainable parameters "
-                        "(no parameter with requires_grad=True).")
         program = DeviceProgram(
             plan=plan, runner=runner, training=self._training,
             output_mode=resolve_output_mode(opts.output_mode, self._training),
