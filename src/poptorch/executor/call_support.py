@@ -25,7 +25,7 @@ def check_inference_accumulation(options: Options) -> None:
     strategy = options._execution_strategy
     if isinstance(strategy, PipelinedExecution) and \
             not isinstance(strategy, ShardedExecution):
-        message += (" Use poptorch.Options().deviceIterations() to process a sufficient "
+        message += (" Use poptorch.Options().deviceIterations to process a sufficient "
                     "number of batches each run for pipelined execution instead.")
     raise Error(f"{message} (It is {g}; for example use opts.clone() then "
                 "opts.Training.gradientAccumulation(1) for inference.)")
