@@ -7,6 +7,7 @@ sharing in ``_runtime/weights/``, model parallelism in ``_runtime/placement/``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from typing import Any
 
@@ -49,6 +50,8 @@ def isRunningOnIpu() -> bool:
     """
     return context.is_running_on_ipu()
 
+
+_EXECUTOR_IDS = itertools.count()
 
 class PoplarExecutor(ExecutorInspection):
     """A wrapped model that runs whole device programs per call.
@@ -106,6 +109,7 @@ class PoplarExecutor(ExecutorInspection):
         d["_optimizer_sync"] = None
         d["_backend"] = None
         d["_source"] = None
+        d["_once_key"] = next(_EXECUTOR_IDS)  # per-model "log once" messages
 
     # ------------------------------------------------------------------ properties
     @property
@@ -340,7 +344,7 @@ class PoplarExecutor(ExecutorInspection):
 
     # ------------------------------------------------------------------ run
     def __call__(self, *args, **kwargs) -> Any:
-        args, kwargs = detach_inputs(args, kwargs)
+        args, kwargs = detach_inputs(args, kwargs, self._once_key)
         first = self._program is None
         if first:
             # compiling may already create optimizer state (momentum buffers): a failed
