@@ -1,29 +1,22 @@
-"""DDP's reducer for the sequential runner: the gradients of a step are summed over the
+"""DDP's reducer for the sequential runner: the gradients of a step are reduced over the
 processes while the backward pass of the step's last micro-batch still runs.
 
 ``torch.nn.parallel.DistributedDataParallel`` wraps the device model; every
 micro-batch of a step but the last runs under ``no_sync()`` (gradients accumulate
 locally), the last one's backward fires DDP's bucketed all-reduces as gradients become
-ready. A communication hook sums (DDP's default hook averages over processes; the
-device program applies PopTorch's Mean / Sum itself, over every replica of every
-process). DDP neither broadcasts at construction nor syncs buffers: the compile step
-and ``broadcastBuffers`` do that (``replicas``). ``find_unused_parameters`` lets a
-model leave some parameters unused in a step, as it may in one process.
+ready. DDP's own C++ reduction averages over the processes (no Python runs per bucket);
+the device program knows that (``AVERAGES``) and turns the average into PopTorch's
+Mean / Sum over every replica of every process. DDP neither broadcasts at construction
+nor syncs buffers: the compile step and ``broadcastBuffers`` do that (``replicas``).
+``find_unused_parameters`` lets a model leave some parameters unused in a step, as it
+may in one process.
 """
 import contextlib
 from typing import Any, List, Optional
 
 import torch
-import torch.distributed as dist
 
 from ..program.runner import LossOf, SequentialRunner
-
-
-def _sum_hook(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: the sum over processes, not the mean. (No postponed
-    annotations in this module: DDP checks this signature's annotations.)"""
-    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 class SyncOnLastMicrobatch:
@@ -59,6 +52,5 @@ def wrap_for_ddp(runner: SequentialRunner, model: torch.nn.Module, group: Any,
         model, device_ids=[device] if device.type == "cuda" else None,
         process_group=group, broadcast_buffers=False, init_sync=False,
         find_unused_parameters=True)
-    ddp.register_comm_hook(group, _sum_hook)
     runner.forward = ddp
     return SyncOnLastMicrobatch(runner, ddp, per_step)

@@ -34,6 +34,9 @@ class CrossProcessReplicas:
         self.reducer: Any = GradientReducer(world, params)
         self.buffers = [b for b in model.buffers()] if broadcast_buffers else []
         self.ddp_runner: Any = None
+        # How many processes the reduced gradients were divided by: DDP averages, the
+        # reducer sums. The device program scales the result to PopTorch's Mean / Sum.
+        self.averaged_over = 1
 
     def wrap_runner(self, runner: Any, per_step: int, device: torch.device) -> Any:
         """Give a sequential runner (running the model itself, not a compiled copy)
@@ -48,10 +51,21 @@ class CrossProcessReplicas:
             return runner
         self.ddp_runner = wrap_for_ddp(inner, self.model, self.world.group, per_step, device)
         self.reducer = None
+        self.averaged_over = self.world.size
         if per_replica:
             runner.inner = self.ddp_runner
             return runner
         return self.ddp_runner
+
+    def __del__(self) -> None:
+        # Free DDP while ``self.world`` still holds the process group: DDP's C++ reducer
+        # must not drop the last reference to it, as that destroys the group with the
+        # GIL held and can deadlock with gloo's worker threads (pytorch/pytorch#56297).
+        runner = self.__dict__.get("ddp_runner")
+        if runner is not None:
+            runner.inner.forward = None
+            runner.ddp = None
+            self.ddp_runner = None
 
     def begin_step(self) -> None:
         """Before the micro-batches of a training step."""
