@@ -130,6 +130,20 @@ def test_dynamic_slice_gradient_and_errors():
     torch.testing.assert_close(poptorch.dynamic_slice(x, 0, torch.tensor(7), 4, 1), x[4:8])
 
 
+def test_empty_or_reversed_dynamic_slices_are_refused_as_upstream():
+    x, src = torch.randn(8), torch.randn(1)
+    for op in (lambda size: poptorch.dynamic_slice(x, 0, torch.tensor(5), size, 1),
+               lambda size: poptorch.dynamic_update(x, src, 0, torch.tensor(5), size)):
+        with pytest.raises(poptorch.Error, match="The start and end of a slice must be "
+                                                 "different"):
+            op(0)  # end == start
+        with pytest.raises(poptorch.Error, match="Taking a slice of a tensor with the end "
+                                                 "less than the start is not supported"):
+            op(-2)  # end < start
+    # a size that does not divide the dimension works (upstream's IPU limit is relaxed)
+    torch.testing.assert_close(poptorch.dynamic_slice(x, 0, torch.tensor(1), 7, 1), x[1:8])
+
+
 @pytest.mark.parametrize("start", [2, torch.tensor(2)])
 def test_dynamic_update_matches_slice_assignment(start):
     x = torch.randn(4, 6)
