@@ -111,8 +111,10 @@ class DeviceProgram:
         # The cross-process side (distributed.replicas.CrossProcessReplicas) of a run of
         # several processes, None in one process.
         self.cross = cross
+        self._reduction_options = options
+        self._averaged = cross.averaged_over if cross is not None else 1
         self._configure_reduction(options, cross.world.size if cross is not None else 1,
-                                  cross.averaged_over if cross is not None else 1)
+                                  self._averaged)
 
     def _configure_reduction(self, options: Any, processes: int, averaged: int) -> None:
         """How the summed gradients become PopTorch's Mean / Sum. ``averaged``: the
@@ -179,11 +181,16 @@ class DeviceProgram:
         params = self.params
         for p in params:
             p.grad = None
-        if self.cross is not None:
-            self.cross.begin_step()
+        cross = self.cross
+        if cross is not None:
+            if cross.averaged_over != self._averaged:  # DDP took over the reduction
+                self._averaged = cross.averaged_over
+                self._configure_reduction(self._reduction_options, cross.world.size,
+                                          self._averaged)
+            cross.begin_step()
         outputs = self.runner(microbatches, self._loss_of)
-        if self.cross is not None:
-            self.cross.reduce_gradients()
+        if cross is not None:
+            cross.reduce_gradients()
         if self.divide_grads_by != 1 or self.multiply_grads_by != 1:
             grads = [p.grad for p in params if p.grad is not None]
             if grads and self.divide_grads_by != 1:
