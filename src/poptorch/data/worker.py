@@ -110,10 +110,14 @@ class _Worker:
         self.latest_start = -1  # newest epoch the main process asked for
         self.resume_at: dict[int, Any] = {}  # epoch -> position to start it at
         self.send_start = False  # the next batch is the first of its pass
+        self.emitted_before_start = False
+        self.started: set[int] = set()  # passes run (or running)  # a batch went out before any start command
         self.parent = multiprocessing.parent_process()
 
     def run(self) -> None:
-        epoch = 0 if self.config.early_preload else None
+        # The first pass starts at once: its first batch reaches the constructor (and
+        # with early_preload the ring fills); see _hold_until_asked.
+        epoch: int | None = 0
         while True:
             if epoch is None:
                 epoch = self._wait_for_start()
@@ -151,7 +155,8 @@ class _Worker:
             self.resume_at[epoch] = command[2]
         if epoch > self.latest_start:
             self.latest_start = epoch
-            if running is None or epoch > running:
+            # (the first pass may have run before it was asked for: not again)
+            if (running is None or epoch > running) and epoch not in self.started:
                 return epoch
         return None
 
@@ -160,6 +165,9 @@ class _Worker:
             switch = self._handle(self._next_command(block=True), None)
             if switch is not None:
                 return switch
+            last = max(self.started, default=-1)
+            if self.config.load_indefinitely and 0 <= last <= self.latest_start:
+                return last + 1  # the pass that ran early was asked for: preload on
 
     def _poll(self, running: int) -> int | None:
         switch = None
@@ -175,6 +183,7 @@ class _Worker:
         rebatcher = (Rebatcher(self.config.rebatched_size)
                      if self.config.rebatched_size else None)
         iterator = None
+        self.started.add(epoch)
         skip = self._prepare_resume(self.resume_at.pop(epoch, None))
         self.send_start = True
         try:
@@ -187,6 +196,10 @@ class _Worker:
                     ready, skip = ready[dropped:], skip - dropped
                 for out in ready:
                     switch = self._emit(epoch, out)
+                    if switch is not None:
+                        return switch
+                if self.emitted_before_start and not self.config.early_preload:
+                    switch = self._hold_until_asked(epoch)  # before reading more
                     if switch is not None:
                         return switch
                 switch = self._poll(epoch)
@@ -227,6 +240,15 @@ class _Worker:
             return 0
         return 0 if resume["finished"] else resume["consumed"]
 
+    def _hold_until_asked(self, epoch: int) -> int | None:
+        """Without early_preload only the first batch is loaded before the first pass
+        is asked for: wait for that (or for a switch to another pass)."""
+        while self.latest_start < 0:
+            switch = self._handle(self._next_command(block=True), epoch)
+            if switch is not None:
+                return switch
+        return None
+
     def _emit(self, epoch: int, batch: Any) -> int | None:
         skeleton, tensors = flatten(batch)
         while not self.free:
@@ -249,6 +271,8 @@ class _Worker:
             position_start = getattr(self.dataset, "position_start", None)
             start = position_start() if position_start is not None else None
         self._send(("batch", epoch, slot, skeleton, fresh, start))
+        if self.latest_start < 0:
+            self.emitted_before_start = True
         return None
 
     def _report(self, epoch: int, error: BaseException, iterator: Any) -> None:
