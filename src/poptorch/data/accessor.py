@@ -36,7 +36,7 @@ import torch.multiprocessing
 from .faults import (WorkerDiedError, exit_code_description,
                      rebuild_worker_exception, start_failure)
 from .tree import unflatten
-from .worker import DatasetFile, WorkerConfig, run_worker
+from .worker import DatasetFile, WorkerConfig, decode, encode_free, run_worker
 from .._logging import info_once
 from ..enums import SharingStrategy
 from ..errors import Error
@@ -186,6 +186,7 @@ class AsynchronousDataAccessor:
         self._prestarted = False   # the worker started the first pass by itself
         self._slots: list[list[torch.Tensor] | None] = [None] * buffer_size
         self._early: tuple | None = None  # the first message, read by the constructor
+        self._skeleton: Any = None  # of the last batch received (see worker.decode)
         self._start_worker(dataset)
         self._wait_for_first_batch()
 
@@ -323,7 +324,7 @@ class AsynchronousDataAccessor:
                 if start is not None:
                     self._starts.setdefault(epoch, start)
                 if epoch != self._epoch:  # left over from an abandoned pass
-                    self._commands.send(("free", slot))
+                    self._commands.send_bytes(encode_free(slot))
                     continue
                 self._held_slot = slot
                 self._consumed += 1
@@ -354,7 +355,7 @@ class AsynchronousDataAccessor:
 
     def _release_slot(self) -> None:
         if self._held_slot is not None:
-            self._commands.send(("free", self._held_slot))
+            self._commands.send_bytes(encode_free(self._held_slot))
             self._held_slot = None
 
     def _receive(self) -> tuple:
@@ -364,7 +365,7 @@ class AsynchronousDataAccessor:
         while True:
             try:
                 if self._results.poll(_LIVENESS_CHECK_S):
-                    return self._results.recv()
+                    return self._decode(self._results.recv_bytes())
             except (OSError, EOFError) as error:
                 # Receiving a batch's shared memory needs the worker: it died mid-send.
                 self._process.join(_LIVENESS_CHECK_S)
@@ -376,10 +377,16 @@ class AsynchronousDataAccessor:
             if not self._process.is_alive():
                 try:  # it may have written its last words just before exiting
                     if self._results.poll(0):
-                        return self._results.recv()
+                        return self._decode(self._results.recv_bytes())
                 except (OSError, EOFError):
                     pass
                 raise self._worker_died()
+
+    def _decode(self, buffer: bytes) -> tuple:
+        message = decode(buffer, self._skeleton)
+        if message[0] == "batch":
+            self._skeleton = message[3]
+        return message
 
     def _worker_died(self) -> Error:
         code = self._process.exitcode
