@@ -81,6 +81,7 @@ def worker(out: str, rounds: int, calls: int) -> None:
             times["ddp"].append(ddp_round(ddp, ddp_opt, xs, ys, batch))
         samples = len(xs) * world
         results[name] = {k: samples / statistics.median(v) for k, v in times.items()}
+        del training, ddp, ddp_opt  # before the process group goes
     if rank == 0:
         pathlib.Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -93,7 +94,7 @@ def launch(processes: int, rounds: int, calls: int) -> dict:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={processes}", __file__, "--worker", out,
                "--rounds", str(rounds), "--calls", str(calls)]
-        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, timeout=900)
         return json.loads(pathlib.Path(out).read_text())
 
 

@@ -66,6 +66,21 @@ def groups(out: pathlib.Path) -> None:
             x = grouped_batch(call, 2 * WORLD)
             training(x[2 * RANK:2 * RANK + 2].reshape(-1, FEATURES))
         save(out, f"groups_{kind}", model.W.detach())
+    # AllReplicas: the host holds all 4 replicas' slices (Orthogonal: groups {0, 2},
+    # {1, 3}, spread over both processes); slices of a group start and stay equal.
+    model = Grouped(2)
+    with torch.no_grad():
+        model.W = torch.nn.Parameter(model.W[torch.tensor([0, 1, 0, 1])].clone())
+    opts = poptorch.Options().replicationFactor(2)
+    opts.showCompilationProgressBar(False)
+    training = poptorch.trainingModel(model, opts,
+                                      torch.optim.SGD(model.parameters(), lr=0.05))
+    training.W.replicaGrouping(poptorch.CommGroupType.Orthogonal, 2,
+                               poptorch.VariableRetrievalMode.AllReplicas)
+    for call in range(CALLS):
+        x = grouped_batch(call, 2 * WORLD)
+        training(x[2 * RANK:2 * RANK + 2].reshape(-1, FEATURES))
+    save(out, "groups_AllReplicas", model.W.detach())
 
 
 def pipelined(out: pathlib.Path) -> None:

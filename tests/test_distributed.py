@@ -122,6 +122,11 @@ def test_replica_grouped_weights_over_two_processes(tmp_path):
         expected = grouped_reference(kind, replicas=4, size=2)
         diff = (rank0 - expected).abs().max().item()
         assert diff <= TOL, f"{kind}: grouped weight differs from plain PyTorch by {diff}"
+    rank0, rank1 = _load(tmp_path, "groups_AllReplicas")
+    _assert_identical(rank0, rank1, "AllReplicas grouped weight")
+    expected = grouped_reference("Orthogonal", replicas=4, size=2)[torch.tensor([0, 1, 0, 1])]
+    diff = (rank0 - expected).abs().max().item()
+    assert diff <= TOL, f"AllReplicas: every replica's slice differs by {diff}"
 
 
 def test_pipelined_replicas_over_two_processes(tmp_path):

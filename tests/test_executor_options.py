@@ -310,9 +310,18 @@ def reference_replicated(ref, opt, x, y, d, g, r, broadcast, states):
     return outs
 
 
+@pytest.fixture(params=["sequential", "concurrent"])
+def replica_runs(request, monkeypatch):
+    """Local replicas one after another, or concurrently in threads (the CPU standing
+    in for one GPU per replica)."""
+    monkeypatch.setenv("POPTORCH_CONCURRENT_REPLICAS",
+                       "1" if request.param == "concurrent" else "0")
+    return request.param
+
+
 @pytest.mark.parametrize("broadcast", [True, False])
 @pytest.mark.parametrize("training", [True, False])
-def test_replicas_hold_their_own_buffers(broadcast, training):
+def test_replicas_hold_their_own_buffers(broadcast, training, replica_runs):
     torch.manual_seed(0)
     d, g, r, m = 2, 2 if training else 1, 2, 3
     model = RunningCenter()
@@ -341,7 +350,7 @@ def test_replicas_hold_their_own_buffers(broadcast, training):
         assert not torch.allclose(states[0], states[1])  # the replicas drifted apart
 
 
-def test_copy_weights_to_device_reaches_every_replica_buffer():
+def test_copy_weights_to_device_reaches_every_replica_buffer(replica_runs):
     model = RunningCenter()
     opts = poptorch.Options().replicationFactor(2).broadcastBuffers(False)
     pop = poptorch.inferenceModel(model, opts)

@@ -92,6 +92,40 @@ def test_no_grouping_gives_every_replica_its_own_weight():
     assert model.W.shape == w.shape
 
 
+@pytest.mark.parametrize("kind", [CommGroupType.Consecutive, CommGroupType.Orthogonal])
+def test_all_replicas_mode_keeps_one_slice_per_replica(kind):
+    """AllReplicas: the host tensor holds every replica's value; replica k computes with
+    slice k and every replica of a group gets the group's gradient (the sum of its
+    replicas'), so slices of one group that start equal stay equal."""
+    replicas, shards = 4, 2
+    g = torch.Generator().manual_seed(5)
+    groups = torch.randn(2, FEATURES, 2, generator=g)
+    group = [k // shards if kind == CommGroupType.Consecutive else k % 2
+             for k in range(replicas)]
+    w = torch.stack([groups[group[k]] for k in range(replicas)])
+    x = torch.randn(replicas, 2, FEATURES, generator=g)
+    model = ModelWithLoss(w)
+    training = poptorch.trainingModel(model, poptorch.Options().replicationFactor(replicas),
+                                      torch.optim.SGD(model.parameters(), lr=0.05))
+    training.W.replicaGrouping(kind, shards, VariableRetrievalMode.AllReplicas)
+    for _ in range(STEPS):
+        training(x.reshape(-1, FEATURES))
+    reference = torch.nn.Parameter(w.clone())
+    sgd = torch.optim.SGD([reference], lr=0.05)
+    for _ in range(STEPS):
+        sgd.zero_grad()
+        torch.stack([((x[k] @ reference[k]) ** 2).mean() for k in range(replicas)]).mean() \
+            .backward()
+        grad = reference.grad
+        reference.grad = torch.stack([
+            sum(grad[j] for j in range(replicas) if group[j] == group[k])
+            for k in range(replicas)])
+        sgd.step()
+    torch.testing.assert_close(model.W.detach(), reference.detach(), atol=1e-6, rtol=0)
+    members = [j for j in range(replicas) if group[j] == group[0]]
+    assert torch.equal(model.W[members[0]], model.W[members[1]])
+
+
 def test_the_wrapped_parameter_still_reads_like_the_parameter():
     model = ModelWithLoss(torch.ones(2, 3, 4))
     training = poptorch.trainingModel(model, poptorch.Options().replicationFactor(2))
@@ -113,7 +147,7 @@ def _grouped(shape, kind, shards, mode=VariableRetrievalMode.OnePerGroup, replic
     ((2, 6, 2), CommGroupType.Orthogonal, 3, VariableRetrievalMode.OnePerGroup,
      "does not divide"),
     ((2, 6, 2), CommGroupType.Consecutive, 2, VariableRetrievalMode.AllReplicas,
-     "OnePerGroup"),
+     "first dimension of 4 \\(one slice per replica\\)"),
 ])
 def test_bad_groupings_raise_before_anything_changes(shape, kind, shards, mode, message):
     model, training = _grouped(shape, kind, shards, mode)

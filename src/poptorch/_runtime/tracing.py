@@ -12,7 +12,9 @@ printing a summary. The trace holds torch's operator events and these ranges:
 
 * ``poptorch::<model> call <n>``: one call of a compiled model (its device loop);
 * ``poptorch::device iteration <i>``: one optimizer step (training) or iteration;
-* ``poptorch::micro-batch <k> replica <r>``: the forward pass of one micro-batch;
+* ``poptorch::micro-batch <k> replica <r>``: the forward pass of one micro-batch (with
+  concurrent local replicas, those of replica 0 only: the others run on worker threads,
+  which torch's profiler does not follow);
 * ``Optimizer.step#<Optimizer>.step``: the optimizer update (torch's own range);
 * ``stage <s> forward|backward <k>``: each pipeline / sharded / phased stage op, on one
   row per stage (these run on worker threads, so they are added from the schedule's

@@ -14,12 +14,13 @@ import torch
 
 from .. import _devices
 from . import hooks as _hooks, optimizer_rules
+from .local_replicas import local_replica_runner
 from .processes import join_processes
 from .call_support import (Snapshot, backend_name, check_inference_accumulation, count_tensors,
                            to_cpu, to_device)
 from .inspection import ExecutorInspection
 from .replica_grouping import GroupableParameter
-from .._logging import info_once, logger
+from .._logging import logger
 from .._runtime import context
 from .._runtime.batching.plan import BatchPlan, resolve_output_mode, split_inputs
 from .._runtime.batching.signature import InputSignature, detach_inputs
@@ -27,8 +28,7 @@ from .._runtime.weights.modelcopy import TrainingMode, shallow_copy_module
 from .._runtime.program.optimizer import (DeviceOptimizerSync, attach_optimizer,
                                  make_loss_scaler)
 from .._runtime.program.device_loop import DeviceProgram, RngScope
-from .._runtime.program.replica_groups import grouped_parameters
-from .._runtime.program.runner import PerReplicaRunner, ReplicaBuffers, SequentialRunner
+from .._runtime.program.runner import SequentialRunner
 from .._runtime.weights.constants import TensorConstants
 from .._runtime.weights.sync import WeightSync
 from ..enums import CommGroupType, OutputMode
@@ -168,7 +168,7 @@ class PoplarExecutor(ExecutorInspection):
             # Only training needs the other processes; an inference model runs on its
             # own (a program may evaluate on process 0 alone).
             cross = self._join_processes(device) if self._training else None
-            runner = self._per_replica_state(runner, plan, cross)
+            runner = local_replica_runner(self, runner, plan, cross)
             if cross is not None:
                 runner = cross.wrap_runner(runner, plan.per_step, device)
             bar.update()
@@ -212,35 +212,6 @@ class PoplarExecutor(ExecutorInspection):
         backend = backend_name(self._options, device)
         self.__dict__["_backend"] = backend
         return SequentialRunner(forward), device
-
-    def _per_replica_state(self, runner, plan: BatchPlan, cross):
-        """Give each simulated replica its own buffers (``ReplicaBuffers``) and its
-        group's value of replica-grouped weights (``replica_groups``); no work without
-        replicas, buffers or groupings."""
-        r = plan.replication_factor
-        processes = cross.world.size if cross is not None else 1
-        groupings = self.__dict__.get("_replica_groupings") or {}
-        grouped = grouped_parameters(
-            self._model, groupings, (cross.world.rank if cross is not None else 0) * r, r,
-            r * processes) if groupings else []
-        has_buffers = r > 1 and next(self._model.buffers(), None) is not None
-        if not grouped and not has_buffers:
-            return runner
-        if not isinstance(runner, SequentialRunner):
-            if grouped:
-                raise Error("replicaGrouping needs the default execution (one model per "
-                            "replica); it does not combine with execution strategies or "
-                            "block annotations.")
-            info_once(("shared-replica-buffers",),
-                      "Model-parallel execution with replicationFactor(%d): the replicas "
-                      "share one set of buffers (broadcastBuffers has no effect).", r)
-            return runner
-        states = list(grouped)
-        if has_buffers:
-            buffers = ReplicaBuffers(self._model, r, bool(self._options.broadcast_buffers))
-            self.__dict__["_replica_buffers"] = buffers
-            states.append(buffers)
-        return PerReplicaRunner(runner, states, r, plan.per_step)
 
     def _weights_to_device(self, **which) -> None:
         """Host -> device copy; every replica then holds the host's buffers."""

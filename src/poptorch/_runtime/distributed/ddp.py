@@ -58,7 +58,8 @@ def wrap_for_ddp(runner: SequentialRunner, model: torch.nn.Module, group: Any,
     ddp = torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[device] if device.type == "cuda" else None,
         process_group=group, broadcast_buffers=False, init_sync=False,
-        find_unused_parameters=True)
-    ddp.register_comm_hook(group, _sum_hook)
+        find_unused_parameters=__import__('os').environ.get('EXP_FUP','1')=='1')
+    if __import__('os').environ.get('EXP_HOOK','py')=='py':
+        ddp.register_comm_hook(group, _sum_hook)
     runner.forward = ddp
     return SyncOnLastMicrobatch(runner, ddp, per_step)

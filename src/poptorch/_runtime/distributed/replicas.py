@@ -53,6 +53,16 @@ class CrossProcessReplicas:
             return runner
         return self.ddp_runner
 
+    def __del__(self) -> None:
+        # Free DDP while ``self.world`` still holds the process group: DDP's C++ reducer
+        # must not drop the last reference to it, as that destroys the group with the
+        # GIL held and can deadlock with gloo's worker threads (pytorch/pytorch#56297).
+        runner = self.__dict__.get("ddp_runner")
+        if runner is not None:
+            runner.inner.forward = None
+            runner.ddp = None
+            self.ddp_runner = None
+
     def begin_step(self) -> None:
         """Before the micro-batches of a training step."""
         if self.ddp_runner is not None:

@@ -47,38 +47,43 @@ class GroupedParameter:
                  size: int, mode: VariableRetrievalMode, first_replica: int,
                  local_replicas: int, replicas: int) -> None:
         kind, mode = CommGroupType(kind), VariableRetrievalMode(mode)
-        if mode != VariableRetrievalMode.OnePerGroup:
-            raise Error(f"{name}.replicaGrouping: VariableRetrievalMode.{mode.name} would "
-                        "return one value per replica; here the weight reads back one "
-                        "value per group: use VariableRetrievalMode.OnePerGroup.")
         if kind != CommGroupType.NoGrouping and (size < 1 or replicas % size):
             raise Error(f"{name}.replicaGrouping: a group size of {size} does not divide "
                         f"the {replicas} replicas of this run.")
-        count = group_count(replicas, kind, size)
+        groups = group_count(replicas, kind, size)
+        per_replica = mode == VariableRetrievalMode.AllReplicas
+        count, unit = (replicas, "replica") if per_replica else (groups, "group")
         if param.dim() == 0 or param.shape[0] != count:
-            raise Error(f"{name}.replicaGrouping({kind.name}, {size}): {replicas} replicas "
-                        f"form {count} groups, so the weight needs a first dimension of "
-                        f"{count} (one slice per group), but its shape is "
-                        f"{tuple(param.shape)}.")
+            raise Error(f"{name}.replicaGrouping({kind.name}, {size}, {mode.name}): "
+                        f"{replicas} replicas form {groups} groups, so the weight needs a "
+                        f"first dimension of {count} (one slice per {unit}), but its shape "
+                        f"is {tuple(param.shape)}.")
         self.param = param
         self.full = param.data
-        self.groups = [group_of(first_replica + j, replicas, kind, size)
-                       for j in range(local_replicas)]
+        local = range(first_replica, first_replica + local_replicas)
+        self.groups = [group_of(k, replicas, kind, size) for k in local]
+        # The slice of the host tensor each local replica runs with: its group's, or
+        # (AllReplicas) its own; the replicas of a group get the same updates.
+        self.slots = list(local) if per_replica else self.groups
+        self.group_count = groups
+        self.slot_groups = (torch.tensor([group_of(k, replicas, kind, size)
+                                          for k in range(replicas)])
+                            if per_replica else None)
         self.grad: torch.Tensor | None = None
         self.current = -1
 
     def select(self, replica: int) -> None:
-        group = self.groups[replica]
-        if group != self.current:
-            self.param.data = self.full[group]
-            self.current = group
+        slot = self.slots[replica]
+        if slot != self.current:
+            self.param.data = self.full[slot]
+            self.current = slot
 
     def after_microbatch(self, replica: int, training: bool) -> None:
         grad = self.param.grad
         if not training or grad is None:
             return
         if self.grad is None:
-            self.grad = torch.zeros_like(self.full)
+            self.grad = grad.new_zeros((self.group_count, *grad.shape))
         self.grad[self.groups[replica]] += grad
         self.param.grad = None
 
@@ -89,7 +94,13 @@ class GroupedParameter:
         self.param.data = self.full
         self.current = -1
         if training:
-            self.param.grad, self.grad = self.grad, None
+            grad, self.grad = self.grad, None
+            if grad is not None and self.slot_groups is not None:
+                # Every replica's slice gets its group's gradient (also the slices of
+                # other processes' replicas: summed over processes, each slice then
+                # holds its whole group's gradient).
+                grad = grad.index_select(0, self.slot_groups.to(grad.device))
+            self.param.grad = grad
 
 
 def grouped_parameters(model: torch.nn.Module, groupings: dict, first_replica: int,

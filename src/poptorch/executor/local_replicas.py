@@ -1,0 +1,78 @@
+"""How the local replicas of one process run: one after another, or concurrently.
+
+``replicationFactor(r)`` gives a process ``r`` replicas. Each needs its own buffers
+(``ReplicaBuffers``) and its group's value of replica-grouped weights
+(``replica_groups``); by default they run one after another on one device
+(``PerReplicaRunner``). When the ``r`` IPUs are different GPUs, the replicas run
+concurrently, one per GPU (``ConcurrentReplicas``); ``POPTORCH_CONCURRENT_REPLICAS=1``
+asks for that on the CPU too (threads over CPU copies, which stand in for GPUs) and
+``=0`` turns it off.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from .. import _devices
+from .._logging import info_once
+from .._runtime.batching.plan import BatchPlan
+from .._runtime.program.concurrent_replicas import ConcurrentReplicas
+from .._runtime.program.replica_groups import grouped_parameters
+from .._runtime.program.runner import PerReplicaRunner, ReplicaBuffers, SequentialRunner
+from ..errors import Error
+
+CONCURRENT_ENV = "POPTORCH_CONCURRENT_REPLICAS"
+
+
+def _replica_devices(options: Any, replicas: int) -> list[torch.device] | None:
+    """The devices of replicas ``0 .. r-1`` if they should run concurrently, else None."""
+    setting = os.environ.get(CONCURRENT_ENV, "").strip().lower()
+    if setting in ("0", "false", "no", "off"):
+        return None
+    devices = [_devices.ipu_device(k, options) for k in range(replicas)]
+    if setting in ("1", "true", "yes", "on"):
+        return devices
+    distinct = {str(d) for d in devices}
+    return devices if devices[0].type == "cuda" and len(distinct) > 1 else None
+
+
+def local_replica_runner(executor: Any, runner: Any, plan: BatchPlan, cross: Any) -> Any:
+    """The runner of the process's ``r`` local replicas (see module docstring); ``runner``
+    itself when there is nothing per replica (one replica, no buffers, no groupings)."""
+    model, options = executor._model, executor._options
+    r = plan.replication_factor
+    processes = cross.world.size if cross is not None else 1
+    groupings = executor.__dict__.get("_replica_groupings") or {}
+    grouped = grouped_parameters(
+        model, groupings, (cross.world.rank if cross is not None else 0) * r, r,
+        r * processes) if groupings else []
+    plain = isinstance(runner, SequentialRunner) and runner.forward is model
+    if grouped and not plain:
+        raise Error("replicaGrouping needs the default execution (one model per "
+                    "replica); it does not combine with execution strategies or "
+                    "block annotations.")
+    devices = _replica_devices(options, r) if r > 1 and plain and not grouped else None
+    if devices is not None and not options.anchored_tensors:
+        info_once(("concurrent-replicas", tuple(map(str, devices))),
+                  "%d local replicas run concurrently, on %s.", r,
+                  ", ".join(map(str, devices)))
+        concurrent = ConcurrentReplicas(model, devices, bool(options.broadcast_buffers),
+                                        plan.per_step)
+        executor.__dict__["_replica_buffers"] = concurrent
+        return concurrent
+    has_buffers = r > 1 and next(model.buffers(), None) is not None
+    if not grouped and not has_buffers:
+        return runner
+    if not plain:
+        info_once(("shared-replica-buffers",),
+                  "Model-parallel execution with replicationFactor(%d): the replicas "
+                  "share one set of buffers (broadcastBuffers has no effect).", r)
+        return runner
+    states = list(grouped)
+    if has_buffers:
+        buffers = ReplicaBuffers(model, r, bool(options.broadcast_buffers))
+        executor.__dict__["_replica_buffers"] = buffers
+        states.append(buffers)
+    return PerReplicaRunner(runner, states, r, plan.per_step)
