@@ -52,6 +52,50 @@ def dynamic(out: pathlib.Path) -> None:
     save(out, "dynamic", model.state_dict())
 
 
+USE_B = {"now": True}  # shared by the user's model and the executor's copy of it
+
+
+class Switchable(torch.nn.Module):
+    """Head ``b`` is used only while ``USE_B["now"]`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(FEATURES, 3)
+        self.b = torch.nn.Linear(FEATURES, 3)
+
+    def forward(self, x, y):
+        out = self.a(x) + self.b(x) if USE_B["now"] else self.a(x)
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def unused_later(out: pathlib.Path) -> None:
+    """Every parameter is used in the first step, head b no longer in the second: an
+    error on both processes and no update; with POPTORCH_DISTRIBUTED_FIND_UNUSED=1 the
+    same run trains."""
+    results = {}
+    for forced in (False, True):
+        os.environ["POPTORCH_DISTRIBUTED_FIND_UNUSED"] = "1" if forced else "0"
+        torch.manual_seed(7)
+        USE_B["now"] = True
+        model = Switchable()
+        training = poptorch.trainingModel(model, options(1),
+                                          torch.optim.SGD(model.parameters(), lr=0.1))
+        training(*process_rows(global_batch(0, WORLD), RANK, 1))
+        training.copyWeightsToHost()
+        after_first = {k: v.clone() for k, v in model.state_dict().items()}
+        USE_B["now"] = False
+        try:
+            training(*process_rows(global_batch(1, WORLD), RANK, 1))
+            error = "no error"
+        except poptorch.Error as exc:
+            error = str(exc)
+        training.copyWeightsToHost()
+        results[forced] = {"error": error, "after_first": after_first,
+                           "after_second": model.state_dict()}
+        training.destroy()
+    save(out, "unused_later", results)
+
+
 def groups(out: pathlib.Path) -> None:
     """2 processes x 2 replicas, W grouped in groups of 2 replicas."""
     for kind in ("Consecutive", "Orthogonal"):
@@ -176,6 +220,7 @@ def epoch(out: pathlib.Path) -> None:
 
 
 SCENARIOS = {"train": train, "dynamic": dynamic, "groups": groups,
+             "unused_later": unused_later,
              "pipelined": pipelined, "buffers": buffers, "checkpoint": checkpoint,
              "mismatch": mismatch, "kill": kill, "epoch": epoch}
 

@@ -112,6 +112,22 @@ def test_parameters_unused_in_the_last_micro_batch_are_reduced(tmp_path):
     _assert_close(rank0, plain.state_dict(), "plain PyTorch")
 
 
+def test_a_parameter_unused_after_the_first_step_is_an_error_not_a_bad_update(tmp_path):
+    """DDP runs without searching for unused parameters when the first step used them
+    all; a later step that leaves one out raises on every process before its update.
+    POPTORCH_DISTRIBUTED_FIND_UNUSED=1 makes DDP search, and the same run trains."""
+    _check(torchrun("unused_later", tmp_path))
+    rank0, rank1 = _load(tmp_path, "unused_later")
+    for rank in (rank0, rank1):
+        assert "POPTORCH_DISTRIBUTED_FIND_UNUSED=1" in rank[False]["error"], rank[False]
+        _assert_identical(rank[False]["after_second"], rank[False]["after_first"],
+                          "weights after the refused step")
+        assert rank[True]["error"] == "no error", rank[True]["error"]
+        assert not torch.equal(rank[True]["after_second"]["a.weight"],
+                               rank[True]["after_first"]["a.weight"])
+    _assert_identical(rank0[True]["after_second"], rank1[True]["after_second"], "weights")
+
+
 def test_replica_grouped_weights_over_two_processes(tmp_path):
     """2 processes x 2 replicas; groups of 2 replicas (Consecutive: the processes;
     Orthogonal: across the processes)."""

@@ -1,65 +1,114 @@
-"""DDP's reducer for the sequential runner: the gradients of a step are summed over the
+"""DDP's reducer for the sequential runner: the gradients of a step are reduced over the
 processes while the backward pass of the step's last micro-batch still runs.
 
 ``torch.nn.parallel.DistributedDataParallel`` wraps the device model; every
 micro-batch of a step but the last runs under ``no_sync()`` (gradients accumulate
 locally), the last one's backward fires DDP's bucketed all-reduces as gradients become
-ready. A communication hook sums (DDP's default hook averages over processes; the
-device program applies PopTorch's Mean / Sum itself, over every replica of every
-process). DDP neither broadcasts at construction nor syncs buffers: the compile step
-and ``broadcastBuffers`` do that (``replicas``). ``find_unused_parameters`` lets a
-model leave some parameters unused in a step, as it may in one process.
+ready. DDP's own C++ reduction averages over the processes (no Python runs per bucket);
+the device program turns the average into PopTorch's Mean / Sum over every replica of
+every process. DDP neither broadcasts at construction nor syncs buffers: the compile
+step and ``broadcastBuffers`` do that (``replicas``).
+
+DDP is attached after the first step, which the post-backward reducer runs; that step
+also records which trainable parameters the backward pass of its last micro-batch (the
+one DDP reduces in) reached, on every process. If all of them, DDP runs
+without ``find_unused_parameters`` (no graph search and no extra all-reduce of the used
+parameters per step, as a hand-written DDP loop); a later step that leaves a parameter
+without gradient in its last micro-batch then raises :py:class:`poptorch.Error` before
+the update instead of updating with gradients that were not reduced (the runner checks,
+as in the first step, which gradients the last backward pass reached). Otherwise, or with
+``POPTORCH_DISTRIBUTED_FIND_UNUSED=1``, DDP searches for unused parameters every step.
 """
-import contextlib
+import os
 from typing import Any, List, Optional
 
 import torch
-import torch.distributed as dist
 
+from ...errors import Error
 from ..program.runner import LossOf, SequentialRunner
 
+FIND_UNUSED_ENV = "POPTORCH_DISTRIBUTED_FIND_UNUSED"
 
-def _sum_hook(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: the sum over processes, not the mean. (No postponed
-    annotations in this module: DDP checks this signature's annotations.)"""
-    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+
+def find_unused_forced() -> bool:
+    """True if ``POPTORCH_DISTRIBUTED_FIND_UNUSED`` asks DDP to search every step."""
+    return os.environ.get(FIND_UNUSED_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def make_ddp(model: torch.nn.Module, group: Any, device: torch.device,
+             find_unused: bool) -> torch.nn.parallel.DistributedDataParallel:
+    """DDP over ``model`` as the module docstring describes (called on every process at
+    the same point: construction checks the parameter shapes collectively)."""
+    return torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[device] if device.type == "cuda" else None,
+        process_group=group, broadcast_buffers=False, init_sync=False,
+        find_unused_parameters=find_unused)
 
 
 class SyncOnLastMicrobatch:
-    """Runs a sequential runner whose forward is a DDP module so that only the last
+    """Runs a sequential runner so that, once DDP is attached, only the last
     micro-batch of each step (``per_step`` of them) synchronises gradients."""
 
-    def __init__(self, inner: SequentialRunner, ddp: Any, per_step: int) -> None:
+    def __init__(self, inner: SequentialRunner, params: List[torch.nn.Parameter],
+                 per_step: int) -> None:
         self.inner = inner
-        self.ddp = ddp
+        self.params = params
         self.per_step = per_step
         self.count = 0
+        self.ddp: Optional[Any] = None
+        self.check_used = False
+        # Before DDP: per parameter, whether the last micro-batch's backward reached it.
+        self.last_used: Optional[List[bool]] = None
+
+    def attach(self, ddp: Any, find_unused: bool) -> None:
+        """Run the model through ``ddp`` from the next step on."""
+        self.ddp = ddp
+        self.inner.forward = ddp
+        self.check_used = not find_unused
 
     def begin_step(self) -> None:
         """Called before the micro-batches of a training step."""
         self.count = 0
 
     def __call__(self, microbatches: List[Any], loss_of: Optional[LossOf]) -> List[Any]:
+        ddp = self.ddp
         if loss_of is None:
-            return self.inner(microbatches, None)
+            return self.inner(microbatches, loss_of)
         outputs: List[Any] = []
         for microbatch in microbatches:
             self.count += 1
             last = self.count % self.per_step == 0
-            with contextlib.nullcontext() if last else self.ddp.no_sync():
+            if ddp is None:
+                outputs.extend(self._probe(microbatch, loss_of) if last else
+                               self.inner([microbatch], loss_of))
+                continue
+            if not last:
+                with ddp.no_sync():
+                    outputs.extend(self.inner([microbatch], loss_of))
+            elif self.check_used:
+                outputs.extend(self._probe(microbatch, loss_of))
+                if not all(self.last_used):
+                    raise self._unused_error()
+            else:
                 outputs.extend(self.inner([microbatch], loss_of))
         return outputs
 
+    def _probe(self, microbatch: Any, loss_of: LossOf) -> List[Any]:
+        """Run the last micro-batch of a step and record which parameters its backward
+        reached (a gradient that appeared, was replaced or was added to in place)."""
+        before = [(p.grad, p.grad._version if p.grad is not None else -1)
+                  for p in self.params]
+        outputs = self.inner([microbatch], loss_of)
+        self.last_used = [p.grad is not None and (p.grad is not grad or
+                                                  p.grad._version != version)
+                          for p, (grad, version) in zip(self.params, before)]
+        return outputs
 
-def wrap_for_ddp(runner: SequentialRunner, model: torch.nn.Module, group: Any,
-                 per_step: int, device: torch.device) -> SyncOnLastMicrobatch:
-    """Make ``runner`` run ``model`` through DDP (see module docstring)."""
-    ddp = torch.nn.parallel.DistributedDataParallel(
-        model, device_ids=[device] if device.type == "cuda" else None,
-        process_group=group, broadcast_buffers=False, init_sync=False,
-        find_unused_parameters=__import__('os').environ.get('EXP_FUP','1')=='1')
-    if __import__('os').environ.get('EXP_HOOK','py')=='py':
-        ddp.register_comm_hook(group, _sum_hook)
-    runner.forward = ddp
-    return SyncOnLastMicrobatch(runner, ddp, per_step)
+    def _unused_error(self) -> Error:
+        return Error(
+            "A trainable parameter got no gradient in the last micro-batch of this step "
+            "on this process, although every parameter got one in the first step: DDP "
+            "(without its search for unused parameters) did not reduce its gradients "
+            "across the processes, so the step was not applied (the other processes stop "
+            "with a timeout error). For models that leave parameters unused in some "
+            f"steps, set {FIND_UNUSED_ENV}=1 on every process.")

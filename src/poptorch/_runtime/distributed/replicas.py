@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..program.replica_groups import GroupedParameter
 from ..program.runner import PerReplicaRunner, SequentialRunner
 from .collectives import broadcast_, failures_as_errors
-from .ddp import wrap_for_ddp
+from .ddp import SyncOnLastMicrobatch, find_unused_forced, make_ddp
 from .reducer import GradientReducer
 from .world import World
 
@@ -31,9 +31,13 @@ class CrossProcessReplicas:
                  params: List[torch.nn.Parameter], broadcast_buffers: bool) -> None:
         self.world = world
         self.model = model
+        self.params = params
         self.reducer: Any = GradientReducer(world, params)
         self.buffers = [b for b in model.buffers()] if broadcast_buffers else []
         self.ddp_runner: Any = None
+        # How many processes the reduced gradients were divided by: DDP averages, the
+        # reducer sums. The device program scales the result to PopTorch's Mean / Sum.
+        self.averaged_over = 1
 
     def wrap_runner(self, runner: Any, per_step: int, device: torch.device) -> Any:
         """Give a sequential runner (running the model itself, not a compiled copy)
@@ -46,8 +50,9 @@ class CrossProcessReplicas:
             return runner
         if per_replica and any(isinstance(s, GroupedParameter) for s in runner.states):
             return runner
-        self.ddp_runner = wrap_for_ddp(inner, self.model, self.world.group, per_step, device)
-        self.reducer = None
+        # DDP takes over after the first step (``ddp`` module docstring).
+        self.ddp_runner = SyncOnLastMicrobatch(inner, self.params, per_step)
+        self.device = device
         if per_replica:
             runner.inner = self.ddp_runner
             return runner
@@ -85,8 +90,21 @@ class CrossProcessReplicas:
     def reduce_gradients(self) -> None:
         """Sum this step's gradients over all processes (done already by DDP during
         the backward pass when the runner uses it)."""
-        if self.reducer is not None:
-            self.reducer()
+        if self.reducer is None:
+            return
+        self.reducer()
+        runner = self.ddp_runner
+        if runner is not None and runner.ddp is None and runner.last_used is not None:
+            used = torch.tensor(runner.last_used, dtype=torch.float32)
+            with failures_as_errors("Comparing the parameters used by each process"):
+                dist.all_reduce(used, group=self.world.group)
+            all_used = bool((used == self.world.size).all())
+            find_unused = not all_used or find_unused_forced()
+            runner.attach(
+                make_ddp(self.model, self.world.group, self.device, find_unused),
+                find_unused)
+            self.reducer = None
+            self.averaged_over = self.world.size
 
     def sync_buffers(self) -> None:
         """Send process 0's buffers to every process (no-op without broadcastBuffers)."""

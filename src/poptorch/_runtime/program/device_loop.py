@@ -111,9 +111,14 @@ class DeviceProgram:
         # The cross-process side (distributed.replicas.CrossProcessReplicas) of a run of
         # several processes, None in one process.
         self.cross = cross
-        self._configure_reduction(options, cross.world.size if cross is not None else 1)
+        self._reduction_options = options
+        self._averaged = cross.averaged_over if cross is not None else 1
+        self._configure_reduction(options, cross.world.size if cross is not None else 1,
+                                  self._averaged)
 
-    def _configure_reduction(self, options: Any, processes: int) -> None:
+    def _configure_reduction(self, options: Any, processes: int, averaged: int) -> None:
+        """How the summed gradients become PopTorch's Mean / Sum. ``averaged``: the
+        cross-process reduction already divided them by that many processes (DDP)."""
         training = options.Training
         reduction = ReductionType(training.accumulation_and_replication_reduction_type)
         if reduction == ReductionType.NoReduction:
@@ -126,8 +131,12 @@ class DeviceProgram:
             training.meanAccumulationAndReplicationReductionStrategy)
         # Post: sum the gradients, divide once before the update. Running / PostAndLoss:
         # scale each micro-batch loss by 1/n (the same mean, rounded differently).
-        self.divide_grads_by = n if mean and strategy == MeanReductionStrategy.Post else 1
-        self.loss_multiplier = 1.0 / n if mean and self.divide_grads_by == 1 else 1.0
+        post = mean and strategy == MeanReductionStrategy.Post
+        self.loss_multiplier = 1.0 / n if mean and not post else 1.0
+        # An average over the processes is a sum divided by their number: divide by the
+        # rest of n (an integer), or undo it for a sum.
+        self.divide_grads_by = n // averaged if post else 1
+        self.multiply_grads_by = 1 if post else averaged
 
     @property
     def optimizer(self) -> Any:
@@ -170,15 +179,22 @@ class DeviceProgram:
         params = self.params
         for p in params:
             p.grad = None
-        if self.cross is not None:
-            self.cross.begin_step()
+        cross = self.cross
+        if cross is not None:
+            if cross.averaged_over != self._averaged:  # DDP took over the reduction
+                self._averaged = cross.averaged_over
+                self._configure_reduction(self._reduction_options, cross.world.size,
+                                          self._averaged)
+            cross.begin_step()
         outputs = self.runner(microbatches, self._loss_of)
-        if self.cross is not None:
-            self.cross.reduce_gradients()
-        if self.divide_grads_by != 1:
+        if cross is not None:
+            cross.reduce_gradients()
+        if self.divide_grads_by != 1 or self.multiply_grads_by != 1:
             grads = [p.grad for p in params if p.grad is not None]
-            if grads:
+            if grads and self.divide_grads_by != 1:
                 torch._foreach_div_(grads, float(self.divide_grads_by))
+            if grads and self.multiply_grads_by != 1:
+                torch._foreach_mul_(grads, float(self.multiply_grads_by))
         if self.scaler is None or self.scaler.unscale_(params):
             self._step()
         if self.cross is not None:
