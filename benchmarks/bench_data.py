@@ -133,6 +133,7 @@ def speed_table(worker_counts: list[int], rounds: int, heavy_rounds: int) -> boo
     print(f"{'workers':>7} {'load':<6}{'ours':<15}{'torch it/s':>11}{'ours it/s':>11}"
           f"{'ratio':>7}{'torch 1st':>10}{'ours 1st':>9}{'diff':>7}  ok")
     passed = True
+    slow, late, total = [], [], 0
     for workers in worker_counts:
         for load in cases:
             reference = results[(workers, load, "torch")]
@@ -146,9 +147,18 @@ def speed_table(worker_counts: list[int], rounds: int, heavy_rounds: int) -> boo
                 diff = statistics.median(o[0] - t[0] for o, t in zip(ours, reference))
                 ok = ratio >= REQUIRED_SPEED_RATIO and diff <= REQUIRED_LATENCY_S
                 passed &= ok
+                total += 1
+                if ratio < REQUIRED_SPEED_RATIO:
+                    slow.append(f"{kind} w{workers} {load} {ratio:.2f}x")
+                if diff > REQUIRED_LATENCY_S:
+                    late.append(f"{kind} w{workers} {load} {diff:+.2f} s")
                 print(f"{workers:>7} {load:<6}{kind:<15}{torch_rate:>11.0f}{rate:>11.0f}"
                       f"{ratio:>6.2f}x{torch_first:>10.2f}{first:>9.2f}{diff:>+7.2f}  "
                       f"{'yes' if ok else 'NO'}")
+    print(f"Summary: {len(slow)}/{total} rows below {REQUIRED_SPEED_RATIO}x torch items/s"
+          + (f" ({'; '.join(slow)})" if slow else "")
+          + f"; {len(late)}/{total} rows with first batch > {REQUIRED_LATENCY_S} s after "
+          "torch's" + (f" ({'; '.join(late)})" if late else "") + ".")
     return passed
 
 

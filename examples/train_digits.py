@@ -12,6 +12,7 @@ process reads its share of the data; gradients are summed over the processes).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -82,10 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     training = poptorch.trainingModel(model, train_opts, optimizer)
     inference = poptorch.inferenceModel(model, test_opts)
 
+    main_process = int(os.environ.get("RANK", "0")) == 0  # under torchrun: report once
     start = time.perf_counter()
     accuracy = 0.0
     for epoch in range(1, args.epochs + 1):
-        bar = tqdm(train_loader, desc=f"epoch {epoch:2d}/{args.epochs}", leave=False)
+        bar = tqdm(train_loader, desc=f"epoch {epoch:2d}/{args.epochs}", leave=False,
+                   disable=not main_process)
         for images, labels in bar:
             _, loss = training(images, labels)
             bar.set_postfix(loss=f"{loss.item():.3f}")
@@ -95,14 +98,16 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_initialized():  # under torchrun: each process tested its share
             dist.all_reduce(counts)
         accuracy = counts[0].item() / counts[1].item()
-        tqdm.write(f"epoch {epoch:2d}: last loss {loss.item():.4f}, "
-                   f"test accuracy {accuracy:.2%}")
+        if main_process:
+            tqdm.write(f"epoch {epoch:2d}: last loss {loss.item():.4f}, "
+                       f"test accuracy {accuracy:.2%}")
     seconds = time.perf_counter() - start
     ok = accuracy >= args.target
-    print(f"digits: {args.epochs} epochs, {len(train_set)} training images, "
-          f"test accuracy {accuracy:.2%} (target {args.target:.0%}: "
-          f"{'reached' if ok else 'MISSED'}) in {seconds:.1f}s on "
-          f"{training._device}")
+    if main_process:
+        print(f"digits: {args.epochs} epochs, {len(train_set)} training images, "
+              f"test accuracy {accuracy:.2%} (target {args.target:.0%}: "
+              f"{'reached' if ok else 'MISSED'}) in {seconds:.1f}s on "
+              f"{training._device}")
     return 0 if ok else 1
 
 

@@ -2,6 +2,7 @@
 
 Every check compares against plain PyTorch computing the same casts by hand, and the
 dtypes of the operators that really ran are recorded with a TorchDispatchMode."""
+import copy
 import logging
 
 import pytest
@@ -243,6 +244,28 @@ def test_training_gradients_reach_float32_master_weights_exactly():
         assert torch.equal(loss, r_loss.detach())
     for p, q in zip(model.parameters(), ref.parameters()):
         assert p.dtype == FLOAT and torch.equal(p, q)
+
+
+def test_user_model_pickles_while_its_layers_are_wrapped(tmp_path):
+    torch.manual_seed(5)
+    model = Regressor()
+    model.fc1.autocast()  # a switched layer: its forward is wrapped during the run
+    x, t = torch.randn(8, 4), torch.randn(8, 1)
+    pm = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    pm(x, t)
+    assert "forward" in vars(model.fc1)  # the shared layer carries the wrapper
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    reloaded = torch.load(path, weights_only=False)
+    copied = copy.deepcopy(model)
+    for clone in (reloaded, copied):
+        for (name, p), q in zip(model.state_dict().items(), clone.state_dict().values()):
+            assert torch.equal(p, q), name
+        # plain modules again: float32 like the user's model on the host
+        out, loss = clone(x, t)
+        ref_out, ref_loss = model(x, t)
+        assert out.dtype == FLOAT and torch.equal(out, ref_out)
+        assert torch.equal(loss, ref_loss)
 
 
 def test_training_converges_like_float32():

@@ -99,6 +99,52 @@ def test_every_sharing_strategy_gives_the_reference_batches(strategy):
 
 
 # -- the accessor on its own -------------------------------------------------------------
+class ChangingBatches(torch.utils.data.IterableDataset):
+    """Batches whose structure, shapes and dtypes change from one to the next (the
+    accessor sends a changed skeleton, or new shared tensors, only when needed)."""
+
+    def __iter__(self):
+        for i in range(14):
+            t = torch.full((2, 1 + i % 3), float(i))
+            kind = i % 7
+            if kind == 0:
+                yield (t, torch.tensor([i, i]))
+            elif kind == 1:
+                yield (t, torch.tensor([i, i]))  # the same skeleton again
+            elif kind == 2:
+                yield {"a": t, "b": t.long()}
+            elif kind == 3:
+                yield [t, t, t]
+            elif kind == 4:
+                yield t
+            elif kind == 5:
+                yield (t, f"name{i}")  # a non-tensor value: never the short message
+            else:
+                yield {"b": t, "a": t}  # same keys, other order
+
+
+def test_batches_of_changing_structure_arrive_intact():
+    reference = list(ChangingBatches())
+    accessor = poptorch.AsynchronousDataAccessor(ChangingBatches(), buffer_size=2, **FORK)
+    for _ in range(2):
+        got = [torch.utils._pytree.tree_map(
+            lambda v: v.clone() if isinstance(v, torch.Tensor) else v, b) for b in accessor]
+        assert len(got) == len(reference)
+        for g, e in zip(got, reference):
+            assert type(g) is type(e)
+            if isinstance(e, dict):
+                assert list(g) == list(e)
+            leaves_g = torch.utils._pytree.tree_leaves(g)
+            leaves_e = torch.utils._pytree.tree_leaves(e)
+            assert len(leaves_g) == len(leaves_e)
+            for x, y in zip(leaves_g, leaves_e):
+                if isinstance(y, torch.Tensor):
+                    assert x.dtype == y.dtype and torch.equal(x, y)
+                else:
+                    assert x == y
+    accessor.terminate()
+
+
 def test_accessor_wraps_any_torch_dataloader():
     data = TensorDataset(torch.randn(20, 2))
     reference = torch.utils.data.DataLoader(data, batch_size=3, drop_last=False)
@@ -174,7 +220,9 @@ def test_early_preload_and_load_indefinitely():
                                  mode=DataLoaderMode.Async,
                                  async_options={**FORK, "load_indefinitely": False})
     time.sleep(0.5)
-    assert lazy.calls.value == 0  # nothing read before the first iteration
+    # only the first batch is read before the first iteration (by the constructor, as
+    # upstream's accessor does, so that a broken data set fails there)
+    assert lazy.calls.value == 2
     assert ids(loader) == list(range(8))
     time.sleep(0.5)
     assert lazy.calls.value == 8  # not loading indefinitely: waits for the next epoch

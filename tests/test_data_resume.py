@@ -20,6 +20,7 @@ from poptorch import DataLoaderMode
 pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create")]
 
 PROGRAM = textwrap.dedent('''
+    import copy
     import os
     import sys
     import torch
@@ -86,23 +87,37 @@ PROGRAM = textwrap.dedent('''
                     break
 
 
+    def steps(training, loader):
+        """Trains one step per next(), epoch after epoch."""
+        while True:
+            for x, y in loader:
+                training(x, y)
+                yield
+
+
     def state(training, optimizer):
         return {"model": training.state_dict(), "optimizer": optimizer.state_dict()}
 
 
     def first(path):
+        # K steps, the checkpoint, then K more in the same run: the uninterrupted 2K
+        # reference (taking a checkpoint must not change the run either)
         out = {}
         for config in CONFIGS:
             training, optimizer, loader = build(*config)
-            train(training, loader, 2 * K)
-            reference = state(training, optimizer)
-            loader.terminate()
-            training, optimizer, loader = build(*config)
-            train(training, loader, K)
-            out[config] = {"reference": reference, "checkpoint": {
+            iterator = steps(training, loader)
+            for _ in range(K):
+                next(iterator)
+            # copies: state dicts share tensors with the live model and optimizer
+            checkpoint = copy.deepcopy({
                 "model": training.state_dict(), "optimizer": optimizer.state_dict(),
                 "model_rng": training.rng_state, "torch_rng": torch.get_rng_state(),
-                "loader": loader.state_dict()}, "halfway": state(training, optimizer)}
+                "loader": loader.state_dict()})
+            halfway = copy.deepcopy(state(training, optimizer))
+            for _ in range(K):
+                next(iterator)
+            out[config] = {"reference": state(training, optimizer),
+                           "checkpoint": checkpoint, "halfway": halfway}
             loader.terminate()
         torch.save(out, path)
 

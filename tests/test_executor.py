@@ -558,3 +558,78 @@ def test_optimizer_step_hooks_still_run():
     x, y = make_inputs(MLP, 4)
     pop(x, y)
     assert calls == ["pre", "post", "pre", "post"]
+
+
+# -- buffers must stay registered during the compiling call (PopTorch's rule) ------------
+class _BufferModel(nn.Module):
+    def __init__(self, action):
+        super().__init__()
+        self.action = action
+        self.register_buffer("y", torch.tensor([2.0]))
+        self.fc = nn.Linear(1, 1)
+
+    def forward(self, x):
+        if self.action == "copy":
+            self.y.copy_(self.y + x.sum())
+        elif self.action == "remove":
+            del self._buffers["y"]
+        elif self.action == "reassign":
+            self.y = x.sum().reshape(1)
+        return self.fc(x) + 1
+
+
+@pytest.mark.parametrize("action,match", [
+    ("remove", r"Buffer y is removed from the model when calling the forward method"),
+    ("reassign", r"Buffer y is reassigned within the model .*self\.y\.copy_\(src\)")])
+def test_forward_that_removes_or_rebinds_a_buffer_is_refused_unchanged(action, match):
+    torch.manual_seed(0)
+    model = _BufferModel(action)
+    buffer, weight = model.y, model.fc.weight.detach().clone()
+    pop = poptorch.inferenceModel(model)
+    with pytest.raises(poptorch.Error, match=match):
+        pop(torch.ones(2, 1))
+    # nothing half-changed: the same buffer object, value and weights
+    assert model._buffers["y"] is buffer and torch.equal(buffer, torch.tensor([2.0]))
+    assert torch.equal(model.fc.weight, weight)
+
+
+def test_forward_updating_a_buffer_in_place_matches_pytorch():
+    torch.manual_seed(0)
+    model, ref = _BufferModel("copy"), _BufferModel("copy")
+    ref.load_state_dict(model.state_dict())
+    pop = poptorch.inferenceModel(model)
+    for _ in range(2):
+        x = torch.randn(2, 1)
+        assert torch.equal(pop(x), ref(x))
+    pop.copyWeightsToHost()
+    assert torch.equal(model.y, ref.y)
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.1),
+    lambda ps: poptorch.optim.Adam(ps, lr=0.1)])
+def test_training_model_with_every_parameter_frozen_runs_like_pytorch(make_opt):
+    class Frozen(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn, self.fc = nn.BatchNorm1d(4), nn.Linear(4, 4)
+
+        def forward(self, x, t):
+            y = self.fc(self.bn(x))
+            return y, F.mse_loss(y, t)
+
+    torch.manual_seed(0)
+    model = Frozen()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    ref = copy.deepcopy(model).train()
+    pop = poptorch.trainingModel(model, optimizer=make_opt(model.parameters()))
+    for _ in range(2):
+        x, t = torch.randn(8, 4), torch.randn(8, 4)
+        out, loss = pop(x, t)
+        ref_out, ref_loss = ref(x, t)
+        assert torch.equal(out, ref_out) and torch.equal(loss, ref_loss)
+    pop.copyWeightsToHost()
+    for a, b in itertools.chain(zip(model.parameters(), ref.parameters()),
+                                zip(model.buffers(), ref.buffers())):
+        assert torch.equal(a, b)  # nothing trained; running statistics as in PyTorch

@@ -1,6 +1,7 @@
 """A compiled model accepts only inputs like those it was compiled with (PopTorch's
 rule): other calls raise poptorch.Error before the model runs; destroy() recompiles."""
 import copy
+import logging
 
 import pytest
 import torch
@@ -227,3 +228,21 @@ def test_weight_copies_of_a_loaded_model_before_its_first_call(tmp_path):
     loaded.copyWeightsToHost()  # nothing ran yet: nothing to copy, no error
     loaded.copyWeightsToDevice()
     torch.testing.assert_close(loaded(x), model(x))
+
+
+def test_inputs_requiring_grad_are_detached_with_one_warning_per_model(caplog):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    x = torch.randn(4, 3, requires_grad=True)
+    warnings = lambda: [r for r in caplog.records  # noqa: E731
+                        if "Input tensor has requires_grad=True set" in r.getMessage()]
+    with caplog.at_level(logging.WARNING, logger="poptorch"):
+        first = poptorch.inferenceModel(model)
+        out = first(x)
+        first(x)
+        assert len(warnings()) == 1
+        second = poptorch.inferenceModel(model)  # another model warns again
+        second(x)
+        assert len(warnings()) == 2
+    assert not out.requires_grad and torch.equal(out, model(x.detach()))
+    assert x.grad is None

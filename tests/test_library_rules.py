@@ -265,6 +265,24 @@ def test_stages_on_one_ipu_are_not_pipelined():
 
 
 # -- poptorch._impl ---------------------------------------------------------------------
+def test_is_dispatch_tracing_is_false_so_forward_creates_tensors_as_pytorch_does():
+    seen = []
+
+    class Ones(torch.nn.Module):
+        def forward(self, x):
+            seen.append((poptorch.isRunningOnIpu(), poptorch._impl.isDispatchTracing()))
+            device = "ipu" if poptorch._impl.isDispatchTracing() else None
+            return torch.ones((2, 3), dtype=torch.float16, device=device) + x
+
+    for dtype in (torch.float16, torch.float32):
+        x = torch.tensor([1.5], dtype=dtype)
+        expected = Ones()(x)
+        out = poptorch.inferenceModel(Ones())(x)
+        assert out.dtype == expected.dtype and torch.equal(out, expected)
+    assert not poptorch._impl.isDispatchTracing()
+    assert (True, False) in seen
+
+
 def test_unwrap_and_rewrap_are_no_ops_on_the_cpu():
     model = Net()
     pop = poptorch.trainingModel(model)

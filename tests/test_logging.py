@@ -1,4 +1,5 @@
 """poptorch.logger, setLogLevel, POPTORCH_LOG_LEVEL, logDir, maxRepeatLogs, log-once."""
+import io
 import logging
 import os
 import subprocess
@@ -93,12 +94,23 @@ def test_stderr_format_when_application_has_no_logging(monkeypatch, capsys):
     assert capsys.readouterr().err == "[poptorch] INFO: hello 3\n"
 
 
-def test_no_duplicate_when_application_configured_logging(monkeypatch, capsys, caplog):
+def test_no_duplicate_when_application_prints_on_console(monkeypatch, capsys, caplog):
     caplog.set_level(logging.INFO, logger="poptorch::python")
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(logging.Formatter("app: %(message)s"))
+    monkeypatch.setattr(logging.root, "handlers", [console])
     poptorch.setLogLevel("INFO")
     poptorch.logger.info("once only")
-    assert "once only" not in capsys.readouterr().err  # root handlers print it instead
-    assert _messages(caplog) == ["once only"]
+    assert capsys.readouterr().err == "app: once only\n"  # the application's handler
+
+
+def test_collecting_handlers_do_not_silence_stderr(monkeypatch, capsys):
+    collected = io.StringIO()
+    monkeypatch.setattr(logging.root, "handlers", [logging.StreamHandler(collected)])
+    poptorch.setLogLevel("WARN")
+    poptorch.logger.warning("visible %s", "twice")
+    assert capsys.readouterr().err == "[poptorch] WARNING: visible twice\n"
+    assert collected.getvalue() == "visible twice\n"  # and propagated to the application
 
 
 def test_max_repeat_logs_suppresses_and_reports(caplog):

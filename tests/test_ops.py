@@ -130,6 +130,20 @@ def test_dynamic_slice_gradient_and_errors():
     torch.testing.assert_close(poptorch.dynamic_slice(x, 0, torch.tensor(7), 4, 1), x[4:8])
 
 
+def test_empty_or_reversed_dynamic_slices_are_refused_as_upstream():
+    x, src = torch.randn(8), torch.randn(1)
+    for op in (lambda size: poptorch.dynamic_slice(x, 0, torch.tensor(5), size, 1),
+               lambda size: poptorch.dynamic_update(x, src, 0, torch.tensor(5), size)):
+        with pytest.raises(poptorch.Error, match="The start and end of a slice must be "
+                                                 "different"):
+            op(0)  # end == start
+        with pytest.raises(poptorch.Error, match="Taking a slice of a tensor with the end "
+                                                 "less than the start is not supported"):
+            op(-2)  # end < start
+    # a size that does not divide the dimension works (upstream's IPU limit is relaxed)
+    torch.testing.assert_close(poptorch.dynamic_slice(x, 0, torch.tensor(1), 7, 1), x[1:8])
+
+
 @pytest.mark.parametrize("start", [2, torch.tensor(2)])
 def test_dynamic_update_matches_slice_assignment(start):
     x = torch.randn(4, 6)
@@ -501,6 +515,29 @@ def test_multiconv_runs_convolutions_normally_and_checks_counts():
         poptorch.MultiConv().availableMemoryProportions(1.0)
     with pytest.raises(poptorch.Error, match="MultiConvPlanType"):
         poptorch.MultiConv().planType("serial")
+
+
+def test_multiconv_scope_rules_as_poptorch():
+    conv = torch.nn.Conv2d(1, 2, 3)
+    x = torch.randn(1, 1, 6, 6)
+    with pytest.raises(poptorch.Error, match="Nested poptorch.MultiConv is not supported"):
+        with poptorch.MultiConv():
+            with poptorch.MultiConv():
+                conv(x)
+    with pytest.raises(poptorch.Error, match="Unexpected end_multi_conv"):
+        with poptorch.MultiConv():
+            torch.pow(x, 2)
+    # the scope is usable again after both errors and computes plain convolutions
+    with poptorch.MultiConv():
+        y = conv(x)
+    torch.testing.assert_close(y, torch.nn.functional.conv2d(x, conv.weight, conv.bias))
+    # bad settings: poptorch.Error, and the exception types PopTorch raises for them
+    with pytest.raises(ValueError, match="Invalid partials types"):
+        poptorch.MultiConv().partialsTypes("half")
+    with pytest.raises(poptorch.Error, match="Invalid partials types"):
+        poptorch.MultiConv().partialsTypes([torch.float, "float"])
+    with pytest.raises(AssertionError, match="Invalid plan type"):
+        poptorch.MultiConv().planType("parallel")
 
 
 def test_module_repr_and_print(capsys):

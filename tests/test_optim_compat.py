@@ -162,3 +162,26 @@ def test_attributes_added_after_compile_are_reported_once(caplog):
         training.setOptimizer(opt)
     hits = [r for r in caplog.records if "initial_lr_for_test" in r.getMessage()]
     assert len(hits) == 1 and "unexpected group 0 attribute" in hits[0].getMessage()
+    # once per model: a second model compiled before the attribute appeared warns again
+    training.destroy()
+    del opt.param_groups[0]["initial_lr_for_test"]
+    second = poptorch.trainingModel(model, optimizer=opt)
+    second(*data(0))
+    opt.param_groups[0]["initial_lr_for_test"] = 0.1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="poptorch"):
+        second.setOptimizer(opt)
+    assert ["initial_lr_for_test" in r.getMessage() for r in caplog.records] == [True]
+
+
+def test_relaxed_attribute_checks_do_not_warn(caplog):
+    model = Net()
+    opt = poptorch.optim.SGD(model.parameters(), lr=0.1)
+    opts = poptorch.Options().relaxOptimizerAttributesChecks()
+    training = poptorch.trainingModel(model, opts, optimizer=opt)
+    training(*data(0))
+    opt.param_groups[0]["initial_lr_for_test"] = 0.1
+    opt.extra_for_test = 1
+    with caplog.at_level(logging.WARNING, logger="poptorch"):
+        training.setOptimizer(opt)
+    assert not [r for r in caplog.records if "unexpected" in r.getMessage()]

@@ -277,3 +277,26 @@ def test_user_guide_example_seed_004():
     assert sum(losses[-10:]) / 10 < 0.1 * (sum(losses[:10]) / 10)
     assert set_optimizer_calls > 0
     assert poptorch_model._optimizer.param_groups[0]["lr"] == 0.0001
+
+
+@pytest.mark.parametrize("tf_variant", [False, True])
+def test_rmsprop_without_momentum_keeps_its_momentum_buffer_current(tf_variant):
+    # ipu_state holds a momentum buffer from compile on; with momentum 0 it holds the
+    # last update (as PopTorch's accumulator) and the trajectory stays torch's
+    model, ref = make_net(), make_net()
+    opt = poptorch.optim.RMSprop(model.parameters(), lr=0.01, momentum=0.0,
+                                 use_tf_variant=tf_variant)
+    pop = poptorch.trainingModel(model, optimizer=opt)
+    for i in range(3):
+        before = [p.detach().clone() for p in model.parameters()]
+        pop(*batch(i))
+    pop.copyWeightsToHost()
+    state = opt.state_dict()["ipu_state"]
+    for k, (p, old) in enumerate(zip(model.parameters(), before)):
+        update = (old - p.detach()) / (1.0 if tf_variant else 0.01)
+        torch.testing.assert_close(state[f"momentum_buffer___{k}"], update,
+                                   rtol=1e-4, atol=1e-6)
+    if not tf_variant:
+        plain_steps(ref, torch.optim.RMSprop(ref.parameters(), lr=0.01),
+                    [batch(i) for i in range(3)])
+        assert_close_models(model, ref)

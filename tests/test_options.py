@@ -277,9 +277,9 @@ def test_options_dict_methods():
 
 def test_values_are_read_only_attributes():
     opts = poptorch.Options()
-    with pytest.raises(AttributeError, match="deviceIterations|setter"):
-        opts.device_iterations = 4
-    assert opts.device_iterations == 1
+    with pytest.raises(AttributeError, match="setter"):
+        opts.output_mode = 2  # no single-value setter: read-only
+    assert opts.output_mode == poptorch.OutputMode.Default.value
     with pytest.raises(AttributeError, match="no attribute or option 'not_an_option'"):
         _ = opts.not_an_option
 
@@ -583,3 +583,44 @@ def test_toDict_lists_our_own_options_only_when_set():
     d = opts.toDict()
     assert d["executable_cache_dir"] == "/tmp/cache" and d["log_cycle_count"] is True
     assert opts.executable_cache_dir == "/tmp/cache"
+
+
+@pytest.mark.parametrize("tiles", [10, 33, 193, 194])
+def test_num_io_tiles_limits_raise_poptorch_error_and_assertion_error(tiles):
+    # PopTorch raises AssertionError here; ours is also a poptorch.Error
+    with pytest.raises(AssertionError, match="even number between 32 and 192"):
+        poptorch.Options().TensorLocations.numIOTiles(tiles)
+    for ok in (32, 100, 192):
+        opts = poptorch.Options()
+        opts.TensorLocations.numIOTiles(ok)
+        assert opts.TensorLocations.num_io_tiles == ok
+
+
+def test_assigning_an_option_goes_through_its_setter():
+    assigned, called = poptorch.Options(), poptorch.Options()
+    assigned.replication_factor = 4
+    assigned.device_iterations = 3
+    assigned.random_seed = 7
+    assigned.Training.gradient_accumulation = 2
+    called.replicationFactor(4).deviceIterations(3).randomSeed(7)
+    called.Training.gradientAccumulation(2)
+    assert assigned.toDict() == called.toDict()
+    assert "replication_factor" not in vars(assigned)  # stored as an option, not shadowed
+    with pytest.raises(poptorch.Error, match="deviceIterations"):
+        assigned.device_iterations = 0
+    assert assigned.device_iterations == 3
+    with pytest.raises(AttributeError, match="read-only"):
+        assigned.output_mode = 1
+    assigned._freeze()
+    with pytest.raises(poptorch.Error, match="frozen"):
+        assigned.replication_factor = 2
+    # a model wrapped with assigned options runs like one wrapped with the setters' options
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    x = torch.randn(2 * 4 * 3, 3)
+    out = poptorch.inferenceModel(model, poptorch.Options().deviceIterations(3)
+                                  .replicationFactor(4))(x)
+    opts = poptorch.Options()
+    opts.device_iterations, opts.replication_factor = 3, 4
+    assert torch.equal(poptorch.inferenceModel(model, opts)(x), out)
+    assert torch.equal(out, model(x))

@@ -62,7 +62,7 @@ def test_inference_model_refuses_gradient_accumulation_when_wrapped():
     model = torch.nn.Linear(3, 2)
     opts = poptorch.Options()
     opts.Training.gradientAccumulation(2)
-    with pytest.raises(poptorch.Error, match=r"gradientAccumulation to 1 .* pipelined"):
+    with pytest.raises(poptorch.Error, match=r"gradientAccumulation to 1 .*deviceIterations to process .* pipelined"):
         poptorch.inferenceModel(model, opts)
     sharded = poptorch.Options().setExecutionStrategy(poptorch.ShardedExecution())
     sharded.Training.gradientAccumulation(2)

@@ -288,3 +288,37 @@ def test_phased_streaming_keeps_one_phase_resident():
     mem = runner.streaming
     assert mem.peak_resident_bytes == total // 4  # one phase of four at a time
     assert mem.loads == [0, 1, 2, 3, 2, 1, 0] * 2  # phase 3 stays for its backward
+
+
+def test_only_poptorch_block_words_mark_a_forward_as_annotated():
+    """A user's ``ResBlock(...)`` is not ``poptorch.Block(...)``: the model runs as a
+    plain model (no tracing runner); ``poptorch.Block`` inside ``forward`` is seen."""
+    from poptorch._runtime.placement.build import _forward_uses_blocks
+
+    class ResBlock(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            return x + self.fc(x)
+
+    class Plain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Sequential(ResBlock(), ResBlock())
+
+        def forward(self, x):
+            return self.body(x)
+
+    class Annotated(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            with poptorch.Block(ipu_id=0):
+                return self.fc(x)
+
+    assert not _forward_uses_blocks(Plain())
+    assert _forward_uses_blocks(Annotated())

@@ -98,6 +98,22 @@ def test_compile_and_export_leaves_the_model_untouched(tmp_path):
     assert meta["training"] is True
 
 
+def test_export_to_a_directory_or_a_missing_folder(tmp_path, caplog):
+    torch.manual_seed(0)
+    model = Net().eval()
+    x, y = batches(1)[0]
+    pop = poptorch.inferenceModel(model)
+    with caplog.at_level(logging.WARNING, logger="poptorch"):
+        pop.compileAndExport(str(tmp_path), x, y)  # a directory: <dir>/model.poptorch
+    assert os.listdir(tmp_path) == ["model.poptorch"]
+    assert any("is a directory" in r.getMessage() for r in caplog.records)
+    nested = tmp_path / "new" / "folder" / "net.poptorch"  # parents are created
+    pop.save(str(nested))
+    for path in (tmp_path / "model.poptorch", nested):
+        loaded = poptorch.load(str(path))
+        assert_bitwise(loaded(x, y), model(x, y))
+
+
 @pytest.mark.parametrize("training", [True, False])
 def test_loaded_model_refuses_inputs_that_differ_from_the_export(tmp_path, training):
     model = Net()

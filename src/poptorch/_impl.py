@@ -15,13 +15,24 @@ from ._runtime import context
 from ._runtime.weights.sync import is_hooked, rehook, unhook
 from .errors import createPoptorchError
 
-__all__ = ["createPoptorchError", "isRunningOnIpu", "isWrapped", "rewrapModelIfNecessary",
-           "unwrapModelIfNecessary"]
+__all__ = ["createPoptorchError", "isDispatchTracing", "isRunningOnIpu", "isWrapped",
+           "rewrapModelIfNecessary", "unwrapModelIfNecessary"]
 
 
 def isRunningOnIpu() -> bool:
     """True while a model runs inside a PopTorch executor (``poptorch.isRunningOnIpu``)."""
     return context.is_running_on_ipu()
+
+
+def isDispatchTracing() -> bool:
+    """Always False: the model is never traced through an IPU dispatcher here.
+
+    Upstream PopTorch captures ``forward`` with a dispatcher that only accepts tensors
+    created with ``device="ipu"``, and code asks this to choose the device of tensors it
+    creates. Here ``forward`` runs as ordinary PyTorch on the model's device, so tensors
+    created without a device (or on the device of the inputs) are the right ones.
+    """
+    return False
 
 
 def isWrapped(model: torch.nn.Module) -> bool:

@@ -1,9 +1,11 @@
 """PopTorch's logger: ``poptorch.logger``, ``setLogLevel`` and ``POPTORCH_LOG_LEVEL``.
 
-Messages go to the ``poptorch::python`` logger. When the application has not configured
-Python logging, they are printed on stderr as ``[poptorch] LEVEL: message``; when it has
-(the root logger has handlers), they only propagate to the application's handlers, so
-nothing is printed twice.
+Messages go to the ``poptorch::python`` logger. They are printed on stderr as
+``[poptorch] LEVEL: message`` (as PopTorch does) and also propagate to the application's
+handlers; when one of those already prints on the console (a root ``StreamHandler`` on
+stderr or stdout, as ``logging.basicConfig()`` installs), ours stays silent so that
+nothing is printed twice. Handlers that only collect records (files, memory, pytest's
+capture) do not silence the console.
 
 Levels are PopTorch's: OFF, ERR, WARN, INFO (the default), DEBUG, TRACE and TRACE_ALL.
 ``Options.logDir`` adds a log file and ``Options.maxRepeatLogs`` limits repeated lines;
@@ -48,8 +50,22 @@ LOG_FILE_NAME = "poptorch.log"
 logger = logging.getLogger("poptorch::python")
 
 
+def _application_prints_on_console() -> bool:
+    """True if a root handler already writes records to stderr or stdout."""
+    consoles = {id(stream) for stream in (sys.stderr, sys.stdout, sys.__stderr__,
+                                          sys.__stdout__) if stream is not None}
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            continue
+        if isinstance(handler, logging.StreamHandler) and \
+                id(getattr(handler, "stream", None)) in consoles:
+            return True
+    return False
+
+
 class _StderrUnlessConfigured(logging.StreamHandler):
-    """Prints on stderr only while the application has no logging handlers of its own."""
+    """Prints on stderr unless the application's own handlers already print on the
+    console (then the record reaches the console through them, once)."""
 
     @property
     def stream(self):  # resolved at every write so that redirected stderr is honoured
@@ -60,8 +76,8 @@ class _StderrUnlessConfigured(logging.StreamHandler):
         pass
 
     def emit(self, record: logging.LogRecord) -> None:
-        if logging.getLogger().handlers:
-            return  # the record propagates to the application's handlers instead
+        if _application_prints_on_console():
+            return  # the record propagates to the application's console handler instead
         super().emit(record)
 
 

@@ -16,10 +16,12 @@ device-independent: a file saved on a GPU loads on the CPU and vice versa.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
+from .._logging import logger
 from ..errors import Error
 
 FORMAT = "openpoptorch-executable"
@@ -69,10 +71,31 @@ def compile_by_running(executor: Any, args: tuple, kwargs: dict) -> None:
         executor._weights_to_device()
 
 
+DEFAULT_FILE_NAME = "model.poptorch"
+
+
+def save_target(filename: Any) -> Any:
+    """Where ``save`` / ``compileAndExport`` write, as PopTorch: a path naming an existing
+    directory means ``<directory>/model.poptorch`` (with a warning), and a missing parent
+    directory is created. File objects are used as they are."""
+    if not isinstance(filename, (str, os.PathLike)):
+        return filename
+    filename = os.fspath(filename)
+    if os.path.isdir(filename):
+        target = os.path.join(filename, DEFAULT_FILE_NAME)
+        logger.warning("save(): %s is a directory, saving model to %s", filename, target)
+        return target
+    parent = os.path.dirname(filename)
+    if parent and not os.path.isdir(parent):
+        os.makedirs(parent, exist_ok=True)
+    return filename
+
+
 def save_executor(executor: Any, filename: str, export_model: bool,
                   save_rng_state: bool) -> None:
-    """Write ``executor`` to ``filename`` (see module docstring)."""
+    """Write ``executor`` to ``filename`` (see module docstring and :func:`save_target`)."""
     from .executable import artifacts
+    filename = save_target(filename)
     executor.copyWeightsToHostIfNeeded()
     source = executor.__dict__["_source"]
     compiled = None

@@ -4,10 +4,14 @@
 the share of each process; ``accessor`` / ``worker``: the asynchronous loader (a worker
 process filling a ring of shared-memory buffers); ``tree``: flattening nested batches;
 ``faults``: how worker errors and deaths reach the caller; ``resume``: a loader's position
-for checkpoints.
+for checkpoints; ``torch_compat``: the torch 2.0 ``Sampler(data_source)`` argument that
+PopTorch programs still pass.
 """
 # ruff: noqa: F401
+from .torch_compat import restore_sampler_data_source_argument
 from .accessor import AsynchronousDataAccessor
 from .loader import DataLoader
+
+restore_sampler_data_source_argument()
 
 __all__ = ["DataLoader", "AsynchronousDataAccessor"]

@@ -24,6 +24,7 @@ import multiprocessing.forkserver
 import multiprocessing.util  # noqa: F401  (registers its atexit hook before ours)
 import os
 import pickle
+import sys
 import tempfile
 import weakref
 from collections.abc import Iterable
@@ -33,9 +34,9 @@ import torch
 import torch.multiprocessing
 
 from .faults import (WorkerDiedError, exit_code_description,
-                     rebuild_worker_exception)
+                     rebuild_worker_exception, start_failure)
 from .tree import unflatten
-from .worker import DatasetFile, WorkerConfig, run_worker
+from .worker import DatasetFile, WorkerConfig, decode, encode_free, run_worker
 from .._logging import info_once
 from ..enums import SharingStrategy
 from ..errors import Error
@@ -142,9 +143,12 @@ class AsynchronousDataAccessor:
                  early_preload: bool = False,
                  sharing_strategy: SharingStrategy | None = None,
                  rebatched_size: int | None = None) -> None:
-        if not isinstance(dataset, Iterable):
+        # any object Python can iterate: __iter__, or __getitem__ from 0 until IndexError
+        # (or StopIteration), as a map-style torch Dataset whose items are read one by one
+        if not isinstance(dataset, Iterable) and \
+                not hasattr(type(dataset), "__getitem__"):
             raise TypeError("AsynchronousDataAccessor needs an iterable data set (for "
-                            "example a poptorch.DataLoader); got "
+                            "example a poptorch.DataLoader) or an indexable one; got "
                             f"{type(dataset).__name__}.")
         _check_positive_int("buffer_size", buffer_size)
         if rebatched_size is not None:
@@ -179,8 +183,12 @@ class AsynchronousDataAccessor:
         self._starts: dict[int, Any] = {}  # epoch -> random state its order came from
         self._resume_next: dict | None = None  # position to start the next pass at
         self._held_slot: int | None = None
+        self._prestarted = False   # the worker started the first pass by itself
         self._slots: list[list[torch.Tensor] | None] = [None] * buffer_size
+        self._early: tuple | None = None  # the first message, read by the constructor
+        self._skeleton: Any = None  # of the last batch received (see worker.decode)
         self._start_worker(dataset)
+        self._wait_for_first_batch()
 
     # -- worker lifetime --------------------------------------------------------------
     def _start_worker(self, dataset: Iterable) -> None:
@@ -228,6 +236,23 @@ class AsynchronousDataAccessor:
         _live_workers.difference_update([f for f in _live_workers if not f.alive])
         _live_workers.add(self._finalizer)
 
+    def _wait_for_first_batch(self) -> None:
+        """The worker loads the first batch of the first pass at once (as upstream's
+        does, to lay out its buffers): a data set that cannot produce it fails here, in
+        the constructor, with the worker's traceback on stderr and in the message."""
+        self._epoch, self._prestarted = 0, True
+        message = self._receive()
+        if message[0] != "error":
+            self._early = message
+            return
+        original = rebuild_worker_exception(*message[2:])
+        # printed as Python reports a process's uncaught exception (upstream's worker
+        # dies with it on stderr: "check above for details")
+        print(f"AsynchronousDataAccessor worker process failed to load the first "
+              f"batch:\n{message[3]}", file=sys.stderr, flush=True)
+        self.terminate()
+        raise start_failure(original) from original
+
     def terminate(self) -> None:
         """Stops the worker process (also done on garbage collection and at exit)."""
         self._finalizer()
@@ -254,7 +279,7 @@ class AsynchronousDataAccessor:
         """The next batch of the current pass (upstream's accessor is its own iterator);
         starts the first pass if none was started."""
         self._check_alive()
-        if not self._in_epoch and self._epoch < 0:
+        if not self._in_epoch and self._prestarted:
             self._start_pass()
         return self._next_batch(self._epoch)
 
@@ -262,6 +287,14 @@ class AsynchronousDataAccessor:
         self._check_alive()
         self._release_slot()
         resume, self._resume_next = self._resume_next, None
+        if self._prestarted and resume is None:
+            # the first pass, which the worker started in the constructor
+            self._prestarted = False
+            self._in_epoch = True
+            self._consumed = 0
+            self._commands.send(("start", self._epoch, None))
+            return
+        self._prestarted = False
         # The worker preloads at most the pass after the newest one asked for: a resumed
         # pass gets a number past it, so that none of the preloaded batches is taken.
         self._epoch += 1 if resume is None else 2
@@ -291,7 +324,7 @@ class AsynchronousDataAccessor:
                 if start is not None:
                     self._starts.setdefault(epoch, start)
                 if epoch != self._epoch:  # left over from an abandoned pass
-                    self._commands.send(("free", slot))
+                    self._commands.send_bytes(encode_free(slot))
                     continue
                 self._held_slot = slot
                 self._consumed += 1
@@ -309,7 +342,7 @@ class AsynchronousDataAccessor:
         (see ``poptorch.DataLoader.state_dict``)."""
         if self._resume_next is not None:
             return dict(self._resume_next)
-        if self._epoch < 0:
+        if self._prestarted:  # no pass asked for yet
             return {"start": None, "consumed": 0, "finished": False}
         return {"start": self._starts.get(self._epoch), "consumed": self._consumed,
                 "finished": not self._in_epoch}
@@ -322,14 +355,17 @@ class AsynchronousDataAccessor:
 
     def _release_slot(self) -> None:
         if self._held_slot is not None:
-            self._commands.send(("free", self._held_slot))
+            self._commands.send_bytes(encode_free(self._held_slot))
             self._held_slot = None
 
     def _receive(self) -> tuple:
+        if self._early is not None:
+            message, self._early = self._early, None
+            return message
         while True:
             try:
                 if self._results.poll(_LIVENESS_CHECK_S):
-                    return self._results.recv()
+                    return self._decode(self._results.recv_bytes())
             except (OSError, EOFError) as error:
                 # Receiving a batch's shared memory needs the worker: it died mid-send.
                 self._process.join(_LIVENESS_CHECK_S)
@@ -341,10 +377,16 @@ class AsynchronousDataAccessor:
             if not self._process.is_alive():
                 try:  # it may have written its last words just before exiting
                     if self._results.poll(0):
-                        return self._results.recv()
+                        return self._decode(self._results.recv_bytes())
                 except (OSError, EOFError):
                     pass
                 raise self._worker_died()
+
+    def _decode(self, buffer: bytes) -> tuple:
+        message = decode(buffer, self._skeleton)
+        if message[0] == "batch":
+            self._skeleton = message[3]
+        return message
 
     def _worker_died(self) -> Error:
         code = self._process.exitcode

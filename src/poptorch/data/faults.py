@@ -19,7 +19,7 @@ from typing import Any
 from ..errors import Error
 
 __all__ = ["WorkerDiedError", "exit_code_description", "as_worker_death",
-           "rebuild_worker_exception", "stop_torch_workers", "install_sigchld_translation"]
+           "rebuild_worker_exception", "start_failure", "stop_torch_workers", "install_sigchld_translation"]
 
 
 class WorkerDiedError(Error, RuntimeError):
@@ -144,6 +144,35 @@ def rebuild_worker_exception(description: str, text: str, error_type: bytes | No
         except Exception:
             pass
     return Error(full)
+
+
+_START_FAILURES: dict[type, type] = {}
+
+
+def start_failure(original: BaseException) -> Error:
+    """The error of an ``AsynchronousDataAccessor`` whose worker could not load its first
+    batch: a ``poptorch.Error`` (as upstream raises it) that is also of the original
+    exception's type where Python allows (so ``except ValueError`` still catches it)."""
+    message = (f"AsynchronousDataAccessor worker thread failed to start: the data set "
+               f"could not produce its first batch. {original}")
+    cls = type(original)
+    if isinstance(original, Error) or not issubclass(cls, Exception):
+        return Error(message)
+    combined = _START_FAILURES.get(cls)
+    if combined is None:
+        try:
+            combined = type(cls.__name__, (Error, cls), {
+                "__module__": cls.__module__,
+                "__doc__": f"poptorch.Error and {cls.__qualname__}: a data-loading "
+                           "worker failed to start.",
+                "__str__": Error.__str__})
+        except TypeError:  # incompatible layouts (e.g. OSError subclasses)
+            combined = Error
+        _START_FAILURES[cls] = combined
+    try:
+        return combined(message)
+    except Exception:  # noqa: BLE001 - a constructor that needs other arguments
+        return Error(message)
 
 
 def stop_torch_workers(iterator: Any) -> None:

@@ -15,6 +15,7 @@ import torch
 import torch.utils.data
 
 from .accessor import AsynchronousDataAccessor
+from .combine import MicroBatchJoiner
 from .faults import as_worker_death, install_sigchld_translation, stop_torch_workers
 from .resume import STATE_VERSION, ResumableIndexSampler, check_state
 from .samplers import CombinedBatchSampler, DistributedPartitionSampler
@@ -40,9 +41,11 @@ class _SyncView:
         self.rebatched_drop_last = loader.rebatched_drop_last
 
     def __iter__(self):
-        return torch.utils.data.DataLoader.__iter__(self.loader)
+        return self.loader._combined(torch.utils.data.DataLoader.__iter__(self.loader))
 
     def __len__(self) -> int:
+        if self.loader._batch_sampler_groups is not None:
+            return self.loader._batch_sampler_groups.combined_len()
         return torch.utils.data.DataLoader.__len__(self.loader)
 
     # Called in the worker process (see worker): resuming and position.
@@ -67,8 +70,9 @@ class _PassIterator:
     of an iterable data set must skip. (No reference to the loader: a cycle through
     torch's iterator would leave its workers to the garbage collector.)"""
 
-    def __init__(self, inner, skip: int, consumed: int) -> None:
-        self._inner = inner
+    def __init__(self, inner, skip: int, consumed: int, batches: Any = None) -> None:
+        self._inner = inner  # torch's iterator (its workers tell how they ended)
+        self._batches = inner if batches is None else batches
         self._skip = skip
         self.consumed = consumed
         self.finished = False
@@ -77,14 +81,14 @@ class _PassIterator:
         return self
 
     def __len__(self) -> int:
-        return len(self._inner)
+        return len(self._batches)
 
     def __next__(self) -> Any:
         try:
             while self._skip:
-                next(self._inner)
+                next(self._batches)
                 self._skip -= 1
-            batch = next(self._inner)
+            batch = next(self._batches)
         except StopIteration:
             self.finished = True
             raise
@@ -175,7 +179,8 @@ class DataLoader(torch.utils.data.DataLoader):
     """
 
     def __init__(self, options: Any, dataset: torch.utils.data.Dataset,
-                 batch_size: int = 1, shuffle: bool | None = None, num_workers: int = 0,
+                 batch_size: int | None = 1, shuffle: bool | None = None,
+                 num_workers: int = 0,
                  drop_last: bool = True, persistent_workers: bool | None = None,
                  auto_distributed_partitioning: bool = True,
                  mode: DataLoaderMode = DataLoaderMode.Sync,
@@ -200,6 +205,8 @@ class DataLoader(torch.utils.data.DataLoader):
         rebatch = mode == DataLoaderMode.AsyncRebatched and iterable
         self.batch_sampler_drop_last = drop_last
         self.rebatched_drop_last = drop_last
+        self._micro_batches = micro_batches
+        self._batch_sampler_groups: CombinedBatchSampler | None = None
         loader_args: dict[str, Any] = {}
 
         if batch_sampler is not None:
@@ -207,9 +214,31 @@ class DataLoader(torch.utils.data.DataLoader):
             micro = getattr(batch_sampler, "batch_size", None)
             self._combined_batch_size = (micro * micro_batches
                                          if isinstance(micro, int) else None)
-            loader_args["batch_sampler"] = CombinedBatchSampler(
+            self._batch_sampler_groups = CombinedBatchSampler(
                 batch_sampler, micro_batches, drop_last, process_id,
                 num_processes if distributed else 1)
+            loader_args["batch_sampler"] = self._batch_sampler_groups
+        elif batch_size is None:
+            # torch's "no automatic batching": each item of the data set is a batch
+            self._combined_batch_size = None
+            if not iterable:
+                sampler = self._make_sampler(len(dataset), shuffle, seed, False,
+                                             process_id, num_processes, distributed,
+                                             kwargs, step=1)
+                if sampler is not None:
+                    loader_args["sampler"] = sampler
+                elif shuffle:
+                    loader_args["shuffle"] = True
+                    if seed is not None and "generator" not in kwargs:
+                        loader_args["generator"] = torch.Generator().manual_seed(seed)
+            elif distributed:
+                raise Error(_ITERABLE_DISTRIBUTED)
+            if rebatch:
+                raise ValueError("DataLoaderMode.AsyncRebatched needs an integer "
+                                 "batch_size: it cuts the data into combined batches "
+                                 "of batch_size x deviceIterations x replicationFactor "
+                                 "x gradientAccumulation rows.")
+            loader_args.update(batch_size=None, drop_last=False)
         else:
             if isinstance(batch_size, bool) or not isinstance(batch_size, int) \
                     or batch_size < 1:
@@ -220,12 +249,7 @@ class DataLoader(torch.utils.data.DataLoader):
             loader_batch, loader_drop_last = combined, drop_last
             if iterable:
                 if distributed:
-                    raise Error(
-                        "auto_distributed_partitioning is not supported for an "
-                        "IterableDataset: each process would read the whole data set. "
-                        "Read only this process's share in your __iter__ (use "
-                        "options.Distributed.processId and numProcesses) and pass "
-                        "auto_distributed_partitioning=False.")
+                    raise Error(_ITERABLE_DISTRIBUTED)
                 if rebatch:
                     loader_batch = self._worker_batch_size(rebatched_worker_size,
                                                            combined)
@@ -235,7 +259,7 @@ class DataLoader(torch.utils.data.DataLoader):
                 items = len(dataset)
                 sampler = self._make_sampler(items, shuffle, seed, drop_last,
                                              process_id, num_processes, distributed,
-                                             kwargs)
+                                             kwargs, step=combined)
                 if sampler is not None:
                     loader_args["sampler"] = sampler
                     items = len(sampler)
@@ -304,7 +328,7 @@ class DataLoader(torch.utils.data.DataLoader):
 
     @staticmethod
     def _make_sampler(items, shuffle, seed, drop_last, process_id, num_processes,
-                      distributed, kwargs):
+                      distributed, kwargs, step):
         if not distributed:
             return None
         if "sampler" in kwargs:
@@ -314,7 +338,7 @@ class DataLoader(torch.utils.data.DataLoader):
         if shuffle and seed is None:  # the processes must draw the same order
             seed = shared_random_seed(process_id, num_processes)
         return DistributedPartitionSampler(items, process_id, num_processes, shuffle,
-                                           seed, pad=not drop_last)
+                                           seed, pad=not drop_last, step=step)
 
     # -- public API -----------------------------------------------------------------------
     @property
@@ -330,6 +354,8 @@ class DataLoader(torch.utils.data.DataLoader):
         return self._options
 
     def __len__(self) -> int:
+        if self._batch_sampler_groups is not None:
+            return self._batch_sampler_groups.combined_len()
         if not self._rebatch:
             return super().__len__()
         items = _length_or_none(self.dataset)
@@ -355,11 +381,27 @@ class DataLoader(torch.utils.data.DataLoader):
         previous = resume if resume is not None else self._sync_position()
         self._started_before = sampler.epochs_started if sampler is not None else 0
         consumed = 0 if resume is None or resume["finished"] else resume["consumed"]
-        self._pass = _PassIterator(super().__iter__(), skip, consumed)
+        inner = super().__iter__()
+        self._pass = _PassIterator(inner, skip, consumed, self._combined(inner))
         if self.num_workers > 0:
             install_sigchld_translation()
         self._previous_position = previous
         return self._pass
+
+    def _combined(self, inner: Any) -> Any:
+        """Torch's iterator, or with a ``batch_sampler`` its collated micro-batches joined
+        into combined batches (see ``combine``)."""
+        groups = self._batch_sampler_groups
+        if groups is None:
+            return inner
+        try:
+            length = groups.combined_len()
+        except TypeError:
+            length = None
+        drop_short_last = (self._micro_batches == 1 and self.batch_sampler_drop_last
+                           and groups._last_micro_batch_is_short())
+        return MicroBatchJoiner(inner, self._micro_batches, self.batch_sampler_drop_last,
+                                length, drop_short_last)
 
     @property
     def _index_sampler(self):
@@ -371,6 +413,8 @@ class DataLoader(torch.utils.data.DataLoader):
         wrapper = self.__dict__.get("_resumable")
         if wrapper is None or wrapper.inner is not inner:
             wrapper = ResumableIndexSampler(inner, self)
+            if self._batch_sampler_groups is not None:
+                wrapper.index_batches_per_batch = self._micro_batches
             self.__dict__["_resumable"] = wrapper
         return wrapper
 
@@ -439,6 +483,13 @@ class DataLoader(torch.utils.data.DataLoader):
         state["_iterator"] = None
         state["_pass"] = None
         return state
+
+
+_ITERABLE_DISTRIBUTED = (
+    "auto_distributed_partitioning is not supported for an IterableDataset: each process "
+    "would read the whole data set. Read only this process's share in your __iter__ (use "
+    "options.Distributed.processId and numProcesses) and pass "
+    "auto_distributed_partitioning=False.")
 
 
 def _check_arguments(num_workers: Any, rebatched_worker_size: Any,

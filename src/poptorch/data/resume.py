@@ -69,6 +69,9 @@ class ResumableIndexSampler:
         self.last_start: dict | None = None  # capture of the epoch most recently started
         self.epochs_started = 0
         self.resume: dict | None = None
+        # index batches per batch handed out (a batch_sampler's micro-batches per
+        # combined batch): how many to skip per consumed batch
+        self.index_batches_per_batch = 1
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -142,7 +145,8 @@ class ResumableIndexSampler:
             if put_back is not None:
                 torch.set_rng_state(put_back)
         yield from itertools.islice(itertools.chain([first], iterator),
-                                    resume["consumed"], None)
+                                    resume["consumed"] * self.index_batches_per_batch,
+                                    None)
 
 
 def check_state(state: Any) -> dict:

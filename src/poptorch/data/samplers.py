@@ -15,16 +15,23 @@ from ..errors import Error
 __all__ = ["partition", "DistributedPartitionSampler", "CombinedBatchSampler"]
 
 
+def _share(total: int, num_processes: int, step: int) -> int:
+    return step * (total // (step * num_processes))
+
+
 def partition(items: Sequence[Any], process_id: int, num_processes: int,
-              pad: bool) -> list[Any]:
+              pad: bool, step: int = 1) -> list[Any]:
     """The contiguous share of ``items`` that process ``process_id`` reads.
 
-    Every process gets the same number of items: ``len(items) // num_processes`` (the
-    few left over are not read), or with ``pad`` ``ceil(len(items) / num_processes)``,
+    Every process gets the same number of items: the largest multiple of ``step`` (the
+    combined batch size) not above ``len(items) / num_processes``, so that process k
+    reads items ``[k * share, (k + 1) * share)`` and every share is whole combined
+    batches (the rest is not read), or with ``pad`` ``ceil(len(items) / num_processes)``,
     the last shares wrapping round to the start so that every item is read at least once.
     """
     total = len(items)
-    share = math.ceil(total / num_processes) if pad else total // num_processes
+    share = math.ceil(total / num_processes) if pad else \
+        _share(total, num_processes, step)
     start = process_id * share
     return [items[(start + i) % total] for i in range(share)] if total else []
 
@@ -38,8 +45,9 @@ class DistributedPartitionSampler(Sampler[int]):
     """
 
     def __init__(self, length: int, process_id: int, num_processes: int, shuffle: bool,
-                 seed: int | None, pad: bool) -> None:
+                 seed: int | None, pad: bool, step: int = 1) -> None:
         self.length = length
+        self.step = step
         self.process_id = process_id
         self.num_processes = num_processes
         self.shuffle = shuffle
@@ -55,22 +63,25 @@ class DistributedPartitionSampler(Sampler[int]):
         else:
             order = list(range(self.length))
         self.epoch += 1
-        return iter(partition(order, self.process_id, self.num_processes, self.pad))
+        return iter(partition(order, self.process_id, self.num_processes, self.pad,
+                              self.step))
 
     def __len__(self) -> int:
         if self.pad:
             return math.ceil(self.length / self.num_processes)
-        return self.length // self.num_processes
+        return _share(self.length, self.num_processes, self.step)
 
 
 class CombinedBatchSampler(Sampler[list[int]]):
-    """Joins ``micro_batches`` consecutive index batches of a user's ``batch_sampler``
-    into the indices of one combined batch, and gives each process its share of them.
+    """The micro-batches (index lists of a user's ``batch_sampler``) that this process
+    reads, in groups of ``micro_batches``: each group becomes one combined batch once its
+    micro-batches are collated and joined (see ``combine``).
 
-    The micro-batches of a combined batch must have the same size (the model splits the
-    combined batch evenly); only the final combined batch of an epoch may differ. It is
-    incomplete when it has fewer micro-batches or fewer rows than the first, and then
-    dropped if ``drop_last``.
+    Groups are shared between processes as items are (contiguous shares). The final group
+    of an epoch is *incomplete* when it has fewer micro-batches than a combined batch
+    needs; ``drop_last`` drops it here. (A final group whose last micro-batch is short is
+    incomplete too: the joiner drops it after collation, where a padding ``collate_fn``
+    may have made it whole.)
     """
 
     def __init__(self, batch_sampler: Any, micro_batches: int, drop_last: bool,
@@ -81,44 +92,50 @@ class CombinedBatchSampler(Sampler[list[int]]):
         self.process_id = process_id
         self.num_processes = num_processes
 
-    def _groups(self) -> list[list[list[int]]]:
-        groups: list[list[list[int]]] = [[]]
+    def _groups(self) -> Iterator[list[list[int]]]:
+        group: list[list[int]] = []
         for micro_batch in self.batch_sampler:
-            if len(groups[-1]) == self.micro_batches:
-                groups.append([])
-            groups[-1].append(list(micro_batch))
-        for group in groups[:-1]:
-            if len({len(micro_batch) for micro_batch in group}) > 1:
-                raise Error(
-                    f"The batch_sampler gave micro-batches of sizes "
-                    f"{[len(m) for m in group]} for one combined batch of "
-                    f"{self.micro_batches} micro-batches (deviceIterations x "
-                    "replicationFactor x gradientAccumulation); the model splits a "
-                    "combined batch evenly, so they must all have the same size.")
-        last = groups[-1]
-        if not last or (self.drop_last and (len(last) < self.micro_batches
-                                            or _rows(last) < _rows(groups[0]))):
-            groups.pop()
-        return groups
+            group.append(micro_batch)
+            if len(group) == self.micro_batches:
+                yield group
+                group = []
+        if group and not self.drop_last:
+            yield group
 
     def __iter__(self) -> Iterator[list[int]]:
-        groups = self._groups()
+        groups: Any = self._groups()
         if self.num_processes > 1:
-            groups = partition(groups, self.process_id, self.num_processes,
+            groups = partition(list(groups), self.process_id, self.num_processes,
                                pad=not self.drop_last)
         for group in groups:
-            yield [index for micro_batch in group for index in micro_batch]
+            yield from group
 
     def __len__(self) -> int:
-        micro_batches = len(self.batch_sampler)
-        full, rest = divmod(micro_batches, self.micro_batches)
-        if rest == 0 and self.drop_last and self._last_micro_batch_is_short():
-            full -= 1
-        total = full if self.drop_last or rest == 0 else full + 1
+        """Micro-batches per epoch (torch's iterator reads them one by one)."""
+        total = len(self.batch_sampler)
+        if self.num_processes == 1:
+            return total if not self.drop_last else \
+                total - total % self.micro_batches
+        groups = self._group_count(total, complete_only=False)
+        share = (groups // self.num_processes if self.drop_last
+                 else math.ceil(groups / self.num_processes))
+        return share * self.micro_batches  # an upper bound when the last is partial
+
+    def combined_len(self) -> int:
+        """Combined batches per epoch (``len()`` of the loader)."""
+        total = len(self.batch_sampler)
+        groups = self._group_count(total, complete_only=self.drop_last)
+        if self.drop_last and total % self.micro_batches == 0 and \
+                self._last_micro_batch_is_short():
+            groups -= 1
         if self.num_processes > 1:
-            return (total // self.num_processes if self.drop_last
-                    else math.ceil(total / self.num_processes))
-        return total
+            return (groups // self.num_processes if self.drop_last
+                    else math.ceil(groups / self.num_processes))
+        return groups
+
+    def _group_count(self, micro_batches: int, complete_only: bool) -> int:
+        full, rest = divmod(micro_batches, self.micro_batches)
+        return full if complete_only or rest == 0 else full + 1
 
     def _last_micro_batch_is_short(self) -> bool:
         """True when a torch-style batch sampler (``batch_size``, ``drop_last`` and
@@ -131,7 +148,3 @@ class CombinedBatchSampler(Sampler[list[int]]):
             return len(sampler.sampler) % size != 0
         except (AttributeError, TypeError):
             return False
-
-
-def _rows(group: list[list[int]]) -> int:
-    return sum(len(micro_batch) for micro_batch in group)

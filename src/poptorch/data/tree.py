@@ -14,7 +14,7 @@ import torch
 
 from ..errors import Error
 
-__all__ = ["TensorRef", "flatten", "unflatten", "Rebatcher"]
+__all__ = ["TensorRef", "flatten", "flatten_keyed", "unflatten", "Rebatcher"]
 
 
 class TensorRef(int):
@@ -51,8 +51,47 @@ def flatten(batch: Any) -> tuple[Any, list[torch.Tensor]]:
     return visit(batch), tensors
 
 
+_SHAPES: dict[Any, Any] = {}  # key -> skeleton of the common batch structures
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach() if tensor.requires_grad else tensor
+
+
+def flatten_keyed(batch: Any) -> tuple[Any, list[torch.Tensor], Any]:
+    """:func:`flatten`, plus a hashable *key* equal for two batches exactly when their
+    skeletons are equal (None when that is not cheap to know: then the skeleton must be
+    sent). Fast paths for a tensor, and a tuple, list or dict of tensors (what
+    ``default_collate`` makes of most data sets): no tree walk, a cached skeleton."""
+    kind = type(batch)
+    if kind is torch.Tensor:
+        return TensorRef(0), [_plain(batch)], kind
+    if kind is tuple or kind is list:
+        if all(type(value) is torch.Tensor for value in batch):
+            key = (kind, len(batch))
+            skeleton = _SHAPES.get(key)
+            if skeleton is None:
+                skeleton = _SHAPES[key] = kind(TensorRef(i) for i in range(len(batch)))
+            return skeleton, [_plain(value) for value in batch], key
+    elif kind is dict:
+        if all(type(value) is torch.Tensor for value in batch.values()):
+            key = (kind, tuple(batch))
+            skeleton = _SHAPES.get(key)
+            if skeleton is None:
+                if len(_SHAPES) > 256:
+                    _SHAPES.clear()
+                skeleton = _SHAPES[key] = {name: TensorRef(i)
+                                           for i, name in enumerate(batch)}
+            return skeleton, [_plain(value) for value in batch.values()], key
+    skeleton, tensors = flatten(batch)
+    return skeleton, tensors, None
+
+
 def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     """Inverse of :func:`flatten`."""
+    kind = type(skeleton)
+    if kind is tuple and all(type(ref) is TensorRef for ref in skeleton):
+        return tuple(tensors[int(ref)] for ref in skeleton)
     if isinstance(skeleton, TensorRef):
         return tensors[int(skeleton)]
     if _is_namedtuple(skeleton):

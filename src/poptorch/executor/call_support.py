@@ -25,7 +25,7 @@ def check_inference_accumulation(options: Options) -> None:
     strategy = options._execution_strategy
     if isinstance(strategy, PipelinedExecution) and \
             not isinstance(strategy, ShardedExecution):
-        message += (" Use poptorch.Options().deviceIterations() to process a sufficient "
+        message += (" Use poptorch.Options().deviceIterations to process a sufficient "
                     "number of batches each run for pipelined execution instead.")
     raise Error(f"{message} (It is {g}; for example use opts.clone() then "
                 "opts.Training.gradientAccumulation(1) for inference.)")
@@ -72,6 +72,9 @@ class Snapshot:
                  user_optimizer: Any = None, user_state: Any = None) -> None:
         self.tensors = [(t, t.detach().clone()) for t in
                         list(model.parameters()) + list(model.buffers())]
+        # which tensor each module registers under each buffer name
+        self.buffers = [(prefix, module, dict(module._buffers))
+                        for prefix, module in model.named_modules()]
         self.optimizer = optimizer
         self.opt_state = None if optimizer is None else getattr(  # host state only
             optimizer, "get_state_dict", optimizer.state_dict)()
@@ -79,7 +82,29 @@ class Snapshot:
         self.user_optimizer = user_optimizer
         self.user_state = user_state
 
+    def check_buffers(self) -> None:
+        """As PopTorch: the first call (when the model is compiled) must keep every
+        registered buffer; ``forward`` may update one in place (``copy_``) but not delete
+        it or bind its name to another tensor, which would leave the host and the
+        compiled program holding different tensors."""
+        for prefix, module, registered in self.buffers:
+            for name, tensor in registered.items():
+                qualified = f"{prefix}.{name}" if prefix else name
+                if name not in module._buffers:
+                    raise Error(f"Buffer {qualified} is removed from the model when calling "
+                                f"the forward method. This is not supported: keep the "
+                                f"buffer registered (update it in place instead).")
+                if module._buffers[name] is not tensor:
+                    raise Error(f"Buffer {qualified} is reassigned within the model when "
+                                f"calling the forward method. This is not supported. "
+                                f"Consider using self.{name}.copy_(src) to copy data from a "
+                                f"source tensor, where src is the name of the source tensor.")
+
     def restore(self) -> None:
+        for _, module, registered in self.buffers:
+            for name in [n for n in module._buffers if n not in registered]:
+                del module._buffers[name]
+            module._buffers.update(registered)
         with torch.no_grad():
             for t, saved in self.tensors:
                 t.copy_(saved)

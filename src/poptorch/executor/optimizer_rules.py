@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from .._logging import logger
+
 from ..enums import MeanReductionStrategy
 
 
@@ -50,28 +52,33 @@ def mark_compiled(optimizer: Any, options: Any) -> None:
         optimizer._compiled_on_device = True
 
 
-def attribute_keys(optimizer: Any) -> tuple[frozenset, list[frozenset]]:
-    """The optimizer's public attributes and each param group's keys (at compile)."""
+def attribute_keys(optimizer: Any) -> tuple[frozenset, list[frozenset], set]:
+    """The optimizer's public attributes and each param group's keys (at compile), and
+    the (empty) set of attributes already warned about for this model."""
     own = frozenset(k for k in vars(optimizer) if not k.startswith("_"))
-    return own, [frozenset(group) for group in optimizer.param_groups]
+    return own, [frozenset(group) for group in optimizer.param_groups], set()
 
 
-def warn_unexpected_attributes(compiled: tuple[frozenset, list[frozenset]],
-                               optimizer: Any) -> None:
+def warn_unexpected_attributes(compiled: tuple[frozenset, list[frozenset], set],
+                               optimizer: Any, relaxed: bool) -> None:
     """As PopTorch: attributes that appear on an optimizer after its model was compiled
-    are not part of the compiled update; say so once per attribute (WARNING)."""
-    from .._logging import log_once
-    import logging
-    own, groups = attribute_keys(optimizer)
+    are not part of the compiled update; say so once per attribute and model (WARNING),
+    unless ``Options.relaxOptimizerAttributesChecks()`` was set."""
+    if relaxed:
+        return
+    own, groups = attribute_keys(optimizer)[:2]
+    warned = compiled[2]
     for name in sorted(own - compiled[0]):
-        log_once(logging.WARNING, ("unexpected optimizer attribute", name),
-                 "setOptimizer: unexpected optimizer attribute %r (it was not there when "
-                 "the model was compiled): it is not part of the compiled update and is "
-                 "ignored.", name)
+        if ("optimizer", name) not in warned:
+            warned.add(("optimizer", name))
+            logger.warning("setOptimizer: unexpected optimizer attribute %r (it was not "
+                           "there when the model was compiled): it is not part of the "
+                           "compiled update and is ignored.", name)
     for i, keys in enumerate(groups):
         known = compiled[1][i] if i < len(compiled[1]) else frozenset()
         for name in sorted(keys - known):
-            log_once(logging.WARNING, ("unexpected group attribute", i, name),
-                     "setOptimizer: unexpected group %d attribute %r (it was not there "
-                     "when the model was compiled): it is not part of the compiled "
-                     "update and is ignored.", i, name)
+            if ("group", i, name) not in warned:
+                warned.add(("group", i, name))
+                logger.warning("setOptimizer: unexpected group %d attribute %r (it was not "
+                               "there when the model was compiled): it is not part of the "
+                               "compiled update and is ignored.", i, name)

@@ -7,6 +7,7 @@ sharing in ``_runtime/weights/``, model parallelism in ``_runtime/placement/``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from typing import Any
 
@@ -50,6 +51,8 @@ def isRunningOnIpu() -> bool:
     """
     return context.is_running_on_ipu()
 
+
+_EXECUTOR_IDS = itertools.count()
 
 class PoplarExecutor(ExecutorInspection):
     """A wrapped model that runs whole device programs per call.
@@ -108,6 +111,7 @@ class PoplarExecutor(ExecutorInspection):
         d["_backend"] = None
         d["_source"] = None
         d["_fast"] = None
+        d["_once_key"] = next(_EXECUTOR_IDS)  # per-model "log once" messages
 
     # ------------------------------------------------------------------ properties
     @property
@@ -261,9 +265,6 @@ class PoplarExecutor(ExecutorInspection):
         opts = self._options
         seed = opts.random_seed if opts.exists("random_seed") else None
         params = [p for p in self._model.parameters() if p.requires_grad]
-        if self._training and not params:
-            raise Error("trainingModel: the model has no trainable parameters "
-                        "(no parameter with requires_grad=True).")
         program = DeviceProgram(
             plan=plan, runner=runner, training=self._training,
             output_mode=resolve_output_mode(opts.output_mode, self._training),
@@ -296,7 +297,7 @@ class PoplarExecutor(ExecutorInspection):
             result = fast(args, kwargs)
             if result is not MISS:
                 return result
-        args, kwargs = detach_inputs(args, kwargs)
+        args, kwargs = detach_inputs(args, kwargs, self._once_key)
         first = self._program is None
         if first:
             # compiling may already create optimizer state (momentum buffers): a failed
@@ -335,6 +336,8 @@ class PoplarExecutor(ExecutorInspection):
                     casting.observe(args, kwargs)
                     with casting:
                         result = self._program.run(args, kwargs)
+            if first:
+                snapshot.check_buffers()
         except BaseException:
             if first:  # a failed first call leaves nothing compiled or changed
                 snapshot.restore()
@@ -410,7 +413,8 @@ class PoplarExecutor(ExecutorInspection):
         if self._program is not None:
             from ..optim.attributes import check_update
             optimizer_rules.apply_mean_reduction_rule(self._options, optimizer, True)
-            optimizer_rules.warn_unexpected_attributes(self._optimizer_keys, optimizer)
+            optimizer_rules.warn_unexpected_attributes(
+                self._optimizer_keys, optimizer, self._options.relax_optimizer_attributes_checks)
             check_update(self._constants, optimizer,
                          self._options.relax_optimizer_attributes_checks)
             attached = attach_optimizer(optimizer, self._model, self._user_model,

@@ -132,8 +132,10 @@ def _record(operator, attributes: dict, example_outputs: list) -> None:
 
 
 # Bookkeeping is a side effect torch.compile cannot trace: inside a compiled region it
-# runs eagerly, and only at the operator's first use (one graph break).
-_record_eagerly = torch._dynamo.disable(_record)
+# runs eagerly, and only at the operator's first use (one graph break). torch's lazy form
+# of ``torch._dynamo.disable``: importing torch._dynamo up front would double the time
+# ``import poptorch`` takes.
+_record_eagerly = torch._disable_dynamo(_record)
 
 
 def custom_op(inputs, name: str, domain: str, domain_version: int, example_outputs,

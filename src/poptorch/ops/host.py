@@ -86,7 +86,8 @@ class CPU:
             buffer.copy_(result)
         return self.outputs
 
-    @torch.compiler.disable  # host work: a compiled model breaks its graph here
+    @torch._disable_dynamo  # host work: a compiled model breaks its graph here (lazy: no
+    # torch._dynamo import until the first call)
     def __call__(self, *input: Any, **kwargs: Any):
         tensors = [t for t in input if isinstance(t, torch.Tensor)]
         if len(tensors) != len(input):

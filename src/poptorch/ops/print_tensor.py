@@ -145,7 +145,7 @@ class _PrintTensor(torch.autograd.Function):
         return grad, None, None, None
 
 
-@torch.compiler.disable  # printing is host work: keep the compiler out of it
+@torch._disable_dynamo  # host work: keep the compiler out (imports torch._dynamo lazily)
 def _emit(title: str, tensor: torch.Tensor, style: dict) -> None:
     text = format_tensor(tensor, **style)
     builtins.print(f"{title}: {text}" if title else text, flush=True)

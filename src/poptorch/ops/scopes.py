@@ -74,6 +74,16 @@ class _ConvCounter(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class MultiConvValueError(Error, ValueError):
+    """A bad MultiConv setting: a ``poptorch.Error`` that is also the ``ValueError``
+    PopTorch raises for it."""
+
+
+class MultiConvPlanError(Error, AssertionError):
+    """A bad ``MultiConv.planType``: a ``poptorch.Error`` that is also the
+    ``AssertionError`` PopTorch raises for it."""
+
+
 class MultiConv:
     """Combine the convolutions run inside this scope into one multi-convolution.
 
@@ -110,6 +120,11 @@ class MultiConv:
 
     def partialsTypes(self, value) -> "MultiConv":
         """Partials type per convolution: ``torch.float`` or ``torch.half``."""
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(v not in (torch.float32, torch.float16) for v in values):
+            raise MultiConvValueError(
+                f"MultiConv.partialsTypes: Invalid partials types {value!r}. Expecting "
+                f"torch.float or torch.half (a torch.dtype, or one per convolution).")
         return self._per_conv("partialsTypes", value,
                               lambda v: v in (torch.float32, torch.float16),
                               "torch.float32 or torch.float16")
@@ -122,8 +137,8 @@ class MultiConv:
     def planType(self, value: MultiConvPlanType) -> "MultiConv":
         """The multi-convolution execution strategy."""
         if not isinstance(value, MultiConvPlanType):
-            raise Error(f"MultiConv.planType: value must be a poptorch.MultiConvPlanType, "
-                        f"got {value!r}.")
+            raise MultiConvPlanError(f"MultiConv.planType: Invalid plan type {value!r}: "
+                                     f"use a poptorch.MultiConvPlanType.")
         self.settings["planType"] = value
         return self
 
@@ -150,6 +165,10 @@ class MultiConv:
                                "settings have no effect (recorded only) and each "
                                "convolution runs as an ordinary convolution.")
         if not torch.compiler.is_compiling():
+            if getattr(_local, "multiconv", False):
+                raise Error("Nested poptorch.MultiConv is not supported: close the outer "
+                            "MultiConv scope before opening another one.")
+            _local.multiconv = True
             self._counter = _ConvCounter()
             self._counter.__enter__()
         return self
@@ -159,9 +178,14 @@ class MultiConv:
         if counter is None:
             return
         counter.__exit__(type, value, traceback)
+        _local.multiconv = False
         self.num_convolutions = counter.count
         if type is not None:
             return
+        if counter.count == 0:
+            raise Error("poptorch.MultiConv: Unexpected end_multi_conv: no convolution ran "
+                        "inside the MultiConv scope. Put the convolutions to combine "
+                        "inside it, or remove the scope.")
         for name, setting in self.settings.items():
             if isinstance(setting, (list, tuple)) and len(setting) != counter.count:
                 raise Error(f"MultiConv.{name}: {len(setting)} values were given but "

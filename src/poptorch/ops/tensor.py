@@ -76,6 +76,17 @@ def _check_static_int(value, name: str, op: str, minimum: int) -> None:
         raise Error(f"{op}: {name} must be a constant int >= {minimum}, got {value!r}.")
 
 
+def _check_slice_size(size, op: str) -> None:
+    """A slice covers at least one element: ``size`` is ``end - start`` of the slice."""
+    if isinstance(size, int) and not isinstance(size, bool) and size <= 0:
+        if size == 0:
+            raise Error(f"{op}: The start and end of a slice must be different (size 0): "
+                        f"an empty slice is not supported; pass a size >= 1.")
+        raise Error(f"{op}: Taking a slice of a tensor with the end less than the start is "
+                    f"not supported (size {size}); pass a size >= 1.")
+    _check_static_int(size, "size", op, 1)
+
+
 def _start_index(start, extent: int, dim_size: int, op: str):
     """``start`` as an index tensor (dynamic) or int (static), checked or clamped.
 
@@ -105,7 +116,7 @@ def dynamic_slice(tensor: torch.Tensor, dim: int, start, size: int,
     """
     op = "dynamic_slice"
     dim = _check_dim(tensor, dim, op)
-    _check_static_int(size, "size", op, 1)
+    _check_slice_size(size, op)
     _check_static_int(step, "step", op, 1)
     begin = _start_index(start, size, tensor.shape[dim], op)
     if isinstance(begin, int):
@@ -122,7 +133,7 @@ def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int, start,
     """
     op = "dynamic_update"
     dim = _check_dim(input, dim, op)
-    _check_static_int(size, "size", op, 1)
+    _check_slice_size(size, op)
     if src.dim() != input.dim():
         raise Error(f"{op}: input and src tensors must have same dimensionality. "
                     f"({input.dim()}) vs ({src.dim()})")

@@ -95,18 +95,18 @@ def rmsprop(p: torch.Tensor, g: torch.Tensor, group: Dict[str, Any], state: Stat
         avg = mean_square.add(eps).sqrt_()
     else:
         avg = mean_square.sqrt().add_(eps)
-    if momentum > 0:
-        buf = state_view(state, "momentum_buffer", p)
-        if tf_variant:
-            buf.mul_(momentum).addcdiv_(g, avg, value=lr)
-            buf = _store(state, "momentum_buffer", buf, first_dtype)
-            apply_to_param(p, lambda w: w.sub_(buf))
-        else:
-            buf.mul_(momentum).addcdiv_(g, avg)
-            buf = _store(state, "momentum_buffer", buf, first_dtype)
-            apply_to_param(p, lambda w: w.add_(buf, alpha=-lr))
+    # The momentum buffer (in ipu_state from compile on) is kept current even with
+    # momentum 0, as PopTorch's accumulator is: it then holds the last update, so raising
+    # momentum later continues from it. Same arithmetic as torch.optim's momentum path.
+    buf = state_view(state, "momentum_buffer", p)
+    if tf_variant:
+        buf.mul_(momentum).addcdiv_(g, avg, value=lr)
+        buf = _store(state, "momentum_buffer", buf, first_dtype)
+        apply_to_param(p, lambda w: w.sub_(buf))
     else:
-        apply_to_param(p, lambda w: w.addcdiv_(g, avg, value=-lr))
+        buf.mul_(momentum).addcdiv_(g, avg)
+        buf = _store(state, "momentum_buffer", buf, first_dtype)
+        apply_to_param(p, lambda w: w.add_(buf, alpha=-lr))
 
 
 def lamb(p: torch.Tensor, g: torch.Tensor, group: Dict[str, Any], state: State, *,

@@ -78,6 +78,21 @@ class Options(OptionsDict):
     >>> opts.Training.gradientAccumulation(4)
     """
 
+    _ASSIGNMENT_SETTERS = {
+        "device_iterations": "deviceIterations",
+        "replication_factor": "replicationFactor",
+        "broadcast_buffers": "broadcastBuffers",
+        "auto_round_num_ipus": "autoRoundNumIPUs",
+        "random_seed": "randomSeed",
+        "synthetic_data": "enableSyntheticData",
+        "enable_stable_norm": "enableStableNorm",
+        "relax_optimizer_attributes_checks": "relaxOptimizerAttributesChecks",
+        "show_compilation_progress_bar": "showCompilationProgressBar",
+        "log_cycle_count": "logCycleCount",
+        "max_repeat_logs": "maxRepeatLogs",
+        "model_name": "modelName",
+    }
+
     def __init__(self) -> None:
         self._popart = _PopartOptions()
         self._training = _TrainingOptions(self._popart)

@@ -51,11 +51,22 @@ class OptionsDict:
         raise AttributeError(f"'{type(self).__name__}' object has no attribute or option "
                              f"'{option}'")
 
+    # Options that may also be assigned (``opts.replication_factor = 4``, as PopTorch
+    # allows): option name -> the setter that validates and stores the value.
+    _ASSIGNMENT_SETTERS: dict[str, str] = {}
+
     def __setattr__(self, name: str, value: Any) -> None:
-        # ``opts.device_iterations = 4`` must not bypass validation by shadowing the value.
-        if not name.startswith("_") and name in self.__dict__.get("_values", {}):
-            raise AttributeError(f"Option '{name}' is read-only: call its setter method "
-                                 f"(see the Options documentation) instead of assigning it.")
+        # ``opts.device_iterations = 4`` must not bypass validation by shadowing the value:
+        # it goes through the option's setter, or is refused when there is no such setter.
+        if not name.startswith("_"):
+            setter = self._ASSIGNMENT_SETTERS.get(name)
+            if setter is not None:
+                getattr(self, setter)(value)
+                return
+            if name in self.__dict__.get("_values", {}):
+                raise AttributeError(f"Option '{name}' is read-only: call its setter method "
+                                     f"(see the Options documentation) instead of "
+                                     f"assigning it.")
         object.__setattr__(self, name, value)
 
     def exists(self, option: str) -> bool:

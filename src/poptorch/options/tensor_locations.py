@@ -65,6 +65,11 @@ class TensorLocationSettings(OptionsDict):
         return self
 
 
+class NumIOTilesError(Error, AssertionError):
+    """A bad ``numIOTiles``: a ``poptorch.Error`` that is also the ``AssertionError``
+    PopTorch raises for it."""
+
+
 class _TensorLocationOptions(OptionsDict):
     """Options controlling where tensors are stored.
 
@@ -84,7 +89,7 @@ class _TensorLocationOptions(OptionsDict):
         limits are checked as upstream does). Recorded only."""
         check_int("TensorLocations.numIOTiles", num_tiles)
         if num_tiles % 2 or not 32 <= num_tiles <= 192:
-            raise Error(f"TensorLocations.numIOTiles: numIOTiles must be an even number "
+            raise NumIOTilesError(f"TensorLocations.numIOTiles: numIOTiles must be an even number "
                         f"between 32 and 192, got {num_tiles}.")
         self.set(num_io_tiles=num_tiles)
         return self

@@ -17,6 +17,8 @@ class _TrainingOptions(OptionsDict):
     >>> opts.Training.gradientAccumulation(4)
     """
 
+    _ASSIGNMENT_SETTERS = {"gradient_accumulation": "gradientAccumulation"}
+
     def __init__(self, popart_options: "_PopartOptions | None" = None) -> None:
         super().__init__(
             gradient_accumulation=1,

@@ -226,10 +226,12 @@ class InputSignature:
             "the new inputs, or wrap the model again.")
 
 
-def detach_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def detach_inputs(args: tuple, kwargs: dict, warn_key: Any = None) -> tuple[tuple, dict]:
     """Inputs that require grad are detached, as in PopTorch: the device program does
     not back-propagate into its inputs (a graph attached to an input, e.g. a hidden state
-    computed by an earlier step, would otherwise be walked again). Logged once."""
+    computed by an earlier step, would otherwise be walked again). Logged once per
+    ``warn_key`` (the executor passes its own: once per model, as PopTorch warns when it
+    compiles)."""
     if not kwargs and all(isinstance(a, torch.Tensor) and not a.requires_grad
                           for a in args):
         return args, kwargs  # the common case: nothing to do
@@ -239,7 +241,7 @@ def detach_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return args, kwargs
     import logging
     from ..._logging import log_once
-    log_once(logging.WARNING, ("input requires grad",),
+    log_once(logging.WARNING, ("input requires grad", warn_key),
              "Input tensor has requires_grad=True set. This tensor will be detached "
              "because backward pass via inputs is not supported.")
     leaves = [t.detach() if isinstance(t, torch.Tensor) and t.requires_grad else t

@@ -21,6 +21,7 @@ and imports nothing from the public layer.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -305,30 +306,54 @@ class _ForwardPatch:
             del self.module.forward
 
 
-def _wrap_forward(module: torch.nn.Module, setting: bool | None,
-                  rules: CastRules | None) -> _ForwardPatch:
-    inner = module.forward  # bound method, or an instance-level function already
+class _AutocastForward:
+    """The wrapped ``forward`` of one module: opens the module's autocast region / scope
+    around the original ``forward``.
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    It lives in the module's ``__dict__`` (so direct ``layer.forward(x)`` calls are
+    covered too), which ``torch.save(model)`` pickles: it pickles as the ``forward`` it
+    wraps, so a saved model reloads as a plain module.
+    """
+
+    def __init__(self, module: torch.nn.Module, setting: bool | None,
+                 rules: CastRules | None, previous: Any) -> None:
+        self.module, self.setting, self.rules = module, setting, rules
+        self.previous = previous  # the instance-level forward it shadows, or None
+        self.inner = module.forward  # bound method, or an instance-level function
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         pushed = 0
         try:
-            if setting is not None:
-                enter_region(setting)
+            if self.setting is not None:
+                enter_region(self.setting)
                 pushed += 1
-            if rules is not None and _region_open():
+            if self.rules is not None and _region_open():
                 tensors = floating_args(args, [])
                 floating_args(kwargs.values(), tensors)
-                floating_args(module.parameters(), tensors)
-                listed, dtype = rules.module_dtype(module, tensors)
+                floating_args(self.module.parameters(), tensors)
+                listed, dtype = self.rules.module_dtype(self.module, tensors)
                 if listed:
                     _push((_SCOPE, dtype))
                     pushed += 1
-            return inner(*args, **kwargs)
+            return self.inner(*args, **kwargs)
         finally:
             for _ in range(pushed):
                 _pop()
 
-    return _ForwardPatch(module, forward)
+    def __reduce__(self):
+        if self.previous is not None:
+            return _same, (self.previous,)
+        return functools.partial, (type(self.module).forward, self.module)
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _wrap_forward(module: torch.nn.Module, setting: bool | None,
+                  rules: CastRules | None) -> _ForwardPatch:
+    previous = vars(module).get("forward")
+    return _ForwardPatch(module, _AutocastForward(module, setting, rules, previous))
 
 
 def install_module_hooks(modules: list[tuple[torch.nn.Module, bool | None]],

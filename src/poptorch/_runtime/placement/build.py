@@ -20,6 +20,7 @@ The schedule a step executed is kept in ``runner.last_schedule`` and in
 from __future__ import annotations
 
 import inspect
+import re
 import threading
 from contextlib import nullcontext
 from typing import Any, Callable, List, Optional
@@ -37,7 +38,9 @@ from .pipeline import (BACKWARD, FORWARD, LaneScheduler, ScheduleEvent, Schedule
 from .stagerun import StageRun, listening
 
 LossOf = Callable[[Any], torch.Tensor]
-_BLOCK_WORDS = ("Block(", "Block.start", "BlockFunction", "IPU(")
+# Whole words only: ``poptorch.Block(``, ``Block.start``, ``BlockFunction``, ``ipu.IPU(``,
+# not a user's ``ResBlock(`` or ``BeginBlock(``.
+_BLOCK_WORDS = re.compile(r"(?<![\w])(Block\s*\(|Block\.start|BlockFunction\b|IPU\s*\()")
 
 
 def build_runner(model: torch.nn.Module, options: Any, training: bool,
@@ -72,7 +75,7 @@ def _forward_uses_blocks(model: torch.nn.Module) -> bool:
             source = inspect.getsource(cls)
         except (OSError, TypeError):
             continue
-        if any(word in source for word in _BLOCK_WORDS):
+        if _BLOCK_WORDS.search(source):
             return True
     return False
 

@@ -185,6 +185,8 @@ class DeviceProgram:
         log_once(logging.WARNING, ("loss without gradient",),
                  "The training model's loss does not depend on any trainable parameter: "
                  "its gradients are zero.")
+        if not self.params:  # nothing to train (all frozen): the backward pass is a no-op
+            return loss.detach() + torch.zeros((), device=loss.device, requires_grad=True)
         anchor = sum((p.reshape(-1)[0] * 0.0 for p in self.params),
                      torch.zeros((), device=loss.device))
         return loss.detach() + anchor
