@@ -11,6 +11,7 @@ this: they run on each process on their own.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, List, Optional
 
 import torch
@@ -21,7 +22,19 @@ from ..program.runner import PerReplicaRunner, SequentialRunner
 from .collectives import broadcast_, failures_as_errors
 from .ddp import SyncOnLastMicrobatch, find_unused_forced, make_ddp
 from .reducer import GradientReducer
+from . import world as world_module
 from .world import World
+
+
+_live: "weakref.WeakSet[CrossProcessReplicas]" = weakref.WeakSet()
+
+
+def _release_all() -> None:
+    for replicas in list(_live):
+        replicas.release()
+
+
+world_module.on_leave(_release_all)
 
 
 class CrossProcessReplicas:
@@ -29,6 +42,7 @@ class CrossProcessReplicas:
 
     def __init__(self, world: World, model: torch.nn.Module,
                  params: List[torch.nn.Parameter], broadcast_buffers: bool) -> None:
+        _live.add(self)
         self.world = world
         self.model = model
         self.params = params
@@ -58,15 +72,20 @@ class CrossProcessReplicas:
             return runner
         return self.ddp_runner
 
-    def __del__(self) -> None:
-        # Free DDP while ``self.world`` still holds the process group: DDP's C++ reducer
-        # must not drop the last reference to it, as that destroys the group with the
-        # GIL held and can deadlock with gloo's worker threads (pytorch/pytorch#56297).
+    def release(self) -> None:
+        """Free DDP while ``self.world`` still holds the process group: DDP's C++
+        reducer must not drop the last reference to it, as that destroys the group with
+        the GIL held and can deadlock with gloo's worker threads (pytorch#56297). Called
+        when this object goes, and for every live one at exit."""
         runner = self.__dict__.get("ddp_runner")
         if runner is not None:
             runner.inner.forward = None
             runner.ddp = None
             self.ddp_runner = None
+            self.reducer = None
+
+    def __del__(self) -> None:
+        self.release()
 
     def begin_step(self) -> None:
         """Before the micro-batches of a training step."""

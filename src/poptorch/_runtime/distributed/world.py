@@ -9,6 +9,7 @@ gloo for CPU devices, NCCL for CUDA devices; a group the user already made is re
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from dataclasses import dataclass
@@ -93,10 +94,35 @@ def join(process_id: int, num_processes: int, device: torch.device) -> World:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=process_id, world_size=num_processes,
                             timeout=timeout())
+    global _created_here
+    _created_here = True
     _logging.info_once(("process group", process_id, num_processes),
                        "Joined the %s process group as process %d of %d.", backend,
                        process_id, num_processes)
     return World(process_id, num_processes, dist.group.WORLD)
+
+
+_leave_callbacks: list = []
+_created_here = False
+
+
+def on_leave(callback: Any) -> None:
+    """Run ``callback()`` at interpreter exit, before the process group is left."""
+    _leave_callbacks.append(callback)
+
+
+def _leave() -> None:
+    """At exit, while the interpreter is whole: release what holds the process group
+    (DDP's reducers), then destroy the group if this package created it. Left to
+    interpreter finalization, gloo's threads can abort the process or deadlock on the
+    GIL (pytorch/pytorch#56297) and torchrun would report a failed run."""
+    for callback in _leave_callbacks:
+        callback()
+    if _created_here and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+atexit.register(_leave)
 
 
 def shared_random_seed(process_id: int, num_processes: int) -> int:
