@@ -105,8 +105,8 @@ def main(argv=None) -> int:
         print(json.dumps(child(kind, workload, training == "1", path, cache)))
         return 0
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {args.rounds} round(s); "
-          "seconds until the first two calls of a fresh process are done (median), inductor backend, empty "
-          "torch compiler caches")
+          "seconds until the first two calls of a fresh process are done (median), "
+          "inductor backend, empty torch compiler caches")
     header = (f"{'workload':<6} {'mode':<9} {'eager':>7} {'cold':>8} {'load':>7} "
               f"{'cache':>7} {'load/cold':>10} {'cache/cold':>11}")
     print(header)
