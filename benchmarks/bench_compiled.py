@@ -68,20 +68,24 @@ class Contender:
 class Loop(Contender):
     """The hand-written loop, over the model as given (eager or torch.compile'd)."""
 
-    def __init__(self, name, model, training, d, forward=None):
+    def __init__(self, name, model, training, d, forward=None, opt=None, backward=None):
         super().__init__(name, model, training, d)
         self.forward = model if forward is None else forward
-        self.opt = torch.optim.SGD(model.parameters(), lr=0.01) if training else None
+        if training and opt is None:
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        self.opt = opt
+        # The library's backward (Fabric / Accelerate), or the loss's own.
+        self.backward = backward or torch.Tensor.backward
         model.train(training)
 
     def round(self, xs, ys, batch):
         start = time.perf_counter()
         if self.training:
-            forward, opt = self.forward, self.opt
+            forward, opt, backward = self.forward, self.opt, self.backward
             for x, y in zip(xs.split(batch), ys.split(batch)):
                 opt.zero_grad()
                 _, loss = forward(x, y)
-                loss.backward()
+                backward(loss)
                 opt.step()
         else:
             with torch.no_grad():
@@ -95,22 +99,10 @@ class FabricLoop(Loop):
         from lightning.fabric import Fabric
         fabric = Fabric(accelerator="cpu", devices=1)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        wrapped, self._opt = fabric.setup(model, opt) if training else (
+        wrapped, opt = fabric.setup(model, opt) if training else (
             fabric.setup_module(model), None)
-        self.fabric = fabric
-        super().__init__("lightning", model, training, d, forward=wrapped)
-        self.opt = self._opt
-
-    def round(self, xs, ys, batch):
-        if not self.training:
-            return super().round(xs, ys, batch)
-        start = time.perf_counter()
-        for x, y in zip(xs.split(batch), ys.split(batch)):
-            self.opt.zero_grad()
-            _, loss = self.forward(x, y)
-            self.fabric.backward(loss)
-            self.opt.step()
-        return time.perf_counter() - start
+        super().__init__("lightning", model, training, d, forward=wrapped, opt=opt,
+                         backward=fabric.backward)
 
 
 class AccelerateLoop(Loop):
@@ -122,20 +114,8 @@ class AccelerateLoop(Loop):
             wrapped, opt = accelerator.prepare(model, opt)
         else:
             wrapped, opt = accelerator.prepare(model), None
-        self.accelerator = accelerator
-        super().__init__("accelerate", model, training, d, forward=wrapped)
-        self.opt = opt
-
-    def round(self, xs, ys, batch):
-        if not self.training:
-            return super().round(xs, ys, batch)
-        start = time.perf_counter()
-        for x, y in zip(xs.split(batch), ys.split(batch)):
-            self.opt.zero_grad()
-            _, loss = self.forward(x, y)
-            self.accelerator.backward(loss)
-            self.opt.step()
-        return time.perf_counter() - start
+        super().__init__("accelerate", model, training, d, forward=wrapped, opt=opt,
+                         backward=accelerator.backward)
 
 
 class PopLoop(Contender):
