@@ -18,26 +18,13 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 import poptorch
+from _processes import children, wait_until
 from poptorch import DataLoaderMode, SharingStrategy
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.filterwarnings("ignore:This DataLoader will create")]
 
 FORK = {"sharing_strategy": SharingStrategy.Fork}
-
-
-def children():
-    return {p.pid for p in psutil.Process().children(recursive=True)
-            if p.status() != psutil.STATUS_ZOMBIE}
-
-
-def wait_until(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 class FailsAt(Dataset):

@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import Dataset
 
 import poptorch
+from _processes import children, wait_until
 from poptorch import DataLoaderMode
 
 pytestmark = [pytest.mark.timeout(60),
@@ -66,11 +67,6 @@ class Slow(Dataset):
         return torch.tensor([i])
 
 
-def descendants():
-    return {p.pid for p in psutil.Process().children(recursive=True)
-            if p.status() != psutil.STATUS_ZOMBIE}
-
-
 def shm_entries(pids):
     """/dev/shm entries named after one of ``pids`` (torch names its segments
     torch_<pid>_...; multiprocessing's are unlinked at creation)."""
@@ -81,22 +77,13 @@ def shm_entries(pids):
     return {n for n in names if any(f"_{pid}_" in n for pid in pids)}
 
 
-def wait_until(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
 def loader_for(dataset, mode, workers, **kwargs):
     return poptorch.DataLoader(poptorch.Options(), dataset, batch_size=2,
                                num_workers=workers, mode=mode, **kwargs)
 
 
 def assert_nothing_left(before, pids):
-    assert wait_until(lambda: descendants() <= before), descendants() - before
+    assert wait_until(lambda: children() <= before), children() - before
     assert not shm_entries(pids)
 
 
@@ -120,7 +107,7 @@ def torch_reference_error(dataset):
                                                                           str(v)))
 def test_worker_exception_keeps_its_type_and_traceback(mode, workers, error):
     expected = torch_reference_error(FailsAt(9, error))
-    before = descendants()
+    before = children()
     loader = loader_for(FailsAt(9, error), mode, workers)
     start = time.monotonic()
     with pytest.raises(error) as info:
@@ -132,7 +119,7 @@ def test_worker_exception_keeps_its_type_and_traceback(mode, workers, error):
     assert "record 9 is corrupt" in message
     assert "Traceback" in message and "in __getitem__" in message
     assert "raise self.error(" in message  # the worker's source line
-    pids = descendants() - before
+    pids = children() - before
     loader.terminate()
     assert_nothing_left(before, pids | {os.getpid()})
 
@@ -140,7 +127,7 @@ def test_worker_exception_keeps_its_type_and_traceback(mode, workers, error):
 # -- a worker killed by a signal -----------------------------------------------------
 def _victim(mode, before):
     """The process whose death loses a batch: a torch worker, or the accessor's."""
-    procs = [psutil.Process(pid) for pid in descendants() - before]
+    procs = [psutil.Process(pid) for pid in children() - before]
     if mode == DataLoaderMode.Sync:
         return procs[0].pid
     accessor = [p for p in procs if p.ppid() == os.getpid()]
@@ -150,12 +137,12 @@ def _victim(mode, before):
 
 @pytest.mark.parametrize("mode,workers", CASES, ids=IDS)
 def test_killed_worker_is_a_poptorch_error_naming_the_signal(mode, workers):
-    before = descendants()
+    before = children()
     loader = loader_for(Slow(), mode, workers)
     iterator = iter(loader)
     next(iterator)
     victim = _victim(mode, before)
-    pids = descendants() - before
+    pids = children() - before
     start = time.monotonic()
     # torch's SIGCHLD handler reports a dead worker at once, wherever the caller is:
     # the kill is inside the block
@@ -193,11 +180,11 @@ def test_torch_worker_death_messages_are_translated():
     (DataLoaderMode.Sync, 2, "keyboard_interrupt")], ids=lambda v: getattr(v, "name",
                                                                             str(v)))
 def test_no_process_or_shared_memory_left(mode, workers, how):
-    before = descendants()
+    before = children()
     loader = loader_for(Slow(delay=0.02), mode, workers)
     iterator = iter(loader)
     next(iterator)
-    pids = (descendants() - before) | {os.getpid()}
+    pids = (children() - before) | {os.getpid()}
     assert pids - {os.getpid()}
     if how == "terminate":
         loader.terminate()
