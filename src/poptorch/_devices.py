@@ -31,7 +31,7 @@ import torch
 from . import _logging
 from .errors import Error
 
-__all__ = ["acquire_devices", "ipu_device", "ipuHardwareIsAvailable", "ipuHardwareVersion",
+__all__ = ["acquire_devices", "env_setting", "ipu_device", "ipuHardwareIsAvailable", "ipuHardwareVersion",
            "uses_ipu_model", "round_num_ipus"]
 
 BUSY_FREE_FRACTION = 0.5
@@ -42,9 +42,17 @@ WAIT_LOG_SECONDS = 60.0
 """How often a waiting process says that it is still waiting."""
 
 
-def _env_flag(name: str) -> bool:
+def env_setting(name: str) -> bool | None:
+    """An on/off environment variable: None when unset or empty, False for 0 / false /
+    no / off, True otherwise."""
     value = os.environ.get(name, "").strip().lower()
-    return value not in ("", "0", "false", "no", "off")
+    if not value:
+        return None
+    return value not in ("0", "false", "no", "off")
+
+
+def _env_flag(name: str) -> bool:
+    return bool(env_setting(name))
 
 
 def _gpu_count() -> int:

@@ -10,7 +10,6 @@ asks for that on the CPU too (threads over CPU copies, which stand in for GPUs) 
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -28,11 +27,11 @@ CONCURRENT_ENV = "POPTORCH_CONCURRENT_REPLICAS"
 
 def _replica_devices(options: Any, replicas: int) -> list[torch.device] | None:
     """The devices of replicas ``0 .. r-1`` if they should run concurrently, else None."""
-    setting = os.environ.get(CONCURRENT_ENV, "").strip().lower()
-    if setting in ("0", "false", "no", "off"):
+    setting = _devices.env_setting(CONCURRENT_ENV)
+    if setting is False:
         return None
     devices = [_devices.ipu_device(k, options) for k in range(replicas)]
-    if setting in ("1", "true", "yes", "on"):
+    if setting:
         return devices
     distinct = {str(d) for d in devices}
     return devices if devices[0].type == "cuda" and len(distinct) > 1 else None

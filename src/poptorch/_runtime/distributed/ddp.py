@@ -19,11 +19,11 @@ the update instead of updating with gradients that were not reduced (the runner 
 as in the first step, which gradients the last backward pass reached). Otherwise, or with
 ``POPTORCH_DISTRIBUTED_FIND_UNUSED=1``, DDP searches for unused parameters every step.
 """
-import os
 from typing import Any, List, Optional
 
 import torch
 
+from ..._devices import env_setting
 from ...errors import Error
 from ..program.runner import LossOf, SequentialRunner
 
@@ -32,7 +32,7 @@ FIND_UNUSED_ENV = "POPTORCH_DISTRIBUTED_FIND_UNUSED"
 
 def find_unused_forced() -> bool:
     """True if ``POPTORCH_DISTRIBUTED_FIND_UNUSED`` asks DDP to search every step."""
-    return os.environ.get(FIND_UNUSED_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return bool(env_setting(FIND_UNUSED_ENV))
 
 
 def make_ddp(model: torch.nn.Module, group: Any, device: torch.device,

@@ -29,13 +29,9 @@ from ..batching.plan import Microbatch
 from .runner import LossOf
 
 
-def _to(tree: Any, device: torch.device) -> Any:
-    return pytree.tree_map(
-        lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t,
-        tree)
-
-
-def _detached_to(tree: Any, device: torch.device) -> Any:
+def _moved(tree: Any, device: torch.device) -> Any:
+    """``tree``'s tensors on ``device``, detached (inputs arrive detached; outputs are
+    only read)."""
     return pytree.tree_map(
         lambda t: t.detach().to(device, non_blocking=True)
         if isinstance(t, torch.Tensor) else t, tree)
@@ -119,7 +115,7 @@ class ConcurrentReplicas:
         training = loss_of is not None
         shares = [microbatches[k::r] for k in range(r)]
         futures = [self.pool.submit(self._worker, k, shares[k], loss_of)
-                   for k in range(1, r) if shares[k]]
+                   for k in range(1, r)]
         errors = []
         try:
             first = self._run(0, shares[0], loss_of)
@@ -160,14 +156,14 @@ class ConcurrentReplicas:
         r, per_step = len(self.replicas), self.per_step
         for i, (args, kwargs) in enumerate(share):
             if k:
-                args, kwargs = _to((args, kwargs), device)
+                args, kwargs = _moved((args, kwargs), device)
             # Named as the sequential runners name their micro-batches in traces.
             with torch.profiler.record_function(
                     f"poptorch::micro-batch {(k + i * r) % per_step} replica {k}"):
                 out = model(*args, **kwargs)
             if loss_of is not None:
                 loss_of(out).backward()
-            outputs.append(_detached_to(out, home) if k else out)
+            outputs.append(_moved(out, home) if k else out)
         return outputs
 
     def _send_weights(self) -> None:
