@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import Dataset
 
 import poptorch
-from _processes import children, wait_until
+from _processes import children, pid_alive, wait_until
 from poptorch import DataLoaderMode
 
 pytestmark = [pytest.mark.timeout(60),
@@ -250,7 +250,5 @@ def test_program_end_leaves_nothing(tmp_path, ending):
         assert "KeyboardInterrupt" in stderr
     elif ending == "normal":
         assert process.returncode == 0, stderr
-    assert wait_until(lambda: not any(psutil.pid_exists(p) and
-                                      psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                                      for p in pids))
+    assert wait_until(lambda: not any(pid_alive(p) for p in pids))
     assert not shm_entries(pids + [process.pid])
