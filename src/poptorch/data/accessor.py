@@ -35,8 +35,9 @@ import torch.multiprocessing
 
 from .faults import (WorkerDiedError, exit_code_description,
                      rebuild_worker_exception, start_failure)
+from .ring import ON_PIPE, BatchRing
 from .tree import unflatten
-from .worker import DatasetFile, WorkerConfig, decode, encode_free, run_worker
+from .worker import DatasetFile, WorkerConfig, run_worker
 from .._logging import info_once
 from ..enums import SharingStrategy
 from ..errors import Error
@@ -200,6 +201,7 @@ class AsynchronousDataAccessor:
         # GIL, up to a switch interval per batch) and no lock per message.
         commands_reader, self._commands = context.Pipe(duplex=False)
         self._results, results_writer = context.Pipe(duplex=False)
+        self._ring = BatchRing(context, self.buffer_size)
         dataset_file = None
         source: Any = dataset
         if self.sharing_strategy == SharingStrategy.FileSystem:
@@ -213,7 +215,7 @@ class AsynchronousDataAccessor:
                               self._drop_last, multiprocessing.get_start_method())
         self._process = context.Process(
             target=run_worker,
-            args=(source, commands_reader, results_writer, config,
+            args=(source, commands_reader, results_writer, self._ring, config,
                   (self._commands, self._results)),
             name="poptorch-async-data", daemon=False)
         try:
@@ -324,7 +326,7 @@ class AsynchronousDataAccessor:
                 if start is not None:
                     self._starts.setdefault(epoch, start)
                 if epoch != self._epoch:  # left over from an abandoned pass
-                    self._commands.send_bytes(encode_free(slot))
+                    self._ring.free(slot)
                     continue
                 self._held_slot = slot
                 self._consumed += 1
@@ -355,17 +357,34 @@ class AsynchronousDataAccessor:
 
     def _release_slot(self) -> None:
         if self._held_slot is not None:
-            self._commands.send_bytes(encode_free(self._held_slot))
+            self._ring.free(self._held_slot)
             self._held_slot = None
 
     def _receive(self) -> tuple:
+        """The worker's next message (see ``worker``), noticing a dead worker within
+        about a second."""
         if self._early is not None:
             message, self._early = self._early, None
             return message
         while True:
+            news = self._ring.next_message(_LIVENESS_CHECK_S)
+            if news is ON_PIPE:
+                return self._receive_from_pipe()
+            if news is not None:
+                epoch, slot = news
+                return ("batch", epoch, slot, self._skeleton, None, None)
+            if not self._process.is_alive():
+                raise self._worker_died()
+
+    def _receive_from_pipe(self) -> tuple:
+        """The pipe's next message, which the worker is sending."""
+        while True:
             try:
                 if self._results.poll(_LIVENESS_CHECK_S):
-                    return self._decode(self._results.recv_bytes())
+                    message = self._results.recv()
+                    if message[0] == "batch":
+                        self._skeleton = message[3]
+                    return message
             except (OSError, EOFError) as error:
                 # Receiving a batch's shared memory needs the worker: it died mid-send.
                 self._process.join(_LIVENESS_CHECK_S)
@@ -374,19 +393,8 @@ class AsynchronousDataAccessor:
                                 f"worker process (pid {self._process.pid}): {error}") \
                         from error
                 raise self._worker_died() from error
-            if not self._process.is_alive():
-                try:  # it may have written its last words just before exiting
-                    if self._results.poll(0):
-                        return self._decode(self._results.recv_bytes())
-                except (OSError, EOFError):
-                    pass
+            if not self._process.is_alive() and not self._results.poll(0):
                 raise self._worker_died()
-
-    def _decode(self, buffer: bytes) -> tuple:
-        message = decode(buffer, self._skeleton)
-        if message[0] == "batch":
-            self._skeleton = message[3]
-        return message
 
     def _worker_died(self) -> Error:
         code = self._process.exitcode
