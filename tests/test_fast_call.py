@@ -277,3 +277,54 @@ def test_backend_trial_keeps_the_faster_path(_aot_eager, compiled_faster):
     with torch.no_grad():
         want = pop.model(x, y)[0]
     torch.testing.assert_close(pop(x, y)[0], want, rtol=1e-6, atol=1e-6)
+
+
+class RegionInside(nn.Module):
+    """bmm in a poptorch.autocast region of its own forward: half precision."""
+
+    def forward(self, x, y):
+        with poptorch.autocast():
+            return torch.bmm(x, y)
+
+
+def test_fast_path_applies_a_region_inside_the_forward_and_one_around_the_call():
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(1, 4, 4, generator=g), torch.randn(1, 4, 4, generator=g)
+    half_reference = torch.bmm(x.half(), y.half())
+    pop = poptorch.inferenceModel(RegionInside(), _opts())
+    _warm(pop, x, y)
+    out = pop(x, y)  # on the fast path: the region still finds the model's run
+    assert out.dtype == torch.float16 and torch.equal(out, half_reference)
+
+    class Plain(nn.Module):
+        def forward(self, x, y):
+            return torch.bmm(x, y)
+    plain = poptorch.inferenceModel(Plain(), _opts())
+    _warm(plain, x, y)
+    assert torch.equal(plain(x, y), torch.bmm(x, y))
+    with poptorch.autocast():  # a region around a warmed-up model's call applies
+        out = plain(x, y)
+    assert out.dtype == torch.float16 and torch.equal(out, half_reference)
+    assert torch.equal(plain(x, y), torch.bmm(x, y))  # and ends with it
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def test_fast_path_of_a_model_called_inside_another_model():
+    torch.manual_seed(0)
+    inner_net = Net()
+    x, y = _data()
+    inner = poptorch.inferenceModel(copy.deepcopy(inner_net), _opts())
+    _warm(inner, x, y)
+
+    class Outer(nn.Module):
+        def forward(self, x, y):
+            out, loss = inner(x, y)  # a warmed-up model, called from another's forward
+            return out * 2, loss
+
+    outer = poptorch.inferenceModel(Outer(), _opts())
+    for _ in range(3):
+        out, loss = outer(x, y)
+        ref_out, ref_loss = inner_net.eval()(x, y)
+        torch.testing.assert_close(out, ref_out.detach() * 2, rtol=0, atol=0)
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=0, atol=0)
+    assert torch.equal(inner(x, y)[0], ref_out.detach())

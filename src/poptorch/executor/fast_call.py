@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from .._runtime import context
+from .._runtime.numerics.autocast import NOT_TOP
 from .._runtime.program.device_loop import detach_needed
 
 MISS = object()  # FastCall's answer when the call must take the general path
@@ -91,19 +92,24 @@ class FastCall:
 def _eager_inference(executor: Any, args: tuple) -> Callable[[tuple, dict], Any]:
     """:py:class:`FastCall` of an inference model on the eager backend, with the one
     micro-batch of ``DeviceProgram.run_single`` inlined: this is the call whose host
-    overhead shows most (a small model's forward takes tens of microseconds)."""
+    overhead shows most (a small model's forward takes tens of microseconds).
+
+    Every line below runs on each call; what can be looked up once is (closure
+    variables), and the executor drops this path (``_fast = None``) whenever the program
+    or the device attachment changes."""
     state = executor.__dict__
     program = state["_program"]
     forward = program.runner.forward
-    fingerprint = tuple((a.dtype, a.shape) for a in args)
+    dtypes = tuple(a.dtype for a in args)
+    shapes = tuple(a.shape for a in args)
     count = len(args)
     constants = state.get("_tensor_constants") or None
     mode = state["_mode"]
     flags = mode.plain_flags()  # the modules' __dict__s: their training flags
     training = mode.training
     casting = state.get("_casting")
-    enter_casting = casting.enter_run if casting is not None else None
-    exit_casting = casting.exit_run if casting is not None else None
+    enter_casting = casting.enter_top_run if casting is not None else None
+    exit_casting = casting.exit_top_run if casting is not None else None
     rng = program.rng
     program.perf.record_single(0.0, 0.0)  # one entry per counter list from now on
     stamps = program.perf.counters
@@ -115,49 +121,50 @@ def _eager_inference(executor: Any, args: tuple) -> Callable[[tuple, dict], Any]
     tensor = _Tensor
 
     def fast_inference(args: tuple, kwargs: dict) -> Any:
-        if kwargs or state["_program"] is not program or not state["_attached"] \
-                or len(args) != count:
+        if kwargs or len(args) != count:
             return MISS
-        for arg, (dtype, shape) in zip(args, fingerprint):
-            if type(arg) is not tensor or arg.requires_grad or arg.dtype != dtype \
+        for arg, dtype, shape in zip(args, dtypes, shapes):
+            # (dtypes are singletons: ``is`` compares them)
+            if type(arg) is not tensor or arg.dtype is not dtype or arg.requires_grad \
                     or arg.shape != shape:
                 return MISS
-        if constants is not None:
-            constants.restore()
         if rng.enabled:  # the rng_state setter turned the program's own stream on
             state["_fast"] = None  # built again (as a FastCall) after this call
             return MISS
-        if flags is None:
-            mode.__enter__()
-        else:
-            flipped = [d for d in flags if d["training"] != training]
-            for d in flipped:
-                d["training"] = training
-        losses = thread_state.losses
-        if losses:
-            losses.clear()  # marks left by runs outside the executor
-        depth = thread_state.depth
-        thread_state.depth = depth + 1
-        grad = grad_enabled()
-        set_grad(False)
-        t_start = perf_counter()
+        previous_run = None
+        if enter_casting is not None:
+            previous_run = enter_casting()
+            if previous_run is NOT_TOP:  # inside another model or a region
+                return MISS
         try:
-            if enter_casting is not None:
-                enter_casting()
-                try:
-                    output = forward(*args)
-                finally:
-                    exit_casting()
-            else:
-                output = forward(*args)
-        finally:
-            set_grad(grad)
-            thread_state.depth = depth
+            if constants is not None:
+                constants.restore()
             if flags is None:
-                mode.__exit__(None, None, None)
+                mode.__enter__()
             else:
+                flipped = [d for d in flags if d["training"] != training]
                 for d in flipped:
-                    d["training"] = not training
+                    d["training"] = training
+            losses = thread_state.losses
+            if losses:
+                losses.clear()  # marks left by runs outside the executor
+            thread_state.depth += 1
+            grad = grad_enabled()
+            set_grad(False)
+            t_start = perf_counter()
+            try:
+                output = forward(*args)
+            finally:
+                set_grad(grad)
+                thread_state.depth -= 1
+                if flags is None:
+                    mode.__exit__(None, None, None)
+                else:
+                    for d in flipped:
+                        d["training"] = not training
+        finally:
+            if enter_casting is not None:
+                exit_casting(previous_run)
         t_end = perf_counter()
         if losses:
             losses.clear()

@@ -449,6 +449,7 @@ class PoplarExecutor(ExecutorInspection):
             raise Error("detachFromDevice: the model is not attached to a device.")
         self._weights.to_host_if_needed()
         self.__dict__["_attached"] = False
+        self.__dict__["_fast"] = None  # (the fast path assumes an attached model)
 
     def attachToDevice(self) -> None:
         """Attach to the device again; the host weights are copied to the device."""

@@ -137,6 +137,7 @@ class _ThreadState(threading.local):
 
 
 _tls = _ThreadState()
+NOT_TOP = object()  # AutocastRun.enter_top_run: the call is not made at top level
 _global_run = None  # the run entered last in any thread (worker threads fall back to it)
 
 
@@ -244,6 +245,25 @@ class AutocastRun:
         tls.run = _global_run = self
         if tls.stack and tls.mode is None and self.enabled:
             _start_mode(self, owner=self)  # called inside ``with poptorch.autocast():``
+
+    def enter_top_run(self) -> Any:
+        """:py:meth:`enter_run` for the common call: made at top level (no other model
+        running and no region open in this thread), which has nothing to save but the
+        run last entered by any thread. Returns that, for :py:meth:`exit_top_run`, or
+        :py:data:`NOT_TOP` (having done nothing) for any other call."""
+        global _global_run
+        tls = _tls
+        if tls.run is not None or tls.stack:
+            return NOT_TOP
+        previous = _global_run
+        tls.run = _global_run = self
+        return previous
+
+    def exit_top_run(self, previous: Any) -> None:
+        """Undo :py:meth:`enter_top_run` (``previous``: what it returned)."""
+        global _global_run
+        _tls.run = None
+        _global_run = previous
 
     def exit_run(self) -> None:
         """Undo :py:meth:`enter_run`."""
