@@ -21,10 +21,11 @@ sent, so that a message bigger than the pipe's buffer cannot deadlock the two).
 A log never holds more than ``slots`` unread entries: each entry stands for a slot, and
 there are ``slots`` of them.
 
-A waiting main process first spins briefly (yielding the core) on ``ready``: a light
-batch arrives every few tens of microseconds, sooner than a sleeping process is woken
-(on a 2-core virtual machine, waking the main process for every batch halved the
-throughput of a light data set; see ``benchmarks/bench_data.py``).
+A waiting main process first spins briefly (yielding the core) on ``ready`` as long as
+messages keep coming that soon: a light batch arrives every few tens of microseconds,
+sooner than a sleeping process is woken (on a 2-core virtual machine, waking the main
+process for every batch halved the throughput of a light data set; see
+``benchmarks/bench_data.py``).
 """
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ class BatchRing:
         self._received = 0     # main: messages taken
         self._log_read = 0     # main: batch-log entries read
         self._frees_written = 0  # main: free-log entries written
+        self._spin_pays = True   # main: the last wait ended soon (see next_message)
 
     def __getstate__(self) -> dict:
         return {"slots": self.slots, "_shared": self._shared, "_ready": self._ready,
@@ -109,16 +111,14 @@ class BatchRing:
         """Waits up to ``timeout`` seconds for the next message: ``(epoch, slot)`` of a
         published batch, :py:data:`ON_PIPE`, or None (nothing came)."""
         ready = self._ready
-        if not ready.acquire(False):
-            deadline = time.perf_counter() + _SPIN_S
-            while True:
-                os.sched_yield()
-                if ready.acquire(False):
-                    break
-                if time.perf_counter() > deadline:
-                    if not ready.acquire(True, timeout):
-                        return None
-                    break
+        if not ready.acquire(False) and not self._spin(ready):
+            start = time.perf_counter()
+            if not ready.acquire(True, timeout):
+                return None
+            # Spin next time only if this message came soon after spinning would have
+            # given up: a slow loader (heavy items, busy torch workers) leaves the core
+            # to them instead.
+            self._spin_pays = time.perf_counter() - start < _SPIN_S
         number = self._received
         self._received += 1
         base = self.slots + (self._log_read % self.slots) * _ENTRY
@@ -127,3 +127,15 @@ class BatchRing:
             return ON_PIPE
         self._log_read += 1
         return shared[base + 1], shared[base + 2]
+
+    def _spin(self, ready: Any) -> bool:
+        """Spins (yielding the core) for up to ``_SPIN_S`` while that has been paying
+        off; True if a message came meanwhile (its token taken)."""
+        if not self._spin_pays:
+            return False
+        deadline = time.perf_counter() + _SPIN_S
+        while time.perf_counter() < deadline:
+            os.sched_yield()
+            if ready.acquire(False):
+                return True
+        return False
