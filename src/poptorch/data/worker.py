@@ -298,11 +298,8 @@ class _Worker:
     def _wait_for_slot(self, epoch: int) -> int | None:
         """Waits until a slot is free (reading commands meanwhile); returns an epoch to
         switch to, if a command asks for one."""
-        ring = self.ring
         while not self.free:
-            slot = ring.take_freed()
-            if slot is None:
-                slot = ring.take_freed(_SLOT_WAIT_S)
+            slot = self.ring.take_freed(_SLOT_WAIT_S)  # (no wait if one is freed)
             if slot is not None:
                 self.free.append(slot)
                 break

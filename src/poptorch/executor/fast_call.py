@@ -15,9 +15,11 @@ A model qualifies when one call is one micro-batch (deviceIterations,
 gradientAccumulation and replicationFactor all 1) on the CPU through the default runner,
 without profiling, precision checks, anchors, synthetic data or several processes, and
 its float16 casting rules are known to cast nothing for these inputs. Any call that does
-not fit (other inputs, a destroyed or detached model, ...) makes :py:class:`FastCall`
-return :py:data:`MISS` before doing anything, and the executor takes the general path,
-which gives the same results and raises the same errors.
+not fit (other inputs, keyword arguments, ...) makes :py:class:`FastCall` return
+:py:data:`MISS` before doing anything, and the executor takes the general path, which
+gives the same results and raises the same errors. The executor drops the fast path
+(``_fast = None``) when the model is compiled again, destroyed or detached, or gets
+another optimizer.
 """
 from __future__ import annotations
 
@@ -35,6 +37,19 @@ MISS = object()  # FastCall's answer when the call must take the general path
 _Tensor = torch.Tensor
 
 
+def _inputs_match(args: tuple, dtypes: tuple, shapes: tuple) -> bool:
+    """Whether ``args`` are plain tensors not requiring grad, of these dtypes and
+    shapes: the calls the fast path was built for."""
+    if len(args) != len(dtypes):
+        return False
+    for arg, dtype, shape in zip(args, dtypes, shapes):
+        # (dtypes are singletons: ``is`` compares them)
+        if type(arg) is not _Tensor or arg.dtype is not dtype or arg.requires_grad \
+                or arg.shape != shape:
+            return False
+    return True
+
+
 class FastCall:
     """One compiled model's fast path (see module docstring)."""
 
@@ -43,8 +58,8 @@ class FastCall:
         self._state = state
         self._program = state["_program"]
         self._compiled = self._program.compiled
-        self._fingerprint = tuple((a.dtype, a.shape) for a in args)
-        self._count = len(args)
+        self._dtypes = tuple(a.dtype for a in args)
+        self._shapes = tuple(a.shape for a in args)
         constants = state.get("_tensor_constants")
         self._constants = constants if constants else None
         self._mode = state["_mode"]
@@ -54,13 +69,8 @@ class FastCall:
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         state = self._state
         program = self._program
-        if kwargs or state["_program"] is not program or not state["_attached"] \
-                or len(args) != self._count:
+        if kwargs or not _inputs_match(args, self._dtypes, self._shapes):
             return MISS
-        for arg, (dtype, shape) in zip(args, self._fingerprint):
-            if type(arg) is not _Tensor or arg.requires_grad or arg.dtype != dtype \
-                    or arg.shape != shape:
-                return MISS
         if program.compiled is not self._compiled:  # the fastest backend chose eager
             state["_fast"] = None  # built again after this call
             return MISS
@@ -102,7 +112,6 @@ def _eager_inference(executor: Any, args: tuple) -> Callable[[tuple, dict], Any]
     forward = program.runner.forward
     dtypes = tuple(a.dtype for a in args)
     shapes = tuple(a.shape for a in args)
-    count = len(args)
     constants = state.get("_tensor_constants") or None
     mode = state["_mode"]
     flags = mode.plain_flags()  # the modules' __dict__s: their training flags
@@ -121,13 +130,8 @@ def _eager_inference(executor: Any, args: tuple) -> Callable[[tuple, dict], Any]
     tensor = _Tensor
 
     def fast_inference(args: tuple, kwargs: dict) -> Any:
-        if kwargs or len(args) != count:
+        if kwargs or not _inputs_match(args, dtypes, shapes):
             return MISS
-        for arg, dtype, shape in zip(args, dtypes, shapes):
-            # (dtypes are singletons: ``is`` compares them)
-            if type(arg) is not tensor or arg.dtype is not dtype or arg.requires_grad \
-                    or arg.shape != shape:
-                return MISS
         if rng.enabled:  # the rng_state setter turned the program's own stream on
             state["_fast"] = None  # built again (as a FastCall) after this call
             return MISS
