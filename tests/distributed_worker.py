@@ -177,20 +177,34 @@ def _inference_options() -> poptorch.Options:
     return opts
 
 
+MISMATCHES = {  # option name -> how process k sets it
+    "deviceIterations": lambda opts, k: opts.deviceIterations(D + k),
+    "replicationFactor": lambda opts, k: opts.replicationFactor(1 + k),
+    "Training.gradientAccumulation": lambda opts, k: opts.Training.gradientAccumulation(
+        G + k),
+    "setExecutionStrategy": lambda opts, k: opts.setExecutionStrategy(
+        [poptorch.ShardedExecution, poptorch.PipelinedExecution][k]()),
+}
+
+
 def mismatch(out: pathlib.Path) -> None:
-    """Process 1 asks for 3 device iterations, process 0 for 2."""
-    d = D + RANK
-    opts = options(1).deviceIterations(d)
-    model = make_model(0)
-    training = poptorch.trainingModel(model, opts)
-    x = torch.randn(d * G * M, FEATURES)
-    y = torch.zeros(d * G * M, dtype=torch.long)
-    try:
-        training(x, y)
-    except poptorch.Error as exc:
-        (out / f"error_rank{RANK}.txt").write_text(str(exc))
-        sys.exit(3)
-    (out / f"error_rank{RANK}.txt").write_text("no error")
+    """For each option of MISMATCHES, the processes compile with different values; the
+    message each process gets is saved (one run: a refused compile leaves the processes
+    able to compile again)."""
+    messages = {}
+    for name, set_option in MISMATCHES.items():
+        opts = options(1)
+        set_option(opts, RANK)
+        rows = (opts.device_iterations * opts.Training.gradient_accumulation
+                * opts.replication_factor * M)
+        training = poptorch.trainingModel(make_model(0), opts)
+        try:
+            training(torch.randn(rows, FEATURES), torch.zeros(rows, dtype=torch.long))
+            messages[name] = "no error"
+        except poptorch.Error as exc:
+            messages[name] = str(exc)
+    save(out, "mismatch", messages)
+    sys.exit(3 if all(m != "no error" for m in messages.values()) else 0)
 
 
 def kill(out: pathlib.Path) -> None:
@@ -216,6 +230,14 @@ def epoch(out: pathlib.Path) -> None:
         loader = poptorch.DataLoader(opts, dataset, batch_size=3, shuffle=True,
                                      drop_last=drop_last)
         seen[drop_last] = [batch.reshape(-1).long().tolist() for batch in loader]
+    # inference over each process's share: every process gets its own outputs
+    torch.manual_seed(5)
+    model = torch.nn.Linear(1, 2)
+    opts = poptorch.Options().deviceIterations(2)
+    opts.showCompilationProgressBar(False)
+    inference = poptorch.inferenceModel(model, opts)
+    loader = poptorch.DataLoader(opts, dataset, batch_size=3)
+    seen["inference"] = [(batch, inference(batch)) for batch in loader]
     save(out, "epoch", seen)
 
 

@@ -76,7 +76,10 @@ def _assert_identical(a, b, what: str) -> None:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("train")
-    _check(torchrun("train", out))
+    result = torchrun("train", out)
+    _check(result)
+    # nothing to distract a user: no warnings from DDP or from us on a healthy run
+    assert "Warning" not in result.stderr, result.stderr[-3000:]
     return out
 
 
@@ -215,6 +218,20 @@ def test_one_epoch_reads_every_item_once_across_processes(tmp_path):
         else:   # shares of 52: every item read, the one left over wraps round (docs/data.md)
             assert sorted(set(a + b)) == list(range(103))
             assert len(a) == len(b) == 52
+    # inference: each process computed its own share, as the plain model does
+    torch.manual_seed(5)
+    plain = torch.nn.Linear(1, 2)
+    shares = []
+    for seen in (rank0, rank1):
+        assert seen["inference"], "no inference batches"
+        items = []
+        for batch, output in seen["inference"]:
+            with torch.no_grad():
+                torch.testing.assert_close(output, plain(batch), atol=1e-6, rtol=0)
+            items += batch.reshape(-1).long().tolist()
+        shares.append(items)
+    assert not set(shares[0]) & set(shares[1])
+    assert len(shares[0]) == len(shares[1]) == 103 // 2 // combined * combined
 
 
 def test_mismatched_options_raise_on_every_process(tmp_path):
@@ -222,10 +239,15 @@ def test_mismatched_options_raise_on_every_process(tmp_path):
     result = torchrun("mismatch", tmp_path, timeout=60)
     assert time.monotonic() - start < 60
     assert result.returncode != 0
-    for rank in (0, 1):
-        message = (tmp_path / f"error_rank{rank}.txt").read_text()
-        assert "deviceIterations" in message and "process 0 has 2" in message \
-            and "process 1 has 3" in message, message
+    expected = {"deviceIterations": (2, 3), "replicationFactor": (1, 2),
+                "Training.gradientAccumulation": (2, 3),
+                "setExecutionStrategy": ("'ShardedExecution'", "'PipelinedExecution'")}
+    for messages in _load(tmp_path, "mismatch"):
+        assert set(messages) == set(expected)
+        for name, (value0, value1) in expected.items():
+            message = messages[name]
+            assert f"{name}: process 0 has {value0}, process 1 has {value1}" in message, \
+                message
 
 
 def test_a_killed_process_ends_the_run_with_an_error(tmp_path):
@@ -262,3 +284,16 @@ def test_two_nodes_with_c10d_rendezvous(tmp_path):
     plain = make_model(1000)
     plain_reference(plain, cfg, replicas=2 * cfg["r"])
     _assert_close(rank0["state"], plain.state_dict(), "plain PyTorch")
+
+
+def test_the_digits_example_runs_unchanged_under_torchrun(tmp_path):
+    """README's "Scaling out" command: examples/train_digits.py as is on two processes
+    (each trains on its share; process 0 alone reports the global test accuracy)."""
+    example = HERE.parent / "examples" / "train_digits.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node=2", str(example), "--epochs", "3", "--target", "0.85"]
+    result = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                            timeout=120)
+    _check(result)
+    reports = [line for line in result.stdout.splitlines() if line.startswith("digits:")]
+    assert len(reports) == 1 and "reached" in reports[0], result.stdout[-2000:]

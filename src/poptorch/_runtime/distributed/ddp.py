@@ -19,7 +19,8 @@ the update instead of updating with gradients that were not reduced (the runner 
 as in the first step, which gradients the last backward pass reached). Otherwise, or with
 ``POPTORCH_DISTRIBUTED_FIND_UNUSED=1``, DDP searches for unused parameters every step.
 """
-from typing import Any, List, Optional
+import inspect
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -35,14 +36,27 @@ def find_unused_forced() -> bool:
     return bool(env_setting(FIND_UNUSED_ENV))
 
 
+def _no_buffer_sync() -> Dict[str, bool]:
+    """DDP's keyword that turns off its per-forward buffer broadcast: newer torch renamed
+    ``broadcast_buffers`` to ``forward_sync_buffers`` and warns on the old name (init-time
+    syncing is off either way: ``init_sync=False`` gates every construction collective)."""
+    params = inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
+    if "forward_sync_buffers" in params:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
+_NO_BUFFER_SYNC = _no_buffer_sync()
+
+
 def make_ddp(model: torch.nn.Module, group: Any, device: torch.device,
              find_unused: bool) -> torch.nn.parallel.DistributedDataParallel:
     """DDP over ``model`` as the module docstring describes (called on every process at
     the same point: construction checks the parameter shapes collectively)."""
     return torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[device] if device.type == "cuda" else None,
-        process_group=group, broadcast_buffers=False, init_sync=False,
-        find_unused_parameters=find_unused)
+        process_group=group, init_sync=False, find_unused_parameters=find_unused,
+        **_NO_BUFFER_SYNC)
 
 
 class SyncOnLastMicrobatch:
