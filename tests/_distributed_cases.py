@@ -63,13 +63,22 @@ def make_model(seed: int, batchnorm: bool = False) -> Net:
 
 
 def train_configs() -> list[dict]:
-    """Local replicas x reduction x optimizer (the issue's grid)."""
-    return [{"r": r, "reduction": red, "optimizer": opt} for r, red, opt in
+    """Local replicas x reduction x optimizer (the issue's grid), plus poptorch.optim loss
+    scaling with both mean reduction strategies."""
+    grid = [{"r": r, "reduction": red, "optimizer": opt} for r, red, opt in
             itertools.product((1, 2), ("Mean", "Sum"), ("SGD", "Adam"))]
+    return grid + [
+        {"r": 2, "reduction": "Mean", "optimizer": "SGD", "loss_scaling": 64.0,
+         "mean_strategy": "Running"},
+        {"r": 1, "reduction": "Mean", "optimizer": "Adam", "loss_scaling": 64.0,
+         "mean_strategy": "Post"},
+    ]
 
 
 def config_id(cfg: dict) -> str:
-    return f"r{cfg['r']}_{cfg['reduction']}_{cfg['optimizer']}"
+    extra = "".join(f"_{key}{cfg[key]}" for key in ("loss_scaling", "mean_strategy")
+                    if key in cfg)
+    return f"r{cfg['r']}_{cfg['reduction']}_{cfg['optimizer']}{extra}"
 
 
 def global_batch(call: int, replicas: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,10 +97,11 @@ def process_rows(batch: tuple, rank: int, r: int) -> tuple[torch.Tensor, torch.T
     return x, y
 
 
-def poptorch_optimizer(name: str, params):
+def poptorch_optimizer(name: str, params, loss_scaling: float | None = None):
+    scaling = {} if loss_scaling is None else {"loss_scaling": loss_scaling}
     if name == "SGD":
-        return poptorch.optim.SGD(params, lr=0.1, momentum=0.9)
-    return poptorch.optim.Adam(params, lr=0.01)
+        return poptorch.optim.SGD(params, lr=0.1, momentum=0.9, **scaling)
+    return poptorch.optim.Adam(params, lr=0.01, **scaling)
 
 
 def torch_optimizer(name: str, params):
@@ -108,6 +118,9 @@ def options(r: int, reduction: str = "Mean", **extra) -> poptorch.Options:
     opts.showCompilationProgressBar(False)
     if "broadcast_buffers" in extra:
         opts.broadcastBuffers(extra["broadcast_buffers"])
+    if "mean_strategy" in extra:
+        opts.Training.setMeanAccumulationAndReplicationReductionStrategy(
+            getattr(poptorch.MeanReductionStrategy, extra["mean_strategy"]))
     return opts
 
 
@@ -116,8 +129,11 @@ def run_poptorch(model: Net, cfg: dict, rank: int, first_call: int = 0,
     """Train ``model`` for ``calls`` calls as process ``rank`` with ``cfg['r']`` local
     replicas of ``cfg['r'] * processes`` global ones; returns (executor, losses)."""
     r, world = cfg["r"], cfg.get("processes", 1)
-    optimizer = optimizer or poptorch_optimizer(cfg["optimizer"], model.parameters())
-    training = poptorch.trainingModel(model, options(r, cfg["reduction"]), optimizer)
+    optimizer = optimizer or poptorch_optimizer(cfg["optimizer"], model.parameters(),
+                                                cfg.get("loss_scaling"))
+    extra = {"mean_strategy": cfg["mean_strategy"]} if "mean_strategy" in cfg else {}
+    training = poptorch.trainingModel(model, options(r, cfg["reduction"], **extra),
+                                      optimizer)
     losses = []
     for call in range(first_call, first_call + calls):
         _, loss = training(*process_rows(global_batch(call, r * world), rank, r))
@@ -182,6 +198,16 @@ def grouped_reference(kind: str, replicas: int, size: int) -> torch.Tensor:
 
 
 PIPELINE_G = 4  # >= 2 x stages - 1 for a 2-stage training pipeline
+
+
+def model_parallel_strategies() -> dict:
+    """The four execution strategies over blocks "0" and "1" (one per virtual IPU)."""
+    def phases():
+        return [poptorch.Phase(poptorch.Stage(block)) for block in ("0", "1")]
+    return {"pipelined": poptorch.PipelinedExecution(),
+            "sharded": poptorch.ShardedExecution(),
+            "serial_phased": poptorch.SerialPhasedExecution(*phases()),
+            "parallel_phased": poptorch.ParallelPhasedExecution(*phases())}
 
 
 def pipeline_batch(call: int, replicas: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ import torch
 import poptorch
 from _distributed_cases import (CALLS, D, FEATURES, G, M, Branchy, Grouped, branchy_batch,
                                 grouped_batch, PIPELINE_G, pipeline_batch,
+                                model_parallel_strategies,
                                 config_id, global_batch, make_model, options,
                                 process_rows, run_poptorch, train_configs)
 
@@ -127,20 +128,22 @@ def groups(out: pathlib.Path) -> None:
     save(out, "groups_AllReplicas", model.W.detach())
 
 
-def pipelined(out: pathlib.Path) -> None:
-    """A 2-stage pipeline (PipelinedExecution on 2 virtual IPUs) in each process."""
-    model = make_model(1000 + RANK)
-    poptorch.BeginBlock(model.fc2, ipu_id=1)
-    opts = poptorch.Options().deviceIterations(1)
-    opts.Training.gradientAccumulation(PIPELINE_G)
-    opts.setExecutionStrategy(poptorch.PipelinedExecution())
-    opts.showCompilationProgressBar(False)
-    training = poptorch.trainingModel(model, opts,
-                                      poptorch.optim.SGD(model.parameters(), lr=0.1))
-    for call in range(CALLS):
-        x, y = pipeline_batch(call, WORLD)
-        training(x[:, RANK].reshape(-1, FEATURES), y[:, RANK].reshape(-1))
-    save(out, "pipelined", model.state_dict())
+def strategies(out: pathlib.Path) -> None:
+    """Each process holds a whole 2-IPU model run with each execution strategy."""
+    for name, strategy in model_parallel_strategies().items():
+        model = make_model(1000 + RANK)
+        poptorch.BeginBlock(model.fc1, "0", ipu_id=0)
+        poptorch.BeginBlock(model.fc2, "1", ipu_id=1)
+        opts = poptorch.Options().deviceIterations(1)
+        opts.Training.gradientAccumulation(PIPELINE_G)
+        opts.setExecutionStrategy(strategy)
+        opts.showCompilationProgressBar(False)
+        training = poptorch.trainingModel(model, opts,
+                                          poptorch.optim.SGD(model.parameters(), lr=0.1))
+        for call in range(CALLS):
+            x, y = pipeline_batch(call, WORLD)
+            training(x[:, RANK].reshape(-1, FEATURES), y[:, RANK].reshape(-1))
+        save(out, name, model.state_dict())
 
 
 def buffers(out: pathlib.Path) -> None:
@@ -243,7 +246,7 @@ def epoch(out: pathlib.Path) -> None:
 
 SCENARIOS = {"train": train, "dynamic": dynamic, "groups": groups,
              "unused_later": unused_later,
-             "pipelined": pipelined, "buffers": buffers, "checkpoint": checkpoint,
+             "strategies": strategies, "buffers": buffers, "checkpoint": checkpoint,
              "mismatch": mismatch, "kill": kill, "epoch": epoch}
 
 if __name__ == "__main__":

@@ -148,14 +148,23 @@ def test_replica_grouped_weights_over_two_processes(tmp_path):
     assert diff <= TOL, f"AllReplicas: every replica's slice differs by {diff}"
 
 
-def test_pipelined_replicas_over_two_processes(tmp_path):
-    """Each process holds a whole 2-stage pipeline; gradients summed over both."""
-    _check(torchrun("pipelined", tmp_path))
-    rank0, rank1 = _load(tmp_path, "pipelined")
+@pytest.fixture(scope="module")
+def strategies_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("strategies")
+    _check(torchrun("strategies", out))
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["pipelined", "sharded", "serial_phased",
+                                      "parallel_phased"])
+def test_model_parallel_replicas_over_two_processes(strategies_run, strategy):
+    """Each process holds a whole 2-IPU model; gradients summed over both."""
+    rank0, rank1 = _load(strategies_run, strategy)
     _assert_identical(rank0, rank1, "weights")
     plain = make_model(1000)
     pipeline_reference(plain, replicas=2)
     _assert_close(rank0, plain.state_dict(), "plain PyTorch")
+    assert not torch.equal(rank0["fc1.weight"], make_model(1000).fc1.weight), "no training"
 
 
 def test_buffers_follow_broadcast_buffers(tmp_path):
