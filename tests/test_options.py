@@ -305,7 +305,8 @@ def test_frozen_options_refuse_changes(setter, args):
     with pytest.raises(poptorch.Error) as info:
         _call(opts, setter, args)
     message = str(info.value)
-    assert "frozen" in message and "compiled" in message and "opts.clone()" in message
+    assert "frozen" in message and "DataLoader uses them" in message \
+        and "opts.clone()" in message
 
 
 def test_clone_is_an_unfrozen_deep_copy():
@@ -320,7 +321,35 @@ def test_clone_is_an_unfrozen_deep_copy():
     assert opts.device_iterations == 3 and opts.Training.gradient_accumulation == 2
     assert list(opts.anchored_tensors) == ["a"] and opts._Popart.options == {}
     assert clone.device_iterations == 4 and clone.Training.gradient_accumulation == 6
-    assert copy.deepcopy(opts).toDict() == opts.toDict()
+    copied = copy.deepcopy(opts)  # a copy is for changing: unfrozen too (upstream)
+    assert copied.toDict() == opts.toDict()
+    copied.deviceIterations(5)
+    copied.Training.gradientAccumulation(4)
+    copied._Popart.set("y", 2)
+    assert opts.device_iterations == 3 and opts._Popart.options == {}
+
+
+def test_a_data_loader_freezes_its_options():
+    """The loader reads its batching from the options when it is built, so later changes
+    would silently not reach it: they raise, as after wrapping a model."""
+    opts = poptorch.Options().deviceIterations(2)
+    dataset = torch.utils.data.TensorDataset(torch.arange(12.0))
+    loader = poptorch.DataLoader(opts, dataset, batch_size=3)
+    for change in (lambda: opts.deviceIterations(4),
+                   lambda: loader.options.Training.gradientAccumulation(2),
+                   lambda: loader.options._Popart.set("x", 1)):
+        with pytest.raises(poptorch.Error, match="frozen"):
+            change()
+    assert [b.tolist() for (b,) in loader] == [[0., 1., 2., 3., 4., 5.],
+                                                [6., 7., 8., 9., 10., 11.]]
+    # a clone is free to change and builds a loader of its own
+    other = poptorch.DataLoader(opts.clone().deviceIterations(1), dataset, batch_size=3)
+    assert len(other) == 4 and len(loader) == 2
+    # arguments refused before the loader exists leave the options unfrozen
+    fresh = poptorch.Options()
+    with pytest.raises(ValueError):
+        poptorch.DataLoader(fresh, dataset, batch_size=3, num_workers=-1)
+    fresh.deviceIterations(3)
 
 
 def test_check_is_frozen():

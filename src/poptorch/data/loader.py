@@ -301,6 +301,11 @@ class DataLoader(torch.utils.data.DataLoader):
                                 "AsynchronousDataAccessor's keyword arguments "
                                 f"{sorted(_ASYNC_OPTIONS)}.")
             self._accessor = AsynchronousDataAccessor(_SyncView(self), **accessor_args)
+        # As in PopTorch: the loader's batching was read from the options, so a later
+        # change would not reach it; the options are frozen (``opts.clone()`` to change).
+        freeze = getattr(options, "_freeze", None)
+        if callable(freeze):
+            freeze()
 
     # -- construction helpers -----------------------------------------------------------
     @staticmethod

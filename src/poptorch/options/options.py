@@ -457,7 +457,11 @@ class Options(OptionsDict):
 
     def clone(self) -> "Options":
         """An unfrozen deep copy of these options."""
-        clone = copy.deepcopy(self)
+        return copy.deepcopy(self)
+
+    def __deepcopy__(self, memo: dict) -> "Options":
+        # A copy is for changing (upstream: copies of frozen options are unfrozen).
+        clone = super().__deepcopy__(memo)
         object.__setattr__(clone, "_frozen", False)
         for sub in clone._sub_objects().values():
             if isinstance(sub, _PopartOptions):

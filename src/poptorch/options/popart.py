@@ -23,7 +23,7 @@ class _PopartOptions:
         """Raise :py:class:`poptorch.Error` if these options can no longer change."""
         if self._frozen:
             what = f"option '_Popart.{option}'" if option else "them"
-            raise Error(f"Options are frozen: a model has been compiled with them, so "
+            raise Error(f"Options are frozen: a model or a poptorch.DataLoader uses them, so "
                         f"changing {what} would not take effect. Use opts.clone() to get "
                         f"an unfrozen copy.")
 

@@ -18,7 +18,7 @@ from ..errors import Error
 __all__ = ["OptionsDict", "check_bool", "check_int", "check_enum", "check_str",
            "check_optional_path", "check_str_list"]
 
-_FROZEN_MESSAGE = ("Options are frozen: a model has been compiled with them, so changing "
+_FROZEN_MESSAGE = ("Options are frozen: a model or a poptorch.DataLoader uses them, so changing "
                    "{what} would not take effect. Use opts.clone() to get an unfrozen copy, "
                    "change the copy and wrap a new model with it.")
 
