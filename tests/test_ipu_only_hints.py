@@ -37,7 +37,10 @@ class Hinted(torch.nn.Module):
 def test_hint_ops_log_once_and_change_nothing(info_logs):
     model = Hinted()
     x = torch.randn(2, 1, 5, 5)
-    pm = poptorch.inferenceModel(model)
+    # as on an IPU, overlapped IO needs IO tiles and a strategy other than pipelining
+    opts = poptorch.Options().setExecutionStrategy(poptorch.ShardedExecution())
+    opts.TensorLocations.numIOTiles(32)
+    pm = poptorch.inferenceModel(model, opts)
     pm(x)
     out = pm(x)
     assert torch.equal(out, model.conv(x))

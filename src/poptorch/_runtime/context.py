@@ -1,7 +1,9 @@
 """Process-wide execution state shared by the executor and the ops.
 
 * whether a model is running "on the IPU" right now (``poptorch.isRunningOnIpu``);
-* the tensors that ``poptorch.identity_loss`` marked as the loss of the current forward.
+* the tensors that ``poptorch.identity_loss`` marked as the loss of the current forward;
+* the checker of ``set_overlap_for_input`` / ``set_overlap_for_output`` markers while the
+  first forward of a compiling call runs (``program/overlapped_io.py``).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.depth = 0      # executor calls running in this thread
         self.losses = []    # losses marked by identity_loss in the current forward
+        self.overlap = None  # marker checker of the compiling forward, if one runs
 
 
 _state = _ThreadState()
@@ -76,3 +79,15 @@ def take_marked_losses() -> list:
     out = list(marked)
     marked.clear()
     return out
+
+
+def overlap_checker():
+    """The checker of overlap markers active in this thread (None: markers only record
+    their hint)."""
+    return _state.overlap
+
+
+def set_overlap_checker(checker):
+    """Make ``checker`` this thread's overlap-marker checker; returns the previous one."""
+    previous, _state.overlap = _state.overlap, checker
+    return previous

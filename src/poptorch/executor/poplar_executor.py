@@ -316,6 +316,11 @@ class PoplarExecutor(ExecutorInspection):
             self._check_signature(args, kwargs)  # before anything runs
             if self._tensor_constants:
                 self._tensor_constants.restore()
+        # PopTorch's rules for overlap markers, checked on the first run (compiling)
+        io_check = None if self.__dict__.get("_io_checked") else \
+            program_setup.overlap_check(self)
+        if io_check is not None and not first:  # compiled by compile(): checked now
+            snapshot = Snapshot(self._model, self.__dict__.get("_device_optimizer"))
         if not self._attached:
             self.attachToDevice()
         device = self._device
@@ -329,7 +334,8 @@ class PoplarExecutor(ExecutorInspection):
             opt_sync.before_run()
         try:
             source = self._source
-            with self._mode, (source.first_call() if source.fresh else _NO_CONTEXT):
+            with self._mode, (source.first_call() if source.fresh else _NO_CONTEXT), \
+                    (io_check or _NO_CONTEXT):
                 if casting is None:
                     result = self._program.run(args, kwargs)
                 else:
@@ -339,10 +345,13 @@ class PoplarExecutor(ExecutorInspection):
             if first:
                 snapshot.check_buffers()
         except BaseException:
-            if first:  # a failed first call leaves nothing compiled or changed
+            if first or io_check is not None:  # a failed first call changes nothing
                 snapshot.restore()
+            if first:  # ... and leaves nothing compiled
                 self.destroy()
             raise
+        if io_check is not None and io_check.done:
+            self.__dict__["_io_checked"] = True
         self._weights.mark_device_newer()
         if opt_sync is not None:
             opt_sync.after_run()
@@ -470,6 +479,7 @@ class PoplarExecutor(ExecutorInspection):
         self._mode.forget()
         self.__dict__["_attached"] = False
         self.__dict__["_compile_seconds"] = None
+        self.__dict__["_io_checked"] = False  # checked again when compiled again
 
     def _require_compiled(self, what: str) -> DeviceProgram:
         if self._program is None:

@@ -8,6 +8,8 @@ from typing import Any
 
 from .._runtime.executable.signature import InputSignature
 from .._runtime.executable.source import ProgramSource
+from .._runtime.placement.strategy import PIPELINED, kind_of
+from .._runtime.program.overlapped_io import OverlapCheck, OverlapSettings
 from .._runtime.tracing import CallProfiler, TracingRunner, profile_directory
 
 
@@ -42,6 +44,20 @@ def program_source(executor: Any, args: tuple, kwargs: dict) -> ProgramSource:
         key_parts={"inputs": (args, kwargs), "training": d["_training"],
                    "options": d["_options"], "model": d["_model"],
                    "optimizer": d["_optimizer"], "version": d["_poptorch_version"]})
+
+
+def overlap_check(executor: Any) -> OverlapCheck:
+    """The check of the ``set_overlap_for_input`` / ``set_overlap_for_output`` markers
+    (PopTorch's compile-time rules, ``_runtime/program/overlapped_io.py``), entered around
+    the executor's first run; that run is eager (the check is Python)."""
+    d = executor.__dict__
+    opts, program = d["_options"], d["_program"]
+    settings = OverlapSettings(
+        pipelined=kind_of(opts._execution_strategy) == PIPELINED,
+        io_tiles=opts.TensorLocations.num_io_tiles, output_mode=program.output_mode)
+    if program.compiled is not None:
+        program.compiled.run_next_call_eagerly()
+    return OverlapCheck(d["_model"], settings)
 
 
 def install_program_extras(executor: Any, program: Any) -> None:

@@ -4,6 +4,12 @@ The IPU compiler used these hints to plan memory and host IO. On CPUs and GPUs t
 is nothing to plan, so each op validates its arguments, records the latest value (see
 :func:`recorded_hints`), logs once at INFO that it has no effect here, and returns its
 input unchanged.
+
+PopTorch also refuses misplaced overlap markers when it compiles a model: while the
+first call of a wrapped model runs its first forward, the overlap markers report to the
+checker of ``_runtime/program/overlapped_io.py`` (``context.overlap_checker()``) and
+return an alias of what they mark (same storage and values), so that the checker can
+tell a use of the marked tensor from a use of the raw one.
 """
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ from typing import Any
 import torch
 
 from .._logging import info_once
+from .._runtime import context
 from ..enums import OverlapMode
 from ..errors import Error
 
@@ -33,6 +40,10 @@ _hints: dict[str, dict[str, Any]] = {}
 
 
 def _record(op: str, value: Any) -> None:
+    if torch.compiler.is_compiling():
+        # traced by torch.compile (the compiled device program): recorded when the
+        # model ran eagerly (its first call); a lock would split the graph
+        return
     with _lock:
         entry = _hints.setdefault(op, {"calls": 0, "last": None})
         entry["calls"] += 1
@@ -83,16 +94,25 @@ def _set_overlap(structure, mode, op: str, what: str):
         raise Error(f"{op}: mode must be a poptorch.OverlapMode, got {mode!r}.")
     _check_tensors(structure, op, what)
     _record(op, mode)
-    return structure
+    checker = None if torch.compiler.is_compiling() else context.overlap_checker()
+    if checker is None:
+        return structure
+    if op == "set_overlap_for_input":
+        return checker.mark_input(structure, mode)
+    return checker.mark_output(structure, mode)
 
 
 def set_overlap_for_input(input_tensors, mode: OverlapMode):
     """Record how host-to-device copies of ``input_tensors`` should overlap compute,
-    and return them unchanged. A hint only: no effect on CPU/GPU."""
+    and return them. A hint only: no effect on CPU/GPU. As in PopTorch, the first call
+    of a wrapped model refuses it (``poptorch.Error``) unless ``input_tensors`` are
+    inputs of the model's forward that no other op uses (docs/ops.md)."""
     return _set_overlap(input_tensors, mode, "set_overlap_for_input", "input_tensors")
 
 
 def set_overlap_for_output(output_tensors, mode: OverlapMode):
     """Record how device-to-host copies of ``output_tensors`` should overlap compute,
-    and return them unchanged. A hint only: no effect on CPU/GPU."""
+    and return them. A hint only: no effect on CPU/GPU. As in PopTorch, the first call
+    of a wrapped model refuses it (``poptorch.Error``) unless what it returns is
+    returned by the model, once (docs/ops.md)."""
     return _set_overlap(output_tensors, mode, "set_overlap_for_output", "output_tensors")

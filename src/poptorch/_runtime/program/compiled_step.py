@@ -212,6 +212,11 @@ class CompiledCall:
             return "optimizer step hooks are registered"
         return None
 
+    def run_next_call_eagerly(self) -> None:
+        """Run the next call on the eager loop: the executor checks the compiling call
+        in Python (``overlapped_io.py``)."""
+        self._eager_calls_left = max(self._eager_calls_left, 1)
+
     def ready(self) -> bool:
         """Whether this call goes through the compiled graph (else: the eager loop)."""
         if self.failed:
