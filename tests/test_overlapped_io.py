@@ -80,6 +80,15 @@ def test_input_marker_off_an_input_is_refused(fn):
     raises(Fn(fn), NOT_INPUT, torch.ones(2))
 
 
+@pytest.mark.parametrize("marker, kind", [(in_, "inputs"), (out, "outputs")])
+def test_markers_of_non_tensors_raise_poptorch_error(marker, kind):
+    for value in ([torch.ones(1), "y"], {"a": 3}):
+        with pytest.raises(poptorch.Error, match=re.escape(
+                f"You may only set overlap for torch.tensor {kind}. ")) as info:
+            marker(value)
+        assert isinstance(info.value, TypeError)
+
+
 def test_input_marker_error_comes_after_a_valid_one():
     def fn(x):
         x = in_(x)

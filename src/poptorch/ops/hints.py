@@ -74,6 +74,11 @@ def set_available_memory(tensor: torch.Tensor,
     return tensor
 
 
+class OverlapTypeError(Error, TypeError):
+    """An overlap marker applied to something other than tensors: the ``poptorch.Error``
+    PopTorch raises, also a ``TypeError``."""
+
+
 def _check_tensors(structure, op: str, what: str) -> None:
     if isinstance(structure, torch.Tensor):
         return
@@ -85,8 +90,11 @@ def _check_tensors(structure, op: str, what: str) -> None:
         for item in structure.values():
             _check_tensors(item, op, what)
         return
-    raise TypeError(f"{op}: {what} must be a tensor or a tuple, list or dict of tensors; "
-                    f"found a {type(structure).__name__}.")
+    kind = "inputs" if op == "set_overlap_for_input" else "outputs"
+    raise OverlapTypeError(
+        f"You may only set overlap for torch.tensor {kind}. {type(structure)} is not "
+        f"supported. {op}: {what} must be a tensor or a tuple, list or dict of tensors; "
+        f"found a {type(structure).__name__}.")
 
 
 def _set_overlap(structure, mode, op: str, what: str):
