@@ -13,6 +13,7 @@ import os
 import pathlib
 import signal
 import sys
+import time
 
 import torch
 
@@ -221,6 +222,30 @@ def kill(out: pathlib.Path) -> None:
     (out / f"finished_rank{RANK}.txt").write_text("finished")
 
 
+def fault(out: pathlib.Path, how: str) -> None:
+    """Started without torchrun (nobody stops the survivor): after its third call
+    process 1 dies (``how`` = "kill") or stops taking part until process 0 has given up
+    ("stall"). Process 0 records what its training loop raised and after how long."""
+    model = make_model(0)
+    training = poptorch.trainingModel(model, options(1))
+    start = time.monotonic()
+    try:
+        for call in range(1000):
+            training(*process_rows(global_batch(call % 3, WORLD), RANK, 1))
+            if RANK == 1 and call == 2:
+                if how == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                while not (out / "error_rank0.txt").exists() and \
+                        time.monotonic() - start < 90:
+                    time.sleep(0.1)
+                os._exit(0)  # without the process group's goodbye
+    except Exception as exc:  # noqa: BLE001 - the test checks its type
+        seconds = time.monotonic() - start
+        (out / f"error_rank{RANK}.txt").write_text(
+            f"{type(exc).__module__}.{type(exc).__name__} after {seconds:.1f}s: {exc}")
+        sys.exit(3)
+
+
 def epoch(out: pathlib.Path) -> None:
     """The item ids each process reads in one epoch, for drop_last True and False (the
     second without randomSeed: the processes must agree on a shuffling seed)."""
@@ -247,7 +272,7 @@ def epoch(out: pathlib.Path) -> None:
 SCENARIOS = {"train": train, "dynamic": dynamic, "groups": groups,
              "unused_later": unused_later,
              "strategies": strategies, "buffers": buffers, "checkpoint": checkpoint,
-             "mismatch": mismatch, "kill": kill, "epoch": epoch}
+             "mismatch": mismatch, "kill": kill, "fault": fault, "epoch": epoch}
 
 if __name__ == "__main__":
     torch.set_num_threads(1)

@@ -22,6 +22,9 @@ def cuda(k):
 def _clean_env(monkeypatch):
     monkeypatch.delenv("POPTORCH_IPU_MODEL", raising=False)
     monkeypatch.delenv("POPTORCH_WAIT_FOR_IPU", raising=False)
+    for var in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(_logging, "_once_keys", set())
 
 
@@ -98,6 +101,50 @@ def test_gpus_are_ipus(gpus):
     assert _devices.acquire_devices(poptorch.Options(), 2) == [cuda(0), cuda(1)]
     assert _devices.acquire_devices(poptorch.Options().useIpuId(1), 2) == [cuda(1), cuda(2)]
     assert _devices.ipu_device(3, poptorch.Options()) == cuda(3)
+
+
+@pytest.fixture
+def local_processes(monkeypatch):
+    """Simulates a launcher's per-machine variables: (local rank, local size)."""
+    def set_env(rank, size, names=("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        for var in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                    "OMPI_COMM_WORLD_LOCAL_SIZE"):
+            monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv(names[0], str(rank))
+        monkeypatch.setenv(names[1], str(size))
+    return set_env
+
+
+def test_each_local_process_takes_its_share_of_the_gpus(gpus, local_processes):
+    """torchrun --nproc_per_node=2 on a 4-GPU machine: process 0 has cuda:0-1, process 1
+    cuda:2-3 (NCCL refuses two processes on one GPU)."""
+    gpus(4)
+    local_processes(0, 2)
+    assert _devices.acquire_devices(poptorch.Options(), 2) == [cuda(0), cuda(1)]
+    local_processes(1, 2)
+    assert _devices.acquire_devices(poptorch.Options(), 2) == [cuda(2), cuda(3)]
+    # more IPUs than the share: they wrap round inside the share, never into another's
+    assert _devices.acquire_devices(poptorch.Options(), 4) == [cuda(2), cuda(3)] * 2
+    # useIpuId names a GPU of the machine, whatever the share
+    assert _devices.acquire_devices(poptorch.Options().useIpuId(0), 1) == [cuda(0)]
+    # mpirun's variables count too
+    local_processes(3, 4, ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"))
+    assert _devices.acquire_devices(poptorch.Options(), 1) == [cuda(3)]
+
+
+def test_a_process_that_sees_fewer_gpus_than_local_processes_uses_what_it_sees(
+        gpus, local_processes):
+    """The launcher already gave each process its own GPU (CUDA_VISIBLE_DEVICES)."""
+    gpus(1)
+    local_processes(1, 2)
+    assert _devices.acquire_devices(poptorch.Options(), 2) == [cuda(0), cuda(0)]
+
+
+def test_bad_launcher_variables_are_an_error(gpus, local_processes):
+    gpus(2)
+    local_processes("x", 2)
+    with pytest.raises(poptorch.Error, match="LOCAL_RANK='x'"):
+        _devices.acquire_devices(poptorch.Options(), 1)
 
 
 def test_ipu_model_env_and_option(gpus, monkeypatch):

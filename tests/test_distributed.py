@@ -269,6 +269,28 @@ def test_a_killed_process_ends_the_run_with_an_error(tmp_path):
     assert not (tmp_path / "finished_rank0.txt").exists()
 
 
+@pytest.mark.parametrize("how", ["kill", "stall"])
+def test_without_torchrun_a_lost_process_is_a_poptorch_error_on_the_others(tmp_path, how):
+    """With a launcher that does not stop the survivors (here: none), process 0 gets a
+    poptorch.Error: at once when process 1 dies, after POPTORCH_DISTRIBUTED_TIMEOUT
+    seconds when it stops taking part."""
+    env = dict(_env(), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               POPTORCH_DISTRIBUTED_TIMEOUT="5")
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "fault", str(tmp_path), how],
+                              cwd=HERE, env=dict(env, RANK=str(rank)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    assert procs[0].returncode == 3, outputs[0][-3000:]
+    message = (tmp_path / "error_rank0.txt").read_text()
+    assert message.startswith("poptorch.errors.Error"), message
+    assert "another process of this run has probably stopped" in message, message
+    seconds = float(message.split(" after ")[1].split("s:")[0])
+    assert seconds < 60, message
+    if how == "stall":
+        assert seconds >= 4, f"gave up before the 5 s timeout: {message}"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,7 +1,9 @@
 """Which torch device plays each IPU.
 
 * With NVIDIA GPUs (``torch.cuda.is_available()``), IPU *k* is ``cuda:(first + k)``,
-  where ``first`` is ``Options.useIpuId`` (default 0).
+  where ``first`` is ``Options.useIpuId`` (default 0). With several processes on one
+  machine (torchrun's ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``, or mpirun's) each process
+  takes an equal, disjoint share of the GPUs and IPU *k* is the *k*-th GPU of its share.
 * Without one, or with ``Options.useIpuModel(True)`` / ``POPTORCH_IPU_MODEL=1``, IPUs
   are virtual devices on the CPU: every IPU is ``torch.device("cpu")``.
 
@@ -103,7 +105,46 @@ def _model_requested(options: Any) -> bool:
     return _env_flag("POPTORCH_IPU_MODEL")
 
 
-def _first_gpu(options: Any) -> int:
+# (local rank, processes on this machine) as launchers set them: torchrun, then mpirun
+_LOCAL_ENV = (("LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+              ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"))
+
+
+def _local_process() -> tuple[int, int]:
+    """This process's index among the processes of the run on this machine, and their
+    number ((0, 1) outside a multi-process launcher)."""
+    for rank_var, size_var in _LOCAL_ENV:
+        rank, size = os.environ.get(rank_var), os.environ.get(size_var)
+        if rank is not None and size is not None:
+            try:
+                return int(rank), max(1, int(size))
+            except ValueError:
+                raise Error(f"{rank_var}={rank!r} / {size_var}={size!r}: expected "
+                            "integers (set by the launcher).") from None
+    return 0, 1
+
+
+def _gpu_share() -> tuple[int, int]:
+    """(first GPU, number of GPUs) of this process: with several processes on a machine
+    (torchrun --nproc_per_node=N) each takes an equal, disjoint share of the GPUs it
+    sees, as PopRun gave each instance its own IPUs. When a process sees fewer GPUs than
+    there are local processes, the launcher has already given each its own
+    (CUDA_VISIBLE_DEVICES): it uses all it sees."""
+    count = _gpu_count()
+    local_rank, local_size = _local_process()
+    if local_size == 1 or count < local_size:
+        return 0, count
+    per_process = count // local_size
+    _logging.info_once(("gpu share", local_rank, local_size, count),
+                       "Process %d of %d on this machine uses GPUs cuda:%d to cuda:%d "
+                       "(its share of the %d GPUs).", local_rank, local_size,
+                       local_rank * per_process, (local_rank + 1) * per_process - 1, count)
+    return local_rank * per_process, per_process
+
+
+def _gpu_range(options: Any) -> tuple[int, int]:
+    """(first GPU, number of usable GPUs from it) for IPU 0, 1, ...: from
+    ``useIpuId`` (a machine-wide GPU index) or this process's share."""
     count = _gpu_count()
     if options is not None and options.exists("ipu_id"):
         ipu_id = options.ipu_id
@@ -111,8 +152,8 @@ def _first_gpu(options: Any) -> int:
             raise Error(f"useIpuId({ipu_id}) demands GPU cuda:{ipu_id}, but only {count} "
                         f"NVIDIA GPU(s) are available. Use an id below {count}"
                         f"{'' if count else ' (there is none)'}, or remove the call.")
-        return ipu_id
-    return 0
+        return ipu_id, count - ipu_id
+    return _gpu_share()
 
 
 def ipu_device(ipu_id: int, options: Any = None) -> torch.device:
@@ -122,14 +163,13 @@ def ipu_device(ipu_id: int, options: Any = None) -> torch.device:
     if uses_ipu_model(options):
         explicit_id = options is not None and options.exists("ipu_id")
         if explicit_id and _gpu_count() == 0 and not _model_requested(options):
-            _first_gpu(options)  # raises: useIpuId demands a GPU that is not there
+            _gpu_range(options)  # raises: useIpuId demands a GPU that is not there
         if explicit_id:
             _logging.info_once(("ipu id ignored", options.ipu_id),
                                "useIpuId(%d) is ignored: the IPU Model (virtual CPU IPUs) "
                                "was requested.", options.ipu_id)
         return torch.device("cpu")
-    first = _first_gpu(options)
-    usable = _gpu_count() - first
+    first, usable = _gpu_range(options)
     return torch.device("cuda", first + ipu_id % usable)
 
 

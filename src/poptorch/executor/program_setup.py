@@ -61,8 +61,8 @@ def overlap_check(executor: Any) -> OverlapCheck:
 
 
 def install_program_extras(executor: Any, program: Any) -> None:
-    """Precision policy, casting and profiling: installed only when their options ask,
-    so that a call without them costs nothing more."""
+    """Precision policy, casting, strided group norm and profiling: installed only when
+    their options ask, so that a call without them costs nothing more."""
     from .._runtime.numerics.precision import PrecisionPolicy
     d = executor.__dict__
     model, opts = d["_model"], d["_options"]
@@ -72,6 +72,9 @@ def install_program_extras(executor: Any, program: Any) -> None:
     if policy.active:
         program.wrappers.append(policy)
     _install_casting(executor, program, policy)
+    from .._runtime.numerics import strided_group_norm
+    if strided_group_norm.wanted(opts._Popart.options):
+        program.wrappers.append(strided_group_norm.StridedGroupNorm())
     if policy.checks_finite:
         program.finite_check = policy.check_step
         program.named_params = list(model.named_parameters())

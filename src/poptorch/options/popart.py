@@ -8,11 +8,17 @@ from ..errors import Error
 from .store import check_int, check_str
 
 
+# PopART options that change results and act here too (the rest are recorded only):
+# groupNormStridedChannelGrouping (_runtime/numerics/strided_group_norm.py).
+_ACTING = frozenset({"groupNormStridedChannelGrouping"})
+
+
 class _PopartOptions:
     """Options of upstream's PopART backend (``opts._Popart.set(name, value)``).
 
     There is no PopART here: the values are accepted and recorded, reported by
-    ``Options._ignored_options()`` and logged once at INFO when a model is compiled.
+    ``Options._ignored_options()`` and logged once at INFO when a model is compiled,
+    except the options that change results and act here too (``_ACTING``).
     """
 
     def __init__(self) -> None:
@@ -59,7 +65,8 @@ class _PopartOptions:
         self._frozen = False
 
     def _ignored(self) -> dict[str, Any]:
-        return {f"_Popart.{key}": value for key, value in self.options.items()}
+        return {f"_Popart.{key}": value for key, value in self.options.items()
+                if key not in _ACTING}
 
     def __repr__(self) -> str:
         return f"_PopartOptions({self.options!r})"

@@ -41,10 +41,39 @@ def failures_as_errors(what: str) -> Iterator[None]:
     try:
         yield
     except RuntimeError as exc:
-        raise Error(f"{what} across processes failed: another process of this run has "
-                    "probably stopped or the connection between them broke (collectives "
-                    "wait at most POPTORCH_DISTRIBUTED_TIMEOUT seconds). The error from "
-                    f"torch.distributed: {exc}") from exc
+        raise Error(_failure_message(what, exc)) from exc
+
+
+def _failure_message(what: str, exc: BaseException) -> str:
+    return (f"{what} across processes failed: another process of this run has probably "
+            "stopped or the connection between them broke (collectives wait at most "
+            f"POPTORCH_DISTRIBUTED_TIMEOUT seconds). The error from torch.distributed: {exc}")
+
+
+# Where a communication failure surfaces inside other code (DDP's all-reduces run in
+# backward hooks and reach Python as a plain RuntimeError), the backend's own words tell it
+# apart from an error of the model.
+_BACKEND_MARKS = ("gloo", "NCCL", "nccl", "ProcessGroup", "c10d")
+
+
+def is_communication_failure(exc: BaseException) -> bool:
+    """True if ``exc`` comes from the communication backend, not from the model."""
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _BACKEND_MARKS)
+
+
+@contextlib.contextmanager
+def communication_failures_as_errors(what: str) -> Iterator[None]:
+    """Like :py:func:`failures_as_errors` around code that also runs the model: only the
+    errors of the communication backend become :py:class:`poptorch.Error`."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if not is_communication_failure(exc):
+            raise
+        raise Error(_failure_message(what, exc)) from exc
 
 
 def _flat(tensors: Iterable[torch.Tensor]) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch
 from ..._devices import env_setting
 from ...errors import Error
 from ..program.runner import LossOf, SequentialRunner
+from .collectives import communication_failures_as_errors
 
 FIND_UNUSED_ENV = "POPTORCH_DISTRIBUTED_FIND_UNUSED"
 
@@ -99,12 +100,14 @@ class SyncOnLastMicrobatch:
             if not last:
                 with ddp.no_sync():
                     outputs.extend(self.inner([microbatch], loss_of))
-            elif self.check_used:
-                outputs.extend(self._probe(microbatch, loss_of))
-                if not all(self.last_used):
-                    raise self._unused_error()
-            else:
-                outputs.extend(self.inner([microbatch], loss_of))
+                continue
+            with communication_failures_as_errors("Summing gradients (DDP)"):
+                if self.check_used:
+                    outputs.extend(self._probe(microbatch, loss_of))
+                else:
+                    outputs.extend(self.inner([microbatch], loss_of))
+            if self.check_used and not all(self.last_used):
+                raise self._unused_error()
         return outputs
 
     def _probe(self, microbatch: Any, loss_of: LossOf) -> List[Any]:

@@ -63,7 +63,7 @@ def capture_blocker(program: Any, runner: Any) -> str | None:
     if getattr(program, "cross", None) is not None:
         return "replicas in several processes reduce gradients between processes"
     if program.wrappers:
-        return "precision casting or profiling wraps every call"
+        return "precision casting, strided group norm or profiling wraps every call"
     if program.anchors is not None:
         return "anchored tensors are read between device iterations"
     if program.finite_check is not None:
