@@ -245,6 +245,49 @@ def test_identity_loss_combining_losses():
     assert max_param_diff(model, ref) <= TOL
 
 
+class NestedLosses(nn.Module):
+    """The final loss is an expression of other identity_loss results, wrapped again
+    (``wrap=False``: the same expression in plain PyTorch)."""
+
+    def __init__(self, wrap):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.wrap = wrap
+
+    def forward(self, x, y):
+        out = self.fc(x)
+        per_item = F.cross_entropy(out, y, reduction="none")
+        if self.wrap:
+            a = poptorch.identity_loss(per_item, reduction="mean")
+            b = poptorch.identity_loss(out.pow(2), reduction="sum")
+            return out, poptorch.identity_loss(a * 2 + 0.01 * b, reduction="none")
+        return out, per_item.mean() * 2 + 0.01 * out.pow(2).sum()
+
+
+def test_identity_loss_nested_in_the_final_loss_matches_pytorch():
+    torch.manual_seed(0)
+    model = NestedLosses(wrap=True)
+    ref = NestedLosses(wrap=False)
+    ref.load_state_dict(model.state_dict())
+    opts = poptorch.Options().deviceIterations(2)
+    opts.Training.gradientAccumulation(2)
+    opts.outputMode(poptorch.OutputMode.All)
+    pop = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(20, 4), torch.randint(0, 3, (20,))
+    _, losses = pop(x, y)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_losses = []
+    for step in range(2):  # one optimizer step on the mean of 2 micro-batch losses
+        ref_opt.zero_grad()
+        micro = [ref(xs, ys)[1] for xs, ys in
+                 zip(x[step * 10:(step + 1) * 10].split(5), y[step * 10:(step + 1) * 10].split(5))]
+        torch.stack(micro).mean().backward()
+        ref_opt.step()
+        ref_losses += [m.detach() for m in micro]
+    torch.testing.assert_close(losses.reshape(-1), torch.stack(ref_losses), atol=1e-6, rtol=0)
+    assert max_param_diff(model, ref) <= TOL
+
+
 def test_model_returning_only_loss():
     class LossOnly(nn.Module):
         def __init__(self):
