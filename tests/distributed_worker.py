@@ -54,6 +54,21 @@ def dynamic(out: pathlib.Path) -> None:
     save(out, "dynamic", model.state_dict())
 
 
+def user_group(out: pathlib.Path) -> None:
+    """The program makes the process group itself (a non-default timeout, as users do):
+    poptorch reuses it, and leaves it usable after training."""
+    import datetime
+    import torch.distributed as dist
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    cfg = {"r": 1, "reduction": "Mean", "optimizer": "SGD", "processes": WORLD}
+    model = make_model(1000 + RANK)
+    run_poptorch(model, cfg, RANK)
+    total = torch.tensor([float(RANK + 1)])
+    dist.all_reduce(total)  # still the user's, still working
+    save(out, "user_group", {"state": model.state_dict(), "total": total})
+    dist.destroy_process_group()
+
+
 USE_B = {"now": True}  # shared by the user's model and the executor's copy of it
 
 
@@ -272,7 +287,8 @@ def epoch(out: pathlib.Path) -> None:
 SCENARIOS = {"train": train, "dynamic": dynamic, "groups": groups,
              "unused_later": unused_later,
              "strategies": strategies, "buffers": buffers, "checkpoint": checkpoint,
-             "mismatch": mismatch, "kill": kill, "fault": fault, "epoch": epoch}
+             "mismatch": mismatch, "kill": kill, "fault": fault,
+             "user_group": user_group, "epoch": epoch}
 
 if __name__ == "__main__":
     torch.set_num_threads(1)

@@ -115,6 +115,16 @@ def test_parameters_unused_in_the_last_micro_batch_are_reduced(tmp_path):
     _assert_close(rank0, plain.state_dict(), "plain PyTorch")
 
 
+def test_a_process_group_the_program_made_is_reused(tmp_path):
+    _check(torchrun("user_group", tmp_path))
+    rank0, rank1 = _load(tmp_path, "user_group")
+    _assert_identical(rank0["state"], rank1["state"], "weights")
+    plain = make_model(1000)
+    plain_reference(plain, {"reduction": "Mean", "optimizer": "SGD"}, replicas=2)
+    _assert_close(rank0["state"], plain.state_dict(), "plain PyTorch")
+    assert rank0["total"].item() == rank1["total"].item() == 3.0
+
+
 def test_a_parameter_unused_after_the_first_step_is_an_error_not_a_bad_update(tmp_path):
     """DDP runs without searching for unused parameters when the first step used them
     all; a later step that leaves one out raises on every process before its update.

@@ -1,10 +1,12 @@
-"""Which errors count as a failure of the communication between processes (and become
-``poptorch.Error``), without starting processes: the model's own errors must pass through
-unchanged, even when they surface where DDP also communicates."""
+"""Errors of a distributed run that show without starting processes: which errors count
+as a failure of the communication between processes (and become ``poptorch.Error``; the
+model's own errors must pass through unchanged, even where DDP also communicates), and
+options that disagree with the launcher or the program's own process group."""
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import poptorch
 from poptorch._runtime.distributed.collectives import (communication_failures_as_errors,
@@ -45,3 +47,40 @@ def test_around_a_collective_every_runtime_error_is_a_failure():
     with pytest.raises(poptorch.Error, match="Broadcasting tensors across processes"):
         with failures_as_errors("Broadcasting tensors"):
             raise RuntimeError("Timed out waiting 5000ms for recv operation")
+
+
+class _WithLoss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        out = self.fc(x)
+        return out, out.sum()
+
+
+def test_several_processes_without_an_address_name_the_launcher(monkeypatch):
+    assert not dist.is_initialized()
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    opts = poptorch.Options()
+    opts.Distributed.configureProcessId(0, 2)
+    training = poptorch.trainingModel(_WithLoss(), opts)
+    with pytest.raises(poptorch.Error, match="MASTER_ADDR and MASTER_PORT are not set.*torchrun"):
+        training(torch.ones(1, 3))
+    assert not dist.is_initialized()
+
+
+def test_options_that_disagree_with_the_programs_own_group_are_an_error(tmp_path):
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    try:
+        opts = poptorch.Options()
+        opts.Distributed.configureProcessId(0, 2)
+        training = poptorch.trainingModel(_WithLoss(), opts)
+        with pytest.raises(poptorch.Error, match="Options.Distributed says process 0 of 2, "
+                           "but the torch.distributed process group says rank 0 of 1"):
+            training(torch.ones(1, 3))
+    finally:
+        dist.destroy_process_group()
