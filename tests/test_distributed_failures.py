@@ -9,8 +9,7 @@ import torch
 import torch.distributed as dist
 
 import poptorch
-from poptorch._runtime.distributed.collectives import (communication_failures_as_errors,
-                                                       failures_as_errors,
+from poptorch._runtime.distributed.collectives import (failures_as_errors,
                                                        is_communication_failure)
 
 GLOO_RESET = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
@@ -34,11 +33,11 @@ def test_backend_errors_are_communication_failures():
 
 def test_only_backend_errors_become_poptorch_errors_around_model_code():
     with pytest.raises(poptorch.Error, match="another process of this run"):
-        with communication_failures_as_errors("Summing gradients (DDP)"):
+        with failures_as_errors("Summing gradients (DDP)", runs_model=True):
             raise RuntimeError(GLOO_RESET)
     error = _model_error()
     with pytest.raises(RuntimeError) as info:
-        with communication_failures_as_errors("Summing gradients (DDP)"):
+        with failures_as_errors("Summing gradients (DDP)", runs_model=True):
             raise error
     assert info.value is error and not isinstance(info.value, poptorch.Error)
 

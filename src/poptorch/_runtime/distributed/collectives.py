@@ -34,22 +34,6 @@ def buckets(tensors: Sequence[torch.Tensor],
     return result
 
 
-@contextlib.contextmanager
-def failures_as_errors(what: str) -> Iterator[None]:
-    """Turn a failed collective (a process died, the network broke, the timeout
-    expired) into a :py:class:`poptorch.Error` that says so."""
-    try:
-        yield
-    except RuntimeError as exc:
-        raise Error(_failure_message(what, exc)) from exc
-
-
-def _failure_message(what: str, exc: BaseException) -> str:
-    return (f"{what} across processes failed: another process of this run has probably "
-            "stopped or the connection between them broke (collectives wait at most "
-            f"POPTORCH_DISTRIBUTED_TIMEOUT seconds). The error from torch.distributed: {exc}")
-
-
 # Where a communication failure surfaces inside other code (DDP's all-reduces run in
 # backward hooks and reach Python as a plain RuntimeError), the backend's own words tell it
 # apart from an error of the model.
@@ -65,15 +49,19 @@ def is_communication_failure(exc: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def communication_failures_as_errors(what: str) -> Iterator[None]:
-    """Like :py:func:`failures_as_errors` around code that also runs the model: only the
-    errors of the communication backend become :py:class:`poptorch.Error`."""
+def failures_as_errors(what: str, runs_model: bool = False) -> Iterator[None]:
+    """Turn a failed collective (a process died, the network broke, the timeout
+    expired) into a :py:class:`poptorch.Error` that says so. Around code that also runs
+    the model (``runs_model``), only the communication backend's errors are turned."""
     try:
         yield
     except RuntimeError as exc:
-        if not is_communication_failure(exc):
+        if runs_model and not is_communication_failure(exc):
             raise
-        raise Error(_failure_message(what, exc)) from exc
+        raise Error(f"{what} across processes failed: another process of this run has "
+                    "probably stopped or the connection between them broke (collectives "
+                    "wait at most POPTORCH_DISTRIBUTED_TIMEOUT seconds). The error from "
+                    f"torch.distributed: {exc}") from exc
 
 
 def _flat(tensors: Iterable[torch.Tensor]) -> torch.Tensor:

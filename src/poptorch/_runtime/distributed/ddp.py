@@ -27,7 +27,7 @@ import torch
 from ..._devices import env_setting
 from ...errors import Error
 from ..program.runner import LossOf, SequentialRunner
-from .collectives import communication_failures_as_errors
+from .collectives import failures_as_errors
 
 FIND_UNUSED_ENV = "POPTORCH_DISTRIBUTED_FIND_UNUSED"
 
@@ -101,7 +101,7 @@ class SyncOnLastMicrobatch:
                 with ddp.no_sync():
                     outputs.extend(self.inner([microbatch], loss_of))
                 continue
-            with communication_failures_as_errors("Summing gradients (DDP)"):
+            with failures_as_errors("Summing gradients (DDP)", runs_model=True):
                 if self.check_used:
                     outputs.extend(self._probe(microbatch, loss_of))
                 else:

@@ -15,8 +15,7 @@ runs; it is installed only when the option is on, so other models pay nothing.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -57,32 +56,19 @@ def _torch_group_norm(input: torch.Tensor, num_groups: int,
 _REPLACEMENTS = {F.group_norm: strided_group_norm, torch.group_norm: _torch_group_norm}
 
 
-class _StridedGroupNormMode(TorchFunctionMode):
+class StridedGroupNorm(TorchFunctionMode):
+    """A device-program wrapper (a torch function mode entered around each call): group
+    norms use strided channel groups. Modes do not follow a call into other threads, so
+    pipeline stages' threads get their own through :py:meth:`thread_context`."""
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         replacement = _REPLACEMENTS.get(func)
         if replacement is not None:
             return replacement(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 
-
-class StridedGroupNorm:
-    """A device-program wrapper: group norms of the calls it is entered around use
-    strided channel groups (pipeline stages' threads get their own mode through
-    :py:meth:`thread_context`)."""
-
-    def __init__(self) -> None:
-        self._modes: list = []
-
-    def __enter__(self) -> None:
-        mode = _StridedGroupNormMode()
-        mode.__enter__()
-        self._modes.append(mode)
-
-    def __exit__(self, *exc: Any) -> Any:
-        return self._modes.pop().__exit__(*exc)
-
-    def thread_context(self) -> contextlib.AbstractContextManager:
-        return _StridedGroupNormMode()
+    def thread_context(self) -> "StridedGroupNorm":
+        return StridedGroupNorm()
 
 
 def wanted(popart_options: dict) -> bool:
