@@ -173,19 +173,38 @@ def ipu_device(ipu_id: int, options: Any = None) -> torch.device:
     return torch.device("cuda", first + ipu_id % usable)
 
 
-def round_num_ipus(num_ipus: int, auto_round: bool) -> int:
-    """Apply the power-of-two rule: ``num_ipus`` itself if it is a power of two, else the
-    next power of two if ``auto_round``, else a :py:class:`poptorch.Error`."""
+def round_num_ipus(num_ipus: int, auto_round: bool, replicas: int = 1) -> int:
+    """Apply PopTorch's power-of-two rule to the IPUs a process reserves: ``num_ipus``
+    per replica times ``replicas`` must be a power of two (upstream counts the IPUs of
+    all local replicas). Returns the IPUs per replica to use: ``num_ipus`` itself, or
+    with ``auto_round`` the next power of two when ``num_ipus`` is not one (the extra
+    IPUs are reserved but idle); otherwise a total that is not a power of two is a
+    :py:class:`poptorch.Error`."""
     if num_ipus < 1:
         raise Error(f"A model needs at least one IPU, got {num_ipus}.")
-    if num_ipus & (num_ipus - 1) == 0:
+    total = num_ipus * replicas
+
+    def power_of_two(n: int) -> bool:
+        return n & (n - 1) == 0
+
+    def next_power(n: int) -> int:
+        return 1 << (n - 1).bit_length()
+
+    if power_of_two(total):
         return num_ipus
-    rounded = 1 << (num_ipus - 1).bit_length()
     if not auto_round:
-        raise Error(f"The model needs {num_ipus} IPUs, which is not a power of 2. Change "
-                    f"the annotations (or the replication factor) to use a power of 2, or "
-                    f"call opts.autoRoundNumIPUs(True) to reserve {rounded} IPUs.")
-    return rounded
+        needs = f"{num_ipus} IPUs" if replicas == 1 else \
+            f"{num_ipus} IPU(s) per replica x {replicas} replicas = {total} IPUs"
+        raise Error(f"The model needs {needs}, which is not a power of 2: PopTorch "
+                    f"reserves a power of 2 of IPUs. Change the annotations (or the "
+                    f"replication factor) to use a power of 2, or call "
+                    f"opts.autoRoundNumIPUs(True) to reserve {next_power(total)} IPUs.")
+    per_replica = num_ipus if power_of_two(num_ipus) else next_power(num_ipus)
+    _logging.log_once(logging.WARNING, ("rounded ipus", num_ipus, replicas),
+                      "Reserving %d IPUs when the model specifies the use of only %d "
+                      "(autoRoundNumIPUs): %d will be reserved but not used.",
+                      next_power(total), total, next_power(total) - total)
+    return per_replica
 
 
 def _gpu_is_busy(index: int) -> bool:
@@ -222,15 +241,17 @@ def _wait_until_free(indices: list[int]) -> None:
 def acquire_devices(options: Any, num_ipus: int) -> list[torch.device]:
     """The devices playing IPUs ``0 .. n-1`` for a model needing ``num_ipus`` IPUs.
 
-    ``n`` is ``num_ipus`` after the power-of-two rule (``autoRoundNumIPUs`` rounds up;
-    the extra IPUs are reserved but idle). Applies ``useIpuModel`` /
+    ``n`` is ``num_ipus`` after the power-of-two rule, which applies to ``num_ipus``
+    times the replication factor (``autoRoundNumIPUs`` rounds up; the extra IPUs are
+    reserved but idle). Applies ``useIpuModel`` /
     ``POPTORCH_IPU_MODEL``, ``useIpuId`` and ``POPTORCH_WAIT_FOR_IPU`` and logs the
     devices once at INFO.
     """
     if isinstance(num_ipus, bool) or not isinstance(num_ipus, int):
         raise Error(f"num_ipus must be an integer, got {num_ipus!r}.")
     auto_round = bool(options.auto_round_num_ipus) if options is not None else False
-    count = round_num_ipus(num_ipus, auto_round)
+    replicas = int(options.replication_factor) if options is not None else 1
+    count = round_num_ipus(num_ipus, auto_round, replicas)
     devices = [ipu_device(k, options) for k in range(count)]
     if devices[0].type == "cuda":
         indices = sorted({d.index for d in devices})

@@ -3,7 +3,6 @@ inference options, choosing the backend, moving inputs and outputs between host 
 device, and the snapshot that undoes a failed first call."""
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -35,12 +34,9 @@ def backend_name(options: Options, device: torch.device) -> str:
     """The backend that runs the model: Options.Jit.backend, POPTORCH_BACKEND, else
     inductor on CUDA and eager on the CPU. ``fastest``: inductor, kept for an inference
     model only where it beats the eager loop (``compiled_step.BackendTrial``)."""
-    name = options.Jit.backend or os.environ.get("POPTORCH_BACKEND")
+    name = options.Jit.backend_name  # (POPTORCH_BACKEND is parsed there, only there)
     if name is None:
         name = "inductor" if device.type == "cuda" else "eager"
-    if name not in ("eager", "inductor", "fastest"):
-        raise Error(f"Unknown backend {name!r}: use 'eager', 'inductor' or 'fastest' "
-                    "(Options.Jit.backend or POPTORCH_BACKEND).")
     return name
 
 
@@ -65,22 +61,32 @@ def to_cpu(structure: Any) -> Any:
 
 
 class Snapshot:
-    """Model and optimizer state before the first call, restored if that call fails,
-    so that a failing call leaves nothing half-updated."""
+    """Model and optimizer state before a call, restored if that call fails, so that a
+    failing call leaves nothing half-updated (all or nothing, as on an IPU, where a
+    failed run updates nothing on the host).
+
+    ``weights=False`` keeps only the buffers: enough for a call of one micro-batch,
+    which changes the parameters and the optimizer state only once its forward and
+    backward have succeeded. ``program``'s loss-scaler state is kept as well (its
+    random stream rolls itself back, see ``RngScope``)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: Any,
-                 user_optimizer: Any = None, user_state: Any = None) -> None:
-        self.tensors = [(t, t.detach().clone()) for t in
-                        list(model.parameters()) + list(model.buffers())]
+                 user_optimizer: Any = None, user_state: Any = None,
+                 program: Any = None, weights: bool = True) -> None:
+        tensors = list(model.parameters()) if weights else []
+        self.tensors = [(t, t.detach().clone()) for t in tensors + list(model.buffers())]
         # which tensor each module registers under each buffer name
         self.buffers = [(prefix, module, dict(module._buffers))
                         for prefix, module in model.named_modules()]
-        self.optimizer = optimizer
-        self.opt_state = None if optimizer is None else getattr(  # host state only
-            optimizer, "get_state_dict", optimizer.state_dict)()
+        self.optimizer = optimizer if weights else None
+        self.opt_state = None if self.optimizer is None else _cloned(getattr(  # host state
+            optimizer, "get_state_dict", optimizer.state_dict)())
         # the user's optimizer as it was before compiling (which may initialize state)
         self.user_optimizer = user_optimizer
         self.user_state = user_state
+        scaler = getattr(program, "scaler", None)
+        self.scaler = scaler
+        self.scaler_state = None if scaler is None else _cloned(scaler.state_dict())
 
     def check_buffers(self) -> None:
         """As PopTorch: the first call (when the model is compiled) must keep every
@@ -114,3 +120,12 @@ class Snapshot:
         if self.user_optimizer is not None:
             getattr(self.user_optimizer, "set_state_dict",
                     self.user_optimizer.load_state_dict)(self.user_state)
+        if self.scaler is not None:
+            self.scaler.load_state_dict(self.scaler_state)
+
+
+def _cloned(state: Any) -> Any:
+    """``state`` with its tensors copied: an optimizer's ``state_dict()`` holds its live
+    state tensors, which the optimizer then updates in place."""
+    return pytree.tree_map(
+        lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, state)

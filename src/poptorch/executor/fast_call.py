@@ -65,6 +65,9 @@ class FastCall:
         self._mode = state["_mode"]
         self._casting = state.get("_casting")
         self._optimizer_sync = state.get("_optimizer_sync")
+        # a failed call puts back the buffers its forward updated before failing
+        self._buffers = list(state["_model"].buffers()) if state.get("_has_buffers") \
+            else None
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         state = self._state
@@ -81,6 +84,8 @@ class FastCall:
             opt_sync.before_run()
         mode = self._mode
         casting = self._casting
+        buffers = self._buffers
+        saved = None if buffers is None else [b.clone() for b in buffers]
         mode.__enter__()
         try:
             if casting is None:
@@ -91,12 +96,23 @@ class FastCall:
                     result = program.run_single(args, kwargs)
                 finally:
                     casting.exit_run()
+        except BaseException:
+            if saved is not None:
+                _put_back(buffers, saved)
+            raise
         finally:
             mode.__exit__(None, None, None)
         # (the CPU shares the weights with the host: nothing to mark as newer)
         if opt_sync is not None:
             opt_sync.after_run()
         return result
+
+
+def _put_back(buffers: list, saved: list) -> None:
+    """Give ``buffers`` their ``saved`` values again (a failed call is undone)."""
+    with torch.no_grad():
+        for buffer, value in zip(buffers, saved):
+            buffer.copy_(value)
 
 
 def _eager_inference(executor: Any, args: tuple) -> Callable[[tuple, dict], Any]:
@@ -125,6 +141,7 @@ def _eager_inference(executor: Any, args: tuple) -> Callable[[tuple, dict], Any]
     inputs, inputs_complete = stamps["input"], stamps["input_complete"]
     outputs, outputs_complete = stamps["output"], stamps["output_complete"]
     thread_state = context.thread_state()
+    buffers = list(state["_model"].buffers()) if state.get("_has_buffers") else None
     perf_counter = time.perf_counter
     grad_enabled, set_grad = torch.is_grad_enabled, torch._C._set_grad_enabled
     tensor = _Tensor
@@ -155,9 +172,14 @@ def _eager_inference(executor: Any, args: tuple) -> Callable[[tuple, dict], Any]
             thread_state.depth += 1
             grad = grad_enabled()
             set_grad(False)
+            saved = None if buffers is None else [b.clone() for b in buffers]
             t_start = perf_counter()
             try:
                 output = forward(*args)
+            except BaseException:
+                if saved is not None:  # a failed call changes nothing
+                    _put_back(buffers, saved)
+                raise
             finally:
                 set_grad(grad)
                 thread_state.depth -= 1

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from .. import _devices
 from . import hooks as _hooks, optimizer_rules, program_setup
@@ -166,6 +167,7 @@ class PoplarExecutor(ExecutorInspection):
             check_precompiled_inputs(self, args, kwargs)
             self.__dict__["_signature"] = InputSignature(self._model.forward, args, kwargs)
             self.__dict__["_tensor_constants"] = TensorConstants(self._model)
+            self.__dict__["_has_buffers"] = any(True for _ in self._model.buffers())
             if self._training:
                 optimizer_rules.apply_mean_reduction_rule(opts, self._optimizer, False)
             bar.update()
@@ -292,6 +294,8 @@ class PoplarExecutor(ExecutorInspection):
 
     # ------------------------------------------------------------------ run
     def __call__(self, *args, **kwargs) -> Any:
+        if self._training and not torch.is_grad_enabled():
+            return self._call_with_grad(args, kwargs)
         fast = self._fast  # executor/fast_call.py: None = not known yet, False = never
         if fast:
             result = fast(args, kwargs)
@@ -316,11 +320,10 @@ class PoplarExecutor(ExecutorInspection):
             self._check_signature(args, kwargs)  # before anything runs
             if self._tensor_constants:
                 self._tensor_constants.restore()
+            snapshot = self._call_snapshot()
         # PopTorch's rules for overlap markers, checked on the first run (compiling)
         io_check = None if self.__dict__.get("_io_checked") else \
             program_setup.overlap_check(self)
-        if io_check is not None and not first:  # compiled by compile(): checked now
-            snapshot = Snapshot(self._model, self.__dict__.get("_device_optimizer"))
         if not self._attached:
             self.attachToDevice()
         device = self._device
@@ -345,9 +348,11 @@ class PoplarExecutor(ExecutorInspection):
             if first:
                 snapshot.check_buffers()
         except BaseException:
-            if first or io_check is not None:  # a failed first call changes nothing
+            # a failed call changes nothing: weights, optimizer state, buffers, loss
+            # scale and the program's random stream are as before it
+            if snapshot is not None:
                 snapshot.restore()
-            if first:  # ... and leaves nothing compiled
+            if first:  # ... and a failed first call leaves nothing compiled
                 self.destroy()
             raise
         if io_check is not None and io_check.done:
@@ -361,6 +366,31 @@ class PoplarExecutor(ExecutorInspection):
         elif fast is None:
             self.__dict__["_fast"] = make_fast_call(self, args, kwargs)
         return result
+
+    def _call_with_grad(self, args: tuple, kwargs: dict) -> Any:
+        """A training call made under ``torch.no_grad()`` or ``torch.inference_mode()``:
+        the device program keeps its own autograd state (on an IPU the host's grad
+        mode does not reach the compiled training program), so the call trains as
+        anywhere else. Inference tensors become ordinary tensors first (autograd
+        cannot save them for the backward pass)."""
+        with torch.inference_mode(False), torch.enable_grad():
+            args, kwargs = pytree.tree_map(
+                lambda t: t.clone() if isinstance(t, torch.Tensor) and t.is_inference()
+                else t, (args, kwargs))
+            return self(*args, **kwargs)
+
+    def _call_snapshot(self) -> Snapshot | None:
+        """What a later call must be able to undo if it fails part-way (see
+        :py:class:`Snapshot`): everything when the call runs more than one
+        micro-batch; the buffers (which a forward may update before it fails) otherwise;
+        nothing for a model without buffers called on one micro-batch."""
+        program = self._program
+        several = program.plan.factor > 1
+        if not several and not self.__dict__.get("_has_buffers", True):
+            return None if program.scaler is None else Snapshot(
+                self._model, None, program=program, weights=False)
+        return Snapshot(self._model, self.__dict__.get("_device_optimizer"),
+                        program=program, weights=several and self._training)
 
     def _check_signature(self, args: tuple, kwargs: dict) -> None:
         try:
@@ -424,8 +454,16 @@ class PoplarExecutor(ExecutorInspection):
             optimizer_rules.apply_mean_reduction_rule(self._options, optimizer, True)
             optimizer_rules.warn_unexpected_attributes(
                 self._optimizer_keys, optimizer, self._options.relax_optimizer_attributes_checks)
-            check_update(self._constants, optimizer,
-                         self._options.relax_optimizer_attributes_checks)
+            try:
+                check_update(self._constants, optimizer,
+                             self._options.relax_optimizer_attributes_checks)
+            except Error:
+                if optimizer is self._optimizer or optimizer is self._device_optimizer:
+                    # the refused change was made in the optimizer in force: undo it,
+                    # so that the compiled value stays in force (as on an IPU)
+                    from ..optim.attributes import restore_constants
+                    restore_constants(self._constants, optimizer)
+                raise
             attached = attach_optimizer(optimizer, self._model, self._user_model,
                                         self._weights, previous=self._device_optimizer)
             self.__dict__["_device_optimizer"] = attached

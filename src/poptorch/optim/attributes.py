@@ -19,18 +19,17 @@ from __future__ import annotations
 
 import copy
 import inspect
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Tuple
 
 import torch
 
+from .._logging import logger
 from ..errors import Error
 
-__all__ = ["VariableAttributes", "snapshot_constants", "check_update",
+__all__ = ["VariableAttributes", "snapshot_constants", "check_update", "restore_constants",
            "copy_hyperparameters", "OptimizerSnapshot", "is_constant"]
 
-logger = logging.getLogger("poptorch")
 
 # Constructor arguments of torch.optim optimizers that select an implementation
 # rather than a hyperparameter: never tracked.
@@ -224,6 +223,32 @@ def check_update(snapshot: OptimizerSnapshot, new_optimizer: torch.optim.Optimiz
                         f"turn this error into a warning.")
         logger.warning("%s The new value is applied because "
                        "relaxOptimizerAttributesChecks is set.", message)
+
+
+def restore_constants(snapshot: OptimizerSnapshot,
+                      optimizer: torch.optim.Optimizer) -> None:
+    """Put the compiled values of the constant attributes back into ``optimizer``.
+
+    On the CPU the optimizer a model was compiled with *is* the one that steps the
+    device parameters, so a constant changed in it and refused by ``setOptimizer``
+    would otherwise be used by the next calls anyway."""
+    values = attribute_values(optimizer)
+    group_attrs = getattr(optimizer, "_group_attrs", None)
+    for name, compiled in snapshot.constants.items():
+        if name not in values or _same(values[name], compiled):
+            continue
+        if group_attrs is None or name in group_attrs:
+            for group, value in zip(optimizer.param_groups, compiled):
+                group[name] = _restored(group.get(name), value)
+        else:
+            setattr(optimizer, name, _restored(getattr(optimizer, name), compiled))
+
+
+def _restored(current: Any, value: Any) -> Any:
+    """``value`` (a plain snapshot value) in the form of ``current``."""
+    if isinstance(current, torch.Tensor):
+        return torch.as_tensor(value, dtype=current.dtype, device=current.device)
+    return copy.deepcopy(value)
 
 
 def _family(cls: type) -> type:

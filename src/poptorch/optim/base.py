@@ -18,7 +18,6 @@ explicitly are variable (see ``poptorch.optim.attributes``).
 from __future__ import annotations
 
 import copy
-import logging
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -26,19 +25,16 @@ import torch
 from .attributes import VariableAttributes
 from .._runtime.numerics.loss_scaling import PENDING_UNSCALE_ATTR
 from .._runtime.numerics.precision import stochastic_round, stochastic_rounding_active
+from .._logging import info_once
 from ..errors import Error
 
-logger = logging.getLogger("poptorch")
 
 ACCUM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _STATE_KEY = "poptorch"
-_logged_once: set = set()
 
 
 def _log_once_info(message: str) -> None:
-    if message not in _logged_once:
-        _logged_once.add(message)
-        logger.info(message)
+    info_once(("poptorch.optim", message), "%s", message)
 
 
 def resolve(value: Any, default: Any) -> Any:

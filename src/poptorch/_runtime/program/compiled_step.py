@@ -44,7 +44,7 @@ from torch.optim import optimizer as torch_optimizer
 from ..._logging import info_once, logger
 from .. import context
 from ..batching.plan import OutputCollector, split_inputs
-from .loss import find_loss
+from .loss import LossNeedsEager, find_loss
 from .runner import SequentialRunner
 
 __all__ = ["CompiledCall", "capture_blocker", "compile_device_program"]
@@ -130,7 +130,10 @@ def _device_function(program: Any, model: torch.nn.Module,
         for args, kwargs in microbatches:
             with torch.enable_grad():
                 out = model(*args, **kwargs)
-                loss = find_loss(out, context.take_marked_losses())
+                try:
+                    loss = find_loss(out, context.take_marked_losses(), traced=True)
+                except LossNeedsEager as error:
+                    raise Uncapturable(str(error)) from None
                 if multiplier != 1.0:
                     loss = loss * multiplier
                 grads = torch.autograd.grad(loss, params, allow_unused=True)

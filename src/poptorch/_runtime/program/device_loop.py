@@ -28,8 +28,8 @@ def detach(output: Any) -> Any:
     """Detach every tensor of an output structure (fast paths for common shapes)."""
     if isinstance(output, torch.Tensor):
         return output.detach()
-    if isinstance(output, tuple) and all(isinstance(t, torch.Tensor) for t in output):
-        return tuple(t.detach() for t in output)
+    if type(output) is tuple and all(isinstance(t, torch.Tensor) for t in output):
+        return tuple(t.detach() for t in output)  # (a namedtuple goes through pytree)
     from torch.utils import _pytree as pytree
     register_mapping_outputs(output)  # dict-like outputs: gathered key by key
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t,
@@ -55,7 +55,8 @@ class RngScope:
 
     With ``Options.randomSeed`` set, the executor owns a generator state seeded once;
     each call swaps it in and out of torch's default generator, so the same seed gives
-    the same results run to run and the host's random stream is left untouched.
+    the same results run to run and the host's random stream is left untouched. A
+    call that fails leaves the program's stream where it was (the call is undone).
     """
 
     def __init__(self, seed: int | None, device: torch.device) -> None:
@@ -80,13 +81,15 @@ class RngScope:
             self._saved_cuda = torch.cuda.get_rng_state(self.device)
             torch.cuda.set_rng_state(self.cuda_state, self.device)
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type: Any = None, *exc: Any) -> None:
         if not self.enabled:
             return
-        self.state = torch.get_rng_state()
+        if exc_type is None:  # a failed call keeps the state it started from
+            self.state = torch.get_rng_state()
         torch.set_rng_state(self._saved)
         if self.cuda:
-            self.cuda_state = torch.cuda.get_rng_state(self.device)
+            if exc_type is None:
+                self.cuda_state = torch.cuda.get_rng_state(self.device)
             torch.cuda.set_rng_state(self._saved_cuda, self.device)
 
 
@@ -303,6 +306,7 @@ class DeviceProgram:
         rng = self.rng if self.rng.enabled else None
         perf_counter = time.perf_counter
         t_start = perf_counter()
+        failed = None
         try:
             if rng is not None:
                 rng.__enter__()
@@ -318,10 +322,13 @@ class DeviceProgram:
                 if marked:
                     marked.clear()
                 output = detach_needed(output)
+        except BaseException as error:
+            failed = type(error)
+            raise
         finally:
             state.depth = depth
             if rng is not None:
-                rng.__exit__(None, None, None)
+                rng.__exit__(failed)
         t_end = perf_counter()
         self.perf.record_single(t_start, t_end)
         self.last_compute_seconds = t_end - t_start

@@ -3,15 +3,21 @@
 PopTorch trains on the loss the model computes. In order of preference:
 
 1. a tensor marked by :py:func:`poptorch.identity_loss` during the forward pass and
-   returned by the model (several marked and returned losses are summed);
-2. the output itself, when the model returns a single tensor with one element;
-3. in a returned tuple or list, a one-element tensor chosen in this order: one that
-   depends on the parameters before one that does not (``(loss, accuracy)``), a 0-dim
-   tensor before a one-element one (Hugging Face's ``(loss, logits, ...)`` with a
-   single-row ``logits``), the last element before the first (the ``(output, loss)``
-   convention), then the last such element in between;
+   returned by the model (several marked and returned losses are summed, except those
+   that another marked loss is computed from: those are parts of the final loss);
+2. the output itself, when the model returns a single 0-dim tensor;
+3. in a returned tuple or list, a 0-dim tensor chosen in this order: one that
+   depends on the parameters before one that does not (``(loss, accuracy)``), the last
+   element before the first (the ``(output, loss)`` convention), then the last such
+   element in between;
 4. the ``"loss"`` entry of a returned mapping (a dict, or a dict-like output such as
-   Hugging Face's ``ModelOutput``), when it is a one-element tensor.
+   Hugging Face's ``ModelOutput``), when it is a one-element tensor (named a loss).
+
+Only 0-dim tensors count in rules 2 and 3: a reduced loss (``mean``, ``sum``, every
+``torch.nn`` loss) is 0-dim whatever the batch size, while a prediction is not, even
+when a micro-batch of one row makes it a one-element tensor. Whether a model has a loss
+therefore never depends on the micro-batch size (a model that forgets its loss raises
+"Couldn't find a loss" with one row as with two).
 
 A loss that depends on no trainable parameter is accepted, as in PopTorch: its
 gradients are zero (see ``DeviceProgram``).
@@ -31,12 +37,21 @@ _NO_LOSS = (
     "mark it with poptorch.identity_loss(loss, reduction). This model returned {what}.")
 
 
-def find_loss(output: Any, marked: list) -> torch.Tensor:
+class LossNeedsEager(Exception):
+    """Raised by :py:func:`find_loss` inside a ``torch.compile`` capture (``traced``)
+    when the choice needs the autograd graph, which a capture cannot read."""
+
+
+def find_loss(output: Any, marked: list, traced: bool = False) -> torch.Tensor:
     """Return the loss tensor of one forward pass (see module docstring)."""
     if marked:
         returned = {id(t) for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)}
         in_output = [t for t in marked if id(t) in returned]
         chosen = in_output or marked[-1:]
+        if len(chosen) > 1:
+            if traced:
+                raise LossNeedsEager("several identity_loss values are returned")
+            chosen = _final_losses(chosen)
         # reduction='none' leaves a tensor: back-propagate a gradient of ones (its sum)
         loss = chosen[0] if chosen[0].dim() == 0 else chosen[0].sum()
         for extra in chosen[1:]:
@@ -46,14 +61,33 @@ def find_loss(output: Any, marked: list) -> torch.Tensor:
     if isinstance(output, (tuple, list)) and output:
         candidate = _tuple_loss(output)
     elif isinstance(output, Mapping):
-        candidate = output.get("loss")
+        named = output.get("loss")
+        if isinstance(named, torch.Tensor) and named.numel() == 1:
+            return named.reshape(())
+        return _raise_no_loss(output)
     if _is_scalar(candidate):
-        return candidate if candidate.dim() == 0 else candidate.reshape(())
+        return candidate
     return _raise_no_loss(output)
 
 
+def _final_losses(losses: list) -> list:
+    """The marked losses that no other marked loss is computed from (PopTorch keeps
+    only these: an ``identity_loss`` used inside the final loss's expression is an
+    ordinary value of that expression, even when the model returns it too)."""
+    below: set = set()  # autograd nodes strictly below some loss's own node
+    stack = [fn for t in losses if t.grad_fn is not None
+             for fn, _ in t.grad_fn.next_functions]
+    while stack:
+        node = stack.pop()
+        if node is None or node in below:
+            continue
+        below.add(node)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return [t for t in losses if t.grad_fn is None or t.grad_fn not in below]
+
+
 def _is_scalar(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.numel() == 1
+    return isinstance(value, torch.Tensor) and value.dim() == 0
 
 
 def _tuple_loss(output: Any) -> Any:
@@ -63,26 +97,24 @@ def _tuple_loss(output: Any) -> Any:
     def with_grad(v: Any) -> bool:
         return _is_scalar(v) and v.requires_grad
 
-    for test in (lambda v: with_grad(v) and v.dim() == 0, with_grad):
-        for candidate in (last, first):
-            if test(candidate):
-                return candidate
+    for candidate in (last, first):
+        if with_grad(candidate):
+            return candidate
     inner = [t for t in output if with_grad(t)]
     if inner:
         return inner[-1]
-    for test in (lambda v: _is_scalar(v) and v.dim() == 0, _is_scalar):
-        for candidate in (last, first):
-            if test(candidate):
-                return candidate
+    for candidate in (last, first):
+        if _is_scalar(candidate):
+            return candidate
     return last
 
 
 def _raise_no_loss(output: Any) -> torch.Tensor:
     if isinstance(output, torch.Tensor):
-        what = f"a tensor of shape {tuple(output.shape)} (not a scalar)"
+        what = f"a tensor of shape {tuple(output.shape)} (not a 0-dim loss)"
     elif isinstance(output, (tuple, list)):
-        what = (f"a {type(output).__name__} of {len(output)} elements whose first and last "
-                "are not scalar tensors")
+        what = (f"a {type(output).__name__} of {len(output)} elements none of which is a "
+                "0-dim tensor")
     elif isinstance(output, Mapping):
         what = (f"a {type(output).__name__} with keys {list(output.keys())} and no scalar "
                 "tensor under 'loss'")
