@@ -60,33 +60,70 @@ def to_cpu(structure: Any) -> Any:
         lambda t: t.to("cpu") if isinstance(t, torch.Tensor) else t, structure)
 
 
-class Snapshot:
-    """Model and optimizer state before a call, restored if that call fails, so that a
-    failing call leaves nothing half-updated (all or nothing, as on an IPU, where a
-    failed run updates nothing on the host).
+class CallRollback:
+    """The state a later call may change, kept while it runs and put back in place if
+    it fails, so that a failing call leaves nothing half-updated (all or nothing, as the
+    first call, see :py:class:`Snapshot`). In place: a compiled program keeps using the
+    same tensors.
 
     ``weights=False`` keeps only the buffers: enough for a call of one micro-batch,
     which changes the parameters and the optimizer state only once its forward and
-    backward have succeeded. ``program``'s loss-scaler state is kept as well (its
+    backward have succeeded. The loss scaler's state is kept as well (the program's
     random stream rolls itself back, see ``RngScope``)."""
 
+    __slots__ = ("tensors", "optimizer", "opt_values", "opt_groups", "scaler",
+                 "scaler_state")
+
+    def __init__(self, params: list, buffers: list, optimizer: Any, scaler: Any) -> None:
+        tensors = params + buffers
+        self.optimizer = optimizer
+        if optimizer is not None:
+            # per parameter: its state's keys, tensors (copied) and other values
+            self.opt_values = {p: dict(s) for p, s in optimizer.state.items()}
+            for s in self.opt_values.values():
+                tensors.extend(v for v in s.values() if isinstance(v, torch.Tensor))
+            self.opt_groups = [{k: v for k, v in g.items() if k != "params"}
+                               for g in optimizer.param_groups]
+        self.tensors = [(t, t.detach().clone()) for t in tensors]
+        self.scaler = scaler
+        self.scaler_state = None if scaler is None else scaler.state_dict()
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for t, saved in self.tensors:
+                t.copy_(saved)
+        optimizer = self.optimizer
+        if optimizer is not None:
+            state = optimizer.state
+            for p in [p for p in state if p not in self.opt_values]:
+                del state[p]  # state the failed call created
+            for p, values in self.opt_values.items():
+                current = state[p]
+                current.clear()
+                current.update(values)  # the same tensors, their values put back
+            for group, values in zip(optimizer.param_groups, self.opt_groups):
+                group.update(values)
+        if self.scaler is not None:
+            self.scaler.load_state_dict(self.scaler_state)
+
+
+class Snapshot:
+    """Model and optimizer state before the first call, restored if that call fails,
+    so that a failing call leaves nothing half-updated."""
+
     def __init__(self, model: torch.nn.Module, optimizer: Any,
-                 user_optimizer: Any = None, user_state: Any = None,
-                 program: Any = None, weights: bool = True) -> None:
-        tensors = list(model.parameters()) if weights else []
-        self.tensors = [(t, t.detach().clone()) for t in tensors + list(model.buffers())]
+                 user_optimizer: Any = None, user_state: Any = None) -> None:
+        self.tensors = [(t, t.detach().clone()) for t in
+                        list(model.parameters()) + list(model.buffers())]
         # which tensor each module registers under each buffer name
         self.buffers = [(prefix, module, dict(module._buffers))
                         for prefix, module in model.named_modules()]
-        self.optimizer = optimizer if weights else None
-        self.opt_state = None if self.optimizer is None else _cloned(getattr(  # host state
+        self.optimizer = optimizer
+        self.opt_state = None if optimizer is None else _cloned(getattr(  # host state
             optimizer, "get_state_dict", optimizer.state_dict)())
         # the user's optimizer as it was before compiling (which may initialize state)
         self.user_optimizer = user_optimizer
         self.user_state = user_state
-        scaler = getattr(program, "scaler", None)
-        self.scaler = scaler
-        self.scaler_state = None if scaler is None else _cloned(scaler.state_dict())
 
     def check_buffers(self) -> None:
         """As PopTorch: the first call (when the model is compiled) must keep every
@@ -120,8 +157,6 @@ class Snapshot:
         if self.user_optimizer is not None:
             getattr(self.user_optimizer, "set_state_dict",
                     self.user_optimizer.load_state_dict)(self.user_state)
-        if self.scaler is not None:
-            self.scaler.load_state_dict(self.scaler_state)
 
 
 def _cloned(state: Any) -> Any:

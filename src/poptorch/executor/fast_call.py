@@ -66,8 +66,7 @@ class FastCall:
         self._casting = state.get("_casting")
         self._optimizer_sync = state.get("_optimizer_sync")
         # a failed call puts back the buffers its forward updated before failing
-        self._buffers = list(state["_model"].buffers()) if state.get("_has_buffers") \
-            else None
+        self._buffers = state.get("_buffers_list") or None
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         state = self._state
@@ -141,7 +140,7 @@ def _eager_inference(executor: Any, args: tuple) -> Callable[[tuple, dict], Any]
     inputs, inputs_complete = stamps["input"], stamps["input_complete"]
     outputs, outputs_complete = stamps["output"], stamps["output_complete"]
     thread_state = context.thread_state()
-    buffers = list(state["_model"].buffers()) if state.get("_has_buffers") else None
+    buffers = state.get("_buffers_list") or None
     perf_counter = time.perf_counter
     grad_enabled, set_grad = torch.is_grad_enabled, torch._C._set_grad_enabled
     tensor = _Tensor

@@ -19,7 +19,7 @@ from . import hooks as _hooks, optimizer_rules, program_setup
 from .fast_call import MISS, make_fast_call
 from .local_replicas import local_replica_runner
 from .processes import join_processes
-from .call_support import (Snapshot, backend_name, check_inference_accumulation, count_tensors,
+from .call_support import (CallRollback, Snapshot, backend_name, check_inference_accumulation, count_tensors,
                            to_cpu, to_device)
 from .inspection import ExecutorInspection
 from .replica_grouping import GroupableParameter
@@ -167,7 +167,7 @@ class PoplarExecutor(ExecutorInspection):
             check_precompiled_inputs(self, args, kwargs)
             self.__dict__["_signature"] = InputSignature(self._model.forward, args, kwargs)
             self.__dict__["_tensor_constants"] = TensorConstants(self._model)
-            self.__dict__["_has_buffers"] = any(True for _ in self._model.buffers())
+            self.__dict__["_buffers_list"] = list(self._model.buffers())
             if self._training:
                 optimizer_rules.apply_mean_reduction_rule(opts, self._optimizer, False)
             bar.update()
@@ -324,6 +324,8 @@ class PoplarExecutor(ExecutorInspection):
         # PopTorch's rules for overlap markers, checked on the first run (compiling)
         io_check = None if self.__dict__.get("_io_checked") else \
             program_setup.overlap_check(self)
+        if io_check is not None and not first:  # compiled by compile(): checked now
+            snapshot = Snapshot(self._model, self.__dict__.get("_device_optimizer"))
         if not self._attached:
             self.attachToDevice()
         device = self._device
@@ -379,18 +381,18 @@ class PoplarExecutor(ExecutorInspection):
                 else t, (args, kwargs))
             return self(*args, **kwargs)
 
-    def _call_snapshot(self) -> Snapshot | None:
+    def _call_snapshot(self) -> CallRollback | None:
         """What a later call must be able to undo if it fails part-way (see
-        :py:class:`Snapshot`): everything when the call runs more than one
+        :py:class:`CallRollback`): everything when the call runs more than one
         micro-batch; the buffers (which a forward may update before it fails) otherwise;
         nothing for a model without buffers called on one micro-batch."""
         program = self._program
-        several = program.plan.factor > 1
-        if not several and not self.__dict__.get("_has_buffers", True):
-            return None if program.scaler is None else Snapshot(
-                self._model, None, program=program, weights=False)
-        return Snapshot(self._model, self.__dict__.get("_device_optimizer"),
-                        program=program, weights=several and self._training)
+        weights = program.plan.factor > 1 and self._training
+        buffers = self.__dict__.get("_buffers_list")
+        if not weights and not buffers and program.scaler is None:
+            return None
+        return CallRollback(program.params if weights else [], buffers or [],
+                            program.optimizer if weights else None, program.scaler)
 
     def _check_signature(self, args: tuple, kwargs: dict) -> None:
         try:
