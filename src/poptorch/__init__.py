@@ -15,7 +15,7 @@ from . import enums
 # --- foundation: options, logging, devices (issue 2) -----------------------------
 from ._logging import logger, setLogLevel
 from ._devices import ipuHardwareIsAvailable, ipuHardwareVersion
-from .options import Attribute, BlockId, Options, TensorLocationSettings
+from .options import Attribute, Options, TensorLocationSettings
 from . import options, poptorch_core
 
 # --- data (issue 4) ---------------------------------------------------------------

@@ -181,12 +181,13 @@ def _module_autocast(self: torch.nn.Module, enabled: bool = True) -> torch.nn.Mo
     if not isinstance(enabled, bool):
         raise Error(f"{type(self).__name__}.autocast: enabled must be True or False, got "
                     f"{enabled!r}.")
-    self._poptorch_autocast = enabled
+    module: Any = self  # (a plain attribute the casting engine reads)
+    module._poptorch_autocast = enabled
     return self
 
 
 if not hasattr(torch.nn.Module, "autocast"):
-    torch.nn.Module.autocast = _module_autocast
+    torch.nn.Module.autocast = _module_autocast  # type: ignore[attr-defined]  # PopTorch adds Module.autocast
 
 
 def _ops(*names: str) -> list:

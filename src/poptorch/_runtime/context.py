@@ -19,7 +19,7 @@ class _ThreadState(threading.local):
 
     def __init__(self) -> None:
         self.depth = 0      # executor calls running in this thread
-        self.losses = []    # losses marked by identity_loss in the current forward
+        self.losses: list = []  # losses marked by identity_loss in the current forward
         self.overlap = None  # marker checker of the compiling forward, if one runs
 
 

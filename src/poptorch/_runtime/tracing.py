@@ -211,15 +211,14 @@ class CallProfiler:
         run = program.run
 
         def profiled_run(args: tuple, kwargs: dict) -> Any:
-            self._begin()
+            stats = self._begin()
             t0 = time.perf_counter()
             with torch.profiler.record_function(
-                    f"poptorch::{self.name} call {self.stats.calls}"):
+                    f"poptorch::{self.name} call {stats.calls}"):
                 try:
                     return run(args, kwargs)
                 finally:
                     end = time.perf_counter()
-                    stats = self.stats
                     stats.calls += 1
                     stats.call_seconds += end - t0
                     if self._last_end is not None:
@@ -228,21 +227,24 @@ class CallProfiler:
 
         program.run = profiled_run
 
-    def _begin(self) -> None:
+    def _begin(self) -> ModelStats:
         session_ = session(self.directory)
-        if session_ is not self._session:
+        stats = self.stats
+        if session_ is not self._session or stats is None:
             self._session = session_
-            self.stats = ModelStats(self.name)
-            session_.models.append(self.stats)
+            self.stats = stats = ModelStats(self.name)
+            session_.models.append(stats)
             self._last_end = None
         if self.runner is not None:
-            self.runner.begin_call(self.stats, session_, self.name)
+            self.runner.begin_call(stats, session_, self.name)
+        return stats
 
     def __enter__(self) -> None:
         self._t0 = time.perf_counter()
 
     def __exit__(self, *exc: Any) -> None:
-        self.stats.compute_seconds += time.perf_counter() - self._t0
+        if self.stats is not None:  # (entered inside a profiled run: always set)
+            self.stats.compute_seconds += time.perf_counter() - self._t0
 
 
 class TracingRunner:

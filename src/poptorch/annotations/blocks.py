@@ -192,7 +192,7 @@ def BlockFunction(user_id=None, ipu_id=None) -> Callable[[Callable], Callable]:
             Block.start(user_id, ipu_id)
             return func(*args, **kwargs)
 
-        wrapper._poptorch_block_function = (user_id, ipu_id)
+        wrapper._poptorch_block_function = (user_id, ipu_id)  # type: ignore[attr-defined]  # (a function attribute, read by IPU)
         return wrapper
 
     return decorator
@@ -206,7 +206,7 @@ def removeBlocks(module) -> None:
         markers.detach_begin_block(sub)
 
 
-def recomputationCheckpoint(*tensors) -> Union[torch.Tensor, tuple]:
+def recomputationCheckpoint(*tensors) -> Union[torch.Tensor, tuple, list]:
     """Checkpoint ``tensors``: with recomputation enabled they are kept in memory between
     the forward and backward passes, and the activations computed between two
     checkpoints are recomputed in the backward pass instead of being stored.

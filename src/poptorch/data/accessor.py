@@ -28,7 +28,7 @@ import sys
 import tempfile
 import weakref
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.multiprocessing
@@ -194,7 +194,7 @@ class AsynchronousDataAccessor:
     # -- worker lifetime --------------------------------------------------------------
     def _start_worker(self, dataset: Iterable) -> None:
         method = _START_METHODS[self.sharing_strategy]
-        context = torch.multiprocessing.get_context(method)
+        context: Any = torch.multiprocessing.get_context(method)  # (a concrete context)
         if method == "forkserver":
             _preload_in_forkserver()
         # Two one-way pipes: no feeder thread (a multiprocessing.Queue's waits for the
@@ -371,7 +371,7 @@ class AsynchronousDataAccessor:
             if news is ON_PIPE:
                 return self._receive_from_pipe()
             if news is not None:
-                epoch, slot = news
+                epoch, slot = cast(tuple[int, int], news)
                 return ("batch", epoch, slot, self._skeleton, None, None)
             if not self._process.is_alive():
                 raise self._worker_died()
@@ -411,7 +411,7 @@ class AsynchronousDataAccessor:
             return None
         if self.rebatched_size is None:
             return length
-        inner = getattr(dataset, "dataset", None)
+        inner: Any = getattr(dataset, "dataset", None)
         try:
             rows = len(inner)
         except TypeError:

@@ -11,7 +11,7 @@ concatenated, and any other value must be the same in every micro-batch.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch

@@ -34,7 +34,7 @@ _TORCH_EXITED = re.compile(r"DataLoader worker \(pid\(s\) ([\d, ]+)\) exited une
 
 
 def _signal_names() -> dict[str, str]:
-    names = {}
+    names: dict[str, str] = {}
     for sig in signal.Signals:
         description = signal.strsignal(sig)
         if description:
@@ -224,5 +224,5 @@ def install_sigchld_translation() -> None:
             reported.add(str(death))
             raise death from error
 
-    translating_handler._poptorch_translates = True
+    translating_handler._poptorch_translates = True  # type: ignore[attr-defined]  # (a function attribute: ours, see above)
     signal.signal(signal.SIGCHLD, translating_handler)

@@ -9,7 +9,8 @@ set, and every process gets the same number of batches.
 """
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sized
+from typing import Any, cast
 
 import torch
 import torch.utils.data
@@ -222,7 +223,7 @@ class DataLoader(torch.utils.data.DataLoader):
             # torch's "no automatic batching": each item of the data set is a batch
             self._combined_batch_size = None
             if not iterable:
-                sampler = self._make_sampler(len(dataset), shuffle, seed, False,
+                sampler = self._make_sampler(len(cast(Sized, dataset)), shuffle, seed, False,
                                              process_id, num_processes, distributed,
                                              kwargs, step=1)
                 if sampler is not None:
@@ -256,7 +257,7 @@ class DataLoader(torch.utils.data.DataLoader):
                     loader_drop_last = False  # the accessor drops (or keeps) the tail
                 items = _length_or_none(dataset)
             else:
-                items = len(dataset)
+                items = len(cast(Sized, dataset))  # (a map-style data set)
                 sampler = self._make_sampler(items, shuffle, seed, drop_last,
                                              process_id, num_processes, distributed,
                                              kwargs, step=combined)
@@ -366,6 +367,7 @@ class DataLoader(torch.utils.data.DataLoader):
         items = _length_or_none(self.dataset)
         if items is None:
             raise TypeError("This IterableDataset has no len().")
+        assert self._combined_batch_size is not None  # (set when rebatching)
         full, rest = divmod(items, self._combined_batch_size)
         return full if self.rebatched_drop_last or rest == 0 else full + 1
 

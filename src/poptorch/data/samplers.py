@@ -10,7 +10,6 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from ..errors import Error
 
 __all__ = ["partition", "DistributedPartitionSampler", "CombinedBatchSampler"]
 
@@ -57,7 +56,7 @@ class DistributedPartitionSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         if self.shuffle:
-            seed = (int(self.seed) + self.epoch) % 2**64
+            seed = (int(self.seed or 0) + self.epoch) % 2**64
             generator = torch.Generator().manual_seed(seed)
             order = torch.randperm(self.length, generator=generator).tolist()
         else:

@@ -45,7 +45,8 @@ def flatten(batch: Any) -> tuple[Any, list[torch.Tensor]]:
         if isinstance(node, (tuple, list)):
             return type(node)(visit(child) for child in node)
         if isinstance(node, Mapping):
-            return type(node)((key, visit(value)) for key, value in node.items())
+            mapping: Any = type(node)  # a dict-like class built from (key, value) pairs
+            return mapping((key, visit(value)) for key, value in node.items())
         return node
 
     return visit(batch), tensors
@@ -64,6 +65,7 @@ def flatten_keyed(batch: Any) -> tuple[Any, list[torch.Tensor], Any]:
     sent). Fast paths for a tensor, and a tuple, list or dict of tensors (what
     ``default_collate`` makes of most data sets): no tree walk, a cached skeleton."""
     kind = type(batch)
+    key: Any
     if kind is torch.Tensor:
         return TensorRef(0), [_plain(batch)], kind
     if kind is tuple or kind is list:
@@ -99,8 +101,8 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(skeleton, (tuple, list)):
         return type(skeleton)(unflatten(child, tensors) for child in skeleton)
     if isinstance(skeleton, Mapping):
-        return type(skeleton)((key, unflatten(value, tensors))
-                              for key, value in skeleton.items())
+        mapping: Any = type(skeleton)
+        return mapping((key, unflatten(value, tensors)) for key, value in skeleton.items())
     return skeleton
 
 

@@ -78,7 +78,7 @@ class _GeometricDataParser(ICustomArgParser):
 
     @staticmethod
     def _tensor_slots(struct) -> list[tuple[Any, str]]:
-        slots = []
+        slots: list = []
         for store in struct.stores:
             slots.extend((store, key) for key in sorted(store.keys())
                          if isinstance(store[key], torch.Tensor))

@@ -129,8 +129,9 @@ def inferenceModel(*args: Any, **kwargs: Any) -> PoplarExecutor:
     return PoplarExecutor(model, options, False, _VERSION, None, model)
 
 
-trainingModel.__signature__ = _TRAINING
-inferenceModel.__signature__ = _INFERENCE
+# what help() and inspect show: the documented parameters, not (*args, **kwargs)
+trainingModel.__signature__ = _TRAINING  # type: ignore[attr-defined]  # (a function attribute)
+inferenceModel.__signature__ = _INFERENCE  # type: ignore[attr-defined]
 
 
 def load(filename: str, edit_opts_fn: Callable[[Any], None] | None = None) -> PoplarExecutor:

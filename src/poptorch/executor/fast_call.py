@@ -107,7 +107,7 @@ class FastCall:
         return result
 
 
-def _put_back(buffers: list, saved: list) -> None:
+def _put_back(buffers: Any, saved: list) -> None:
     """Give ``buffers`` their ``saved`` values again (a failed call is undone)."""
     with torch.no_grad():
         for buffer, value in zip(buffers, saved):
@@ -133,7 +133,7 @@ def _eager_inference(executor: Any, args: tuple) -> Callable[[tuple, dict], Any]
     training = mode.training
     casting = state.get("_casting")
     enter_casting = casting.enter_top_run if casting is not None else None
-    exit_casting = casting.exit_top_run if casting is not None else None
+    exit_casting: Any = casting.exit_top_run if casting is not None else None
     rng = program.rng
     program.perf.record_single(0.0, 0.0)  # one entry per counter list from now on
     stamps = program.perf.counters

@@ -16,13 +16,19 @@ from ..errors import Error
 class ExecutorInspection:
     """Read-only views of the last call (see module docstring)."""
 
-    _require_compiled: Any  # provided by PoplarExecutor
+    # provided by PoplarExecutor
+    _require_compiled: Any
+    _compile_seconds: float | None
+    _options: Any
+    _model: torch.nn.Module
+    _training: bool
+    _anchors: Any  # the AnchorRecorder of the compiled program, or {} before
 
     # ------------------------------------------------------------------ timings
     def compilationTime(self) -> datetime.timedelta:
         """How long compilation took."""
         self._require_compiled("compilationTime")
-        return datetime.timedelta(seconds=self._compile_seconds)
+        return datetime.timedelta(seconds=self._compile_seconds or 0.0)
 
     def getPerfCounters(self) -> dict:
         """Host timestamps of the last call: {'input', 'input_complete', 'output',

@@ -69,7 +69,7 @@ def local_replica_runner(executor: Any, runner: Any, plan: BatchPlan, cross: Any
                   "Model-parallel execution with replicationFactor(%d): the replicas "
                   "share one set of buffers (broadcastBuffers has no effect).", r)
         return runner
-    states = list(grouped)
+    states: list[Any] = list(grouped)
     if has_buffers:
         buffers = ReplicaBuffers(model, r, bool(options.broadcast_buffers))
         executor.__dict__["_replica_buffers"] = buffers

@@ -134,6 +134,7 @@ class PoplarExecutor(ExecutorInspection):
         rng = program.rng
         if not rng.enabled:
             return [None, torch.get_rng_state()]
+        assert rng.state is not None  # (an enabled stream has its state)
         return [rng.seed, rng.state.clone()]
 
     @rng_state.setter
@@ -311,10 +312,10 @@ class PoplarExecutor(ExecutorInspection):
             try:
                 self._compile(args, kwargs)
             except BaseException:
-                if before is not None:
+                if user_optimizer is not None:
                     user_optimizer.load_state_dict(before)
                 raise
-            snapshot = Snapshot(self._model, self.__dict__.get("_device_optimizer"),
+            snapshot: Snapshot | CallRollback | None = Snapshot(self._model, self.__dict__.get("_device_optimizer"),
                                 user_optimizer, before)
         else:
             self._check_signature(args, kwargs)  # before anything runs
@@ -347,7 +348,7 @@ class PoplarExecutor(ExecutorInspection):
                     casting.observe(args, kwargs)
                     with casting:
                         result = self._program.run(args, kwargs)
-            if first:
+            if isinstance(snapshot, Snapshot) and first:
                 snapshot.check_buffers()
         except BaseException:
             # a failed call changes nothing: weights, optimizer state, buffers, loss

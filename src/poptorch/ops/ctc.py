@@ -29,7 +29,7 @@ def _decode_one(log_probs: list[list[float]], blank: int,
     for step in log_probs:
         grown: dict[tuple[int, ...], list[float]] = {}
 
-        def entry(prefix):
+        def entry(prefix, grown=grown):  # (this step's beams)
             return grown.setdefault(prefix, [_NEG_INF, _NEG_INF])
 
         for prefix, (p_blank, p_label) in beams.items():

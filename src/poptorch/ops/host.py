@@ -63,7 +63,7 @@ class CPU:
         if self.in_shapes is None:
             raise Error(f"CPU op {self._ID!r}: call the op once before registering its data.")
         self.inputs = [torch.zeros(shape, dtype=dtype)
-                       for shape, dtype in zip(self.in_shapes, self._in_dtypes)]
+                       for shape, dtype in zip(self.in_shapes, self._in_dtypes or ())]
         self.outputs = None
 
     def execute(self) -> list[torch.Tensor]:
@@ -102,7 +102,7 @@ class CPU:
         if self.inputs is None or shapes != self.in_shapes or dtypes != self._in_dtypes:
             self.in_shapes, self._in_dtypes = shapes, dtypes
             self.registerPersistentData()
-        for buffer, tensor in zip(self.inputs, tensors):
+        for buffer, tensor in zip(self.inputs or (), tensors):
             buffer.copy_(tensor)
         self._kwargs = kwargs
         outputs = self.execute()

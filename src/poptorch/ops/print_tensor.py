@@ -53,10 +53,10 @@ def _element_formatter(values: torch.Tensor, style: _Style):
                 return f"{v:.{digits}e}"
             return f"{v:g}"
     elif values.dtype == torch.bool:
-        def fmt(v) -> str:
+        def fmt(v: float) -> str:
             return str(bool(v))
     else:
-        def fmt(v) -> str:
+        def fmt(v: float) -> str:
             return str(int(v))
     if style.digits == 0 or style.float_format == "none" or values.numel() == 0:
         return fmt  # unaligned

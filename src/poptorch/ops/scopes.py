@@ -43,7 +43,7 @@ class NameScope:
         if not isinstance(name, str) or not name:
             raise Error(f"NameScope: name must be a non-empty string, got {name!r}.")
         self.name = name
-        self._range = None
+        self._range: torch.profiler.record_function | None = None
 
     def __enter__(self) -> "NameScope":
         _scopes().append(self.name)
@@ -52,7 +52,8 @@ class NameScope:
         return self
 
     def __exit__(self, type, value, traceback) -> None:
-        self._range.__exit__(type, value, traceback)
+        if self._range is not None:
+            self._range.__exit__(type, value, traceback)
         self._range = None
         _scopes().pop()
 
@@ -115,7 +116,7 @@ class MultiConv:
         """Available memory proportion per convolution, each in [0, 1)."""
         return self._per_conv(
             "availableMemoryProportions", value,
-            lambda v: isinstance(v, Real) and not isinstance(v, bool) and 0 <= v < 1,
+            lambda v: isinstance(v, Real) and not isinstance(v, bool) and 0 <= float(v) < 1,
             "a float in [0, 1)")
 
     def partialsTypes(self, value) -> "MultiConv":

@@ -126,8 +126,9 @@ def attribute_values(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     """Every tracked attribute of ``optimizer``: ``name -> value`` for optimizer-level
     attributes and ``name -> (value per param group)`` for group hyperparameters."""
     if _is_poptorch_optimizer(optimizer):
-        values = {name: _group_values(optimizer, name) for name in optimizer._group_attrs}
-        for name in (*optimizer._optimizer_attrs, *optimizer._structural_attrs):
+        ours: Any = optimizer  # a poptorch.optim optimizer: PopTorch's attribute tables
+        values = {name: _group_values(optimizer, name) for name in ours._group_attrs}
+        for name in (*ours._optimizer_attrs, *ours._structural_attrs):
             values[name] = _plain(getattr(optimizer, name))
         return values
     return {name: _group_values(optimizer, name) for name in _torch_defaults(optimizer)}
@@ -136,9 +137,10 @@ def attribute_values(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
 def is_constant(optimizer: torch.optim.Optimizer, name: str) -> bool:
     """Whether ``name`` is constant for ``optimizer`` under PopTorch's rules."""
     if _is_poptorch_optimizer(optimizer):
-        if name in optimizer._structural_attrs:
+        ours: Any = optimizer
+        if name in ours._structural_attrs:
             return True
-        return optimizer.variable_attrs.isConstant(name)
+        return ours.variable_attrs.isConstant(name)
     if name == "lr":
         return False
     default = _torch_defaults(optimizer).get(name, inspect.Parameter.empty)
@@ -278,9 +280,11 @@ def copy_hyperparameters(src_optimizer: torch.optim.Optimizer,
                 dst[key] = copy.deepcopy(value)
     dst_optimizer.defaults = copy.deepcopy(src_optimizer.defaults)
     if _is_poptorch_optimizer(src_optimizer):
-        for name in (*src_optimizer._optimizer_attrs, *src_optimizer._structural_attrs):
+        ours: Any = src_optimizer
+        target: Any = dst_optimizer
+        for name in (*ours._optimizer_attrs, *ours._structural_attrs):
             setattr(dst_optimizer, name, copy.deepcopy(getattr(src_optimizer, name)))
-        dst_optimizer.variable_attrs = copy.deepcopy(src_optimizer.variable_attrs)
+        target.variable_attrs = copy.deepcopy(ours.variable_attrs)
 
 
 def _qualname(cls: type) -> str:

@@ -18,7 +18,7 @@ explicitly are variable (see ``poptorch.optim.attributes``).
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, DefaultDict, Dict, List, Optional, Tuple, cast
 
 import torch
 
@@ -56,6 +56,23 @@ class Optimizer:
     _group_attrs: Dict[str, Any] = {}
     _optimizer_attrs: Dict[str, Any] = {}
     _structural_attrs: Dict[str, Any] = {}
+    # Set by torch.optim.Optimizer, the other base of every concrete class.
+    defaults: Dict[str, Any]
+    param_groups: List[Dict[str, Any]]
+    state: DefaultDict[torch.Tensor, Any]
+    variable_attrs: VariableAttributes
+    _explicit: set
+    # PopTorch's attributes, set by _finish from _optimizer_attrs / _structural_attrs
+    # (each concrete class has some of them).
+    loss_scaling: float
+    max_grad_norm: float
+    use_combined_accum: bool
+    accum_type: torch.dtype
+    velocity_accum_type: torch.dtype
+    first_order_momentum_accum_type: torch.dtype
+    second_order_momentum_accum_type: torch.dtype
+    use_tf_variant: bool
+    bias_correction: bool
 
     def __init__(self) -> None:
         self.host_state_is_dirty = False
@@ -69,15 +86,6 @@ class Optimizer:
         self._compiled_on_device = False
         # ipu_state / ipu_param as last loaded, shown until the next step uses them.
         self._loaded_ipu: Optional[Tuple[Any, Any]] = None
-
-    def __getstate__(self) -> Dict[str, Any]:
-        """torch.optim keeps only defaults, state and param groups; a copy (``copy.copy``)
-        or a pickle must keep PopTorch's attributes as well."""
-        state = dict(self.__dict__)
-        state["_device_state_reader"] = None
-        for key in [k for k in state if k.startswith("_optimizer_")]:
-            del state[key]  # hooks: rebuilt empty by torch's __setstate__
-        return state
 
     # --- pickling (torch.save of a model with its optimizer, poptorch.load) --------
     def __getstate__(self) -> Dict[str, Any]:
@@ -186,7 +194,7 @@ class Optimizer:
     # --- state dictionary ---------------------------------------------------------
     def get_state_dict(self) -> Dict[str, Any]:
         """The host copy of the state dictionary (without reading from the device)."""
-        state = torch.optim.Optimizer.state_dict(self)
+        state = torch.optim.Optimizer.state_dict(cast(torch.optim.Optimizer, self))
         for key, value in self._extra_state.items():
             state.setdefault(key, value)
         state[_STATE_KEY] = {name: copy.deepcopy(getattr(self, name))
@@ -199,7 +207,7 @@ class Optimizer:
         attrs = state.pop(_STATE_KEY, {})
         state.pop("ipu_state", None)
         state.pop("ipu_param", None)
-        torch.optim.Optimizer.load_state_dict(self, state)
+        torch.optim.Optimizer.load_state_dict(cast(torch.optim.Optimizer, self), state)
         self._restore_state_dtypes(state)
         for name, value in attrs.items():
             if name in self._optimizer_attrs or name in self._structural_attrs:
@@ -279,7 +287,7 @@ def compute_dtype(p: torch.Tensor) -> torch.dtype:
     return torch.promote_types(p.dtype, torch.float32)
 
 
-def apply_to_param(p: torch.Tensor, update: Callable[[torch.Tensor], None]) -> None:
+def apply_to_param(p: torch.Tensor, update: Callable[[torch.Tensor], Any]) -> None:
     """Run the in-place ``update`` on ``p`` in the compute dtype; a narrower ``p`` is
     written back rounded to nearest, or stochastically under
     ``Precision.enableStochasticRounding`` (see ``_runtime/numerics/precision.py``)."""

@@ -79,6 +79,8 @@ class _BackendName(str):
     """``opts.Jit.backend`` once a backend is chosen: the name itself (a real ``str``),
     callable to choose another one."""
 
+    _jit: _JitOptions
+
     def __new__(cls, name: str, jit: _JitOptions) -> "_BackendName":
         obj = super().__new__(cls, name)
         obj._jit = jit

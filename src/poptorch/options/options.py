@@ -14,7 +14,7 @@ import ast
 import copy
 import json
 import os
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 
@@ -461,7 +461,7 @@ class Options(OptionsDict):
 
     def __deepcopy__(self, memo: dict) -> "Options":
         # A copy is for changing (upstream: copies of frozen options are unfrozen).
-        clone = super().__deepcopy__(memo)
+        clone = cast("Options", super().__deepcopy__(memo))
         object.__setattr__(clone, "_frozen", False)
         for sub in clone._sub_objects().values():
             if isinstance(sub, _PopartOptions):

@@ -1,12 +1,17 @@
 """``Options.Precision``: numerical precision of the model and its updates."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .. import enums
 from ..errors import Error
 from .popart import _PopartOptions
 from .store import OptionsDict, check_bool, check_enum
+
+if TYPE_CHECKING:
+    from ..autocasting import Policy
 
 
 class _PrecisionOptions(OptionsDict):
@@ -35,7 +40,7 @@ class _PrecisionOptions(OptionsDict):
                                              autocast_enabled))
         return self
 
-    def autocastPolicy(self, autocast_policy: "poptorch.autocasting.Policy"
+    def autocastPolicy(self, autocast_policy: Policy
                        ) -> "_PrecisionOptions":
         """The casting policy of automatic casting regions (default:
         ``poptorch.autocasting.default``)."""

@@ -157,7 +157,8 @@ def _describe_leaf(spec: pytree.TreeSpec, index: int) -> str:
     paths = [p for p, _ in pytree.tree_flatten_with_path(
         pytree.tree_unflatten([0] * spec.num_leaves, spec))[0]]
     path = paths[index]
-    head = "args" if path[0].idx == 0 else "kwargs"
+    first: Any = path[0]  # the SequenceKey of (args, kwargs)
+    head = "args" if first.idx == 0 else "kwargs"
     return head + "".join(str(k) for k in path[1:])
 
 
@@ -217,7 +218,7 @@ class OutputCollector:
     def result(self) -> Any:
         """The combined outputs: one micro-batch's output is returned unchanged;
         several are concatenated along dimension 0 (scalars are stacked)."""
-        parts = self._kept if self.mode != OutputMode.Sum else self._sums
+        parts: list[Any] = self._kept if self.mode != OutputMode.Sum else (self._sums or [])
         if len(parts) == 1:
             return parts[0]
         first = parts[0]

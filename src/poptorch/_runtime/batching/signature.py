@@ -137,6 +137,7 @@ class InputSignature:
 
     def _check_mandatory(self, args: tuple, kwargs: dict) -> None:
         """PopTorch names a missing mandatory argument at compile time."""
+        assert self._signature is not None  # (checked by the caller)
         try:
             self._signature.bind(*args, **kwargs)
         except TypeError as error:
@@ -152,18 +153,19 @@ class InputSignature:
         """``{argument name: description}``, defaults included when known."""
         named: dict[str, Any] = {}
         bound = None
-        if self._signature is not None:
+        signature = self._signature
+        if signature is not None:
             try:
-                bound = self._signature.bind(*args, **kwargs)
+                bound = signature.bind(*args, **kwargs)
                 bound.apply_defaults()
             except TypeError:
                 bound = None
-        if bound is None:
+        if bound is None or signature is None:
             named.update({f"args[{i}]": _describe(a) for i, a in enumerate(args)})
             named["kwargs"] = _describe(dict(kwargs))
             return named
         for name, value in bound.arguments.items():
-            kind = self._signature.parameters[name].kind
+            kind = signature.parameters[name].kind
             if kind is inspect.Parameter.VAR_KEYWORD:
                 named["**" + name] = _describe(dict(value))
             else:

@@ -28,7 +28,7 @@ def register_mapping_outputs(output: Any) -> None:
             _checked.add(cls)
             if cls not in pytree.SUPPORTED_NODES:
                 _register(cls)
-        values = output.values()
+        values: Any = output.values()
     elif isinstance(output, (tuple, list)):
         values = output
     else:

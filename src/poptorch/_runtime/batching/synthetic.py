@@ -18,7 +18,7 @@ class SyntheticInputs:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._cache: dict[Any, tuple[Any, list]] = {}
+        self._cache: dict[Any, list] = {}
 
     def __call__(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         leaves, spec = pytree.tree_flatten((args, kwargs))

@@ -37,7 +37,7 @@ def find_unused_forced() -> bool:
     return bool(env_setting(FIND_UNUSED_ENV))
 
 
-def _no_buffer_sync() -> Dict[str, bool]:
+def _no_buffer_sync() -> Dict[str, Any]:
     """DDP's keyword that turns off its per-forward buffer broadcast: newer torch renamed
     ``broadcast_buffers`` to ``forward_sync_buffers`` and warns on the old name (init-time
     syncing is off either way: ``init_sync=False`` gates every construction collective)."""
@@ -106,7 +106,7 @@ class SyncOnLastMicrobatch:
                     outputs.extend(self._probe(microbatch, loss_of))
                 else:
                     outputs.extend(self.inner([microbatch], loss_of))
-            if self.check_used and not all(self.last_used):
+            if self.check_used and not all(self.last_used or ()):
                 raise self._unused_error()
         return outputs
 

@@ -129,7 +129,7 @@ def shared_random_seed(process_id: int, num_processes: int) -> int:
     """A random seed drawn by process 0 and known to every process (joins the process
     group if needed): shuffling then gives every process the same order."""
     world = join(process_id, num_processes, torch.device("cpu"))
-    seed = [int(torch.randint(0, 2**62, ()).item()) if world.rank == 0 else None]
+    seed: list[Any] = [int(torch.randint(0, 2**62, ()).item()) if world.rank == 0 else None]
     if world.distributed:
         dist.broadcast_object_list(seed, src=0, group=world.group)
-    return seed[0]
+    return int(seed[0])

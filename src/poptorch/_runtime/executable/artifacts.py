@@ -164,7 +164,7 @@ def prebuilt_kernels() -> Iterator[None]:
                 f.write(f"#include <{header}>\n")
         return path
 
-    codecache._precompile_header = plain_header
+    codecache._precompile_header = plain_header  # type: ignore[assignment]  # (its lru_cache wrapper is what we replace)
     try:
         yield
     finally:

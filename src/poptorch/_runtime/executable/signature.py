@@ -35,8 +35,9 @@ def _paths(spec: pytree.TreeSpec) -> list[str]:
         if not head:
             names.append("input")
             continue
-        key = head[0]
-        base = (f"input {key.idx}" if keys[0].idx == 0 else f"input {key.key!r}") \
+        key: Any = head[0]  # a SequenceKey (.idx) or MappingKey (.key)
+        first: Any = keys[0]
+        base = (f"input {key.idx}" if first.idx == 0 else f"input {key.key!r}") \
             if hasattr(key, "idx") or hasattr(key, "key") else f"input {key}"
         names.append(base + "".join(str(k) for k in rest))
     return names

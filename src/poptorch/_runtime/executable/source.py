@@ -35,7 +35,7 @@ class ProgramSource:
         # The compiled step compiles at the first or second call: the first two calls
         # run under first_call(), and the cache entry is written after each.
         self.warmup_calls = 2
-        self.cache_dir = cache_dir if self.compiles else None
+        self.cache_dir = cache_dir if backend is not None and self.compiles else None
         self.cache_key: str | None = None
         if cache_dir is not None:
             executable_cache.note_backend(cache_dir, backend)
@@ -43,7 +43,7 @@ class ProgramSource:
             self.expected = precompiled["signature"]  # checked by the executor already
             self.installed = self.compiles and self._install(precompiled.get("artifacts"),
                                                              "the precompiled file")
-        if self.cache_dir is not None and not self.installed:
+        if self.cache_dir is not None and backend is not None and not self.installed:
             self.cache_key = executable_cache.cache_key(
                 backend=backend, training=key_parts["training"],
                 options=key_parts["options"], model=key_parts["model"],
@@ -82,7 +82,7 @@ class ProgramSource:
         self.warmup_calls -= 1
         with artifacts.prebuilt_kernels() if self.installed else contextlib.nullcontext():
             yield
-        if self.cache_key is not None:
+        if self.cache_key is not None and self.cache_dir is not None:
             compiled = artifacts.collect()
             if compiled is not None:
                 executable_cache.write(self.cache_dir, self.cache_key, compiled)

@@ -313,7 +313,7 @@ class _ForwardPatch:
     def __init__(self, module: torch.nn.Module, wrapper: Callable) -> None:
         self.module = module
         self.had_own = "forward" in vars(module)
-        self.previous = vars(module).get("forward")
+        self.previous: Any = vars(module).get("forward")
         self.wrapper = wrapper
         module.forward = wrapper
 

@@ -82,7 +82,8 @@ class WeightsFollowActivations(TorchFunctionMode):
             floating_args(kwargs.values(), found)
         if len(found) < 2:
             return None
-        act, weight = set(), set()
+        act: set = set()
+        weight: set = set()
         for t in found:
             (weight if self.is_weight(t) else act).add(t.dtype)
         if len(act) != 1 or not weight or weight == act:

@@ -147,7 +147,8 @@ class LossScaler:
             handle.remove()
         save = self.optimizer.register_state_dict_post_hook(self._save_hook)
         load = self.optimizer.register_load_state_dict_pre_hook(self._load_hook)
-        self.optimizer._poptorch_scaler_hooks = (save, load)
+        optimizer: Any = self.optimizer  # (our attribute on the user's optimizer)
+        optimizer._poptorch_scaler_hooks = (save, load)  # removed above when set again
         extra: Optional[dict] = getattr(self.optimizer, "_extra_state", None)
         if extra and _STATE_KEY in extra:
             # The optimizer was loaded from a checkpoint before this scaler existed.

@@ -220,7 +220,8 @@ class _FloatAffine:
     casts (autograd flows back to the parameters through the casts)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
-        self.params = module._parameters
+        # the module's own parameter table: a float32 copy is swapped in for the call
+        self.params: dict[str, Any] = module._parameters
         self.saved: dict = {}
 
     def __enter__(self) -> None:
@@ -263,7 +264,7 @@ def _keep_statistics_float(model: torch.nn.Module) -> list[str]:
         if not low or module.running_mean is None:
             continue
         for stat in stats:
-            if stat.dtype != torch.float32:
+            if stat is not None and stat.dtype != torch.float32:
                 stat.data = stat.data.float()
         module.forward = _float_statistics_forward(module)
         adapted.append(name or type(module).__name__)

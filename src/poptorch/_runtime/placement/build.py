@@ -91,7 +91,7 @@ class ModelParallelRunner:
         self.training = training
         self.strategy = strategy
         self.partition: Optional[Partition] = None
-        self.devices = devices
+        self.devices: Any = devices  # acquired with the partition when not given
         self.streaming: Optional[StreamingMemory] = None
         self.last_schedule: Optional[ScheduleRecord] = None
         self._plain = False

@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from . import markers
-from .strategy import (PARALLEL_PHASED, PIPELINED, SHARDED, ExecutionStrategy, is_phased,
+from .strategy import (PARALLEL_PHASED, PIPELINED, ExecutionStrategy, is_phased,
                        kind_of)
 from ...enums import AutoStage
 from ...errors import Error
@@ -228,7 +228,7 @@ def _pipeline_stages(trace: BlockTrace, strategy: ExecutionStrategy):
         explicit = strategy._explicit_stages()
         implicit = IMPLICIT_BLOCK in blocks
         for i, stage in enumerate(explicit):
-            ipus = {trace.ipu_of.get(b) for b in stage.blocks} - {None}
+            ipus: set = {trace.ipu_of.get(b) for b in stage.blocks} - {None}
             if stage._ipu is None and len(ipus) > 1:
                 raise Error(f"{stage!r} of {name} has blocks on different IPUs {sorted(ipus)}: "
                             "a stage runs on one IPU. Set it with Stage(...).ipu(n).")
@@ -285,7 +285,7 @@ def _phased_stages(trace: BlockTrace, strategy: ExecutionStrategy):
             raise Error(f"Phase {p} of {name} has {len(phase.stages)} stage(s) but phase 0 has "
                         f"{group}: the number of stages in each phase must match the number "
                         "of IPUs in each group of IPUs.")
-        used = {}
+        used: dict = {}
         for j, stage in enumerate(phase.stages):
             if stage._ipu is not None:
                 ipu = stage._ipu
@@ -315,7 +315,8 @@ def _phased_stages(trace: BlockTrace, strategy: ExecutionStrategy):
         first = next((b for b in trace.sequence if b != IMPLICIT_BLOCK), None)
         block_stage[IMPLICIT_BLOCK] = block_stage[first] if first is not None else 0
     for before, after in zip(trace.sequence, trace.sequence[1:]):
-        pb, pa = stages[block_stage[before]].phase, stages[block_stage[after]].phase
+        # (phased partitions give every stage its phase)
+        pb, pa = stages[block_stage[before]].phase or 0, stages[block_stage[after]].phase or 0
         if pa < pb:
             raise Error(f"Block {after!r} (phase {pa}) runs after block {before!r} (phase "
                         f"{pb}): in {name} phases run one after another, so the blocks of a "
@@ -367,5 +368,4 @@ def _check_pipeline_depth(part: Partition, options: Any, training: bool) -> None
 
 
 __all__ = ["BlockNamer", "BlockTrace", "Partition", "StagePlan", "trace_blocks",
-           "resolve_partition", "is_pipelined", "has_static_annotations", "IMPLICIT_BLOCK",
-           "SerialPhasedExecution", "ShardedExecution"]
+           "resolve_partition", "is_pipelined", "has_static_annotations", "IMPLICIT_BLOCK"]

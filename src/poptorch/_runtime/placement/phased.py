@@ -73,7 +73,7 @@ class StreamingMemory:
             streamed = (self.liveness != Liveness.AlwaysLive
                         or _location_off_chip(weight_loc, t.numel()))
             if streamed:
-                self._phase_weights.setdefault(plan.phase, []).append(t)
+                self._phase_weights.setdefault(plan.phase or 0, []).append(t)
             else:
                 self._pinned.append(t)
         self.resident: Dict[int, bool] = {p: False for p in self._phase_weights}

@@ -24,6 +24,7 @@ import collections
 import sys
 import threading
 import weakref
+from types import FrameType
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -60,7 +61,7 @@ def checkpoint(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
 # ---------------------------------------------------------------- forward boundaries
 def _hook_outermost_module() -> None:
     """Install the recording hooks on the outermost module running on this thread."""
-    frame = sys._getframe(2)
+    frame: Optional[FrameType] = sys._getframe(2)
     model = None
     while frame is not None:
         if frame.f_code is _CALL_IMPL:
@@ -156,8 +157,9 @@ class _Kept:
 
     __slots__ = ("payload", "unpack", "version", "tensor")
 
-    def __init__(self, tensor: torch.Tensor, outer: Optional[tuple]) -> None:
+    def __init__(self, tensor: Any, outer: Optional[tuple]) -> None:
         self.version = tensor._version
+        self.tensor: Any
         if outer is None:
             self.tensor, self.payload, self.unpack = tensor, None, None
         else:
@@ -389,7 +391,8 @@ def _written_leaves(func, args: tuple, kwargs: dict) -> set:
     positions, names = cached
     if not positions:
         return set()
-    written, leaf = set(), 0
+    written: set = set()
+    leaf = 0
     for key, value in [*enumerate(args), *kwargs.items()]:
         count = len(pytree.tree_leaves(value))
         if key in positions or key in names:

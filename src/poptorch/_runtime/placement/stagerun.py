@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from . import markers
 from .partition import BlockNamer, Partition
-from .pipeline import BACKWARD, FORWARD, LaneScheduler
+from .pipeline import FORWARD, LaneScheduler
 
 _ORIGIN = "_poptorch_origin"
 

@@ -21,6 +21,12 @@ class ExecutionStrategy(Protocol):
     """The attributes of a strategy object that the runtime reads."""
 
     schedule_kind: str
+    # read per kind: pipelined / sharded (auto_stage), phased (phases, tensors_liveness);
+    # last_schedule is written by the runner for inspection
+    auto_stage: Any
+    phases: Any
+    tensors_liveness: Any
+    last_schedule: Any
 
     def onStartTracing(self) -> None: ...
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import os
+import sys
 import time
 import types
 from typing import Any, Callable
@@ -95,6 +96,13 @@ def _detach(output: Any) -> Any:
                            output)
 
 
+def _dynamo_settings() -> Any:
+    """The dynamo settings our traces need, scoped to the trace: ``trace_autograd_ops``
+    lets torch.compile trace ``torch.autograd.grad`` instead of splitting the graph
+    there. Nothing is changed for the rest of the process."""
+    return torch._dynamo.config.patch(trace_autograd_ops=True)
+
+
 def _cuda_graph_replay(compiled: Callable[..., Any]) -> Callable[..., Any]:
     """CUDA graph replays reuse their output memory: mark each replay as a new step
     and copy the outputs out, since a call keeps several steps' outputs."""
@@ -123,10 +131,11 @@ def _device_function(program: Any, model: torch.nn.Module,
     mode, period = program.output_mode, program.output_return_period
     multiplier, divide = program.loss_multiplier, float(program.divide_grads_by)
     optimizer = program.optimizer
-    raw_step = _unwrapped_step(optimizer) if training else None
+    raw_step: Any = _unwrapped_step(optimizer) if training else None
 
     def device_step(microbatches: list) -> list:
-        total, outputs = None, []
+        total: Any = None
+        outputs = []
         for args, kwargs in microbatches:
             with torch.enable_grad():
                 out = model(*args, **kwargs)
@@ -142,7 +151,7 @@ def _device_function(program: Any, model: torch.nn.Module,
         with torch.no_grad():
             for p, g in zip(params, total):
                 if g is not None:
-                    p.grad.copy_(g / divide if divide != 1.0 else g)
+                    p.grad.copy_(g / divide if divide != 1.0 else g)  # type: ignore[union-attr]  # the eager call made it
                 elif p.grad is not None:  # eager would skip it with grad=None
                     raise Uncapturable("a parameter that had a gradient gets none")
             raw_step(optimizer)
@@ -164,7 +173,9 @@ def _device_function(program: Any, model: torch.nn.Module,
     # executor must have its own cache entries (not share the recompile limit).
     fn = device_step if training else device_call
     name = f"poptorch_{fn.__name__}_{next(_names)}"
-    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    code = fn.__code__.replace(co_name=name)
+    if sys.version_info >= (3, 11):  # (code objects have a qualified name from 3.11 on)
+        code = code.replace(co_qualname=name)
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
@@ -189,7 +200,8 @@ class CompiledCall:
         self.params = [p for p in model.parameters() if p.requires_grad] \
             if program.training else []
         self.failed = False
-        self._fn: Callable[[tuple, dict], Any] | None = None
+        # the compiled call (inference: (args, kwargs); training: (microbatches,))
+        self._fn: Any = None
         self._optimizer: Any = None
         self._traced = False
         self._grad_params: list[torch.nn.Parameter] = []
@@ -299,7 +311,11 @@ class CompiledCall:
         bar = tqdm(total=1, desc=f"Compiling the device program ({self.name})",
                    leave=False, unit="program", disable=not self.progress)
         try:
-            result = fn(*inputs)
+            # the dynamo settings of our capture, for this trace only (dynamo reads
+            # them while tracing; a later retrace without them fails to capture
+            # whole and falls back to the eager loop, with the same results)
+            with _dynamo_settings():
+                result = fn(*inputs)
         except (torch._dynamo.exc.TorchDynamoException, Uncapturable) as error:
             self._fail(error)
             if first:
@@ -319,16 +335,13 @@ class CompiledCall:
             # Gradients go into the .grad tensors the eager call created: writing a
             # parameter's .grad attribute inside the graph would split it.
             self._grad_params = [p for p in self.params if p.grad is not None]
-            self._grads = [p.grad for p in self._grad_params]
-        # Lets torch.compile trace torch.autograd.grad instead of splitting the graph
-        # there; read when tracing, so it stays on for the process (documented).
-        torch._dynamo.config.trace_autograd_ops = True
+            self._grads = [p.grad for p in self._grad_params if p.grad is not None]
         fn = _device_function(self.program, self.model, self.params)
         compiler = _compiler()
         if compiler != "inductor":  # e.g. aot_eager: the same capture, eager kernels
             self._fn = torch.compile(fn, fullgraph=True, backend=compiler)
         else:
-            options = {"fallback_random": True}
+            options: dict[str, Any] = {"fallback_random": True}
             if self.device.type == "cuda":
                 options["triton.cudagraphs"] = True
             self._fn = torch.compile(fn, fullgraph=True, backend="inductor",

@@ -171,7 +171,8 @@ class ConcurrentReplicas:
         written by the host since the last step)."""
         with torch.no_grad():
             for params in self.params[1:]:
-                torch._foreach_copy_(params, self.params[0], non_blocking=True)
+                torch._foreach_copy_(list[torch.Tensor](params), list[torch.Tensor](self.params[0]),
+                                     non_blocking=True)
 
     def _gather_grads(self) -> None:
         """Add every copy's gradients to replica 0's and clear them."""

@@ -65,7 +65,7 @@ class RngScope:
         self.device = device
         self.state: torch.Tensor | None = None
         self.cuda_state: torch.Tensor | None = None
-        if self.enabled:
+        if seed is not None:
             self.seed = int(seed)
             self.state = torch.Generator().manual_seed(self.seed).get_state()
             if self.cuda:
@@ -75,9 +75,11 @@ class RngScope:
     def __enter__(self) -> None:
         if not self.enabled:
             return
+        assert self.state is not None  # (set with ``enabled``)
         self._saved = torch.get_rng_state()
         torch.set_rng_state(self.state)
         if self.cuda:
+            assert self.cuda_state is not None
             self._saved_cuda = torch.cuda.get_rng_state(self.device)
             torch.cuda.set_rng_state(self.cuda_state, self.device)
 
@@ -163,7 +165,7 @@ class DeviceProgram:
     @optimizer.setter
     def optimizer(self, optimizer: Any) -> None:
         self._optimizer = optimizer
-        self._step = None if optimizer is None else fast_step(optimizer)
+        self._step: Any = None if optimizer is None else fast_step(optimizer)
 
     def set_scaler(self, scaler: Any) -> None:
         """Install (or remove, with None) the loss scaler used by training steps."""
@@ -316,7 +318,8 @@ class DeviceProgram:
                 grad = torch.is_grad_enabled()
                 torch._C._set_grad_enabled(False)
                 try:
-                    output = self.runner.forward(*args, **kwargs)
+                    runner: Any = self.runner  # a SequentialRunner (single_ready)
+                    output = runner.forward(*args, **kwargs)
                 finally:
                     torch._C._set_grad_enabled(grad)
                 if marked:
@@ -340,7 +343,7 @@ class DeviceProgram:
         factories = list(self.thread_contexts) + [
             f for f in (getattr(w, "thread_context", None) for w in self.wrappers)
             if f is not None]
-        runner = self.runner
+        runner: Any = self.runner
         while runner is not None:
             if hasattr(runner, "worker_contexts"):
                 runner.worker_contexts = factories

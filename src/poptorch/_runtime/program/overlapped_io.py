@@ -96,7 +96,7 @@ class _ForwardRecord(TorchFunctionMode):
     def __init__(self, inputs: list[torch.Tensor], names: list[str]) -> None:
         super().__init__()
         self.inputs = inputs  # kept alive: their ids stay theirs during the forward
-        self.index = {}
+        self.index: dict[int, int] = {}
         for n, t in enumerate(inputs):
             self.index.setdefault(id(t), n)
         self.names = names
@@ -165,7 +165,6 @@ class _ForwardRecord(TorchFunctionMode):
         """Raise ``poptorch.Error`` for the first rule ``output`` and the recorded
         markers break, in PopTorch's order (module docstring)."""
         leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
-        returned = [id(t) for t in leaves]
         for n in sorted(self.marked):
             raw = self.inputs[n]
             others = list(self.uses.get(n, []))
@@ -178,10 +177,10 @@ class _ForwardRecord(TorchFunctionMode):
                     "and use only the tensor it returns."))
         reached = set()
         for leaf in leaves:
-            raw = self.root.get(id(leaf))
-            if raw is None or id(leaf) in reached:
+            root = self.root.get(id(leaf))
+            if root is None or id(leaf) in reached:
                 continue
-            count = sum(t is raw or self.root.get(id(t)) is raw for t in leaves)
+            count = sum(t is root or self.root.get(id(t)) is root for t in leaves)
             if count > 1:
                 raise Error(_RETURNED_TWICE + " Return the marked tensor once only.")
             reached.add(id(leaf))
@@ -251,7 +250,7 @@ class OverlapCheck:
             record.check(output, self.settings)
             return output
 
-        forward.__wrapped__ = original  # inspect.signature sees forward's parameters
+        forward.__wrapped__ = original  # type: ignore[attr-defined]  # (a function attribute: inspect.signature sees forward's parameters)
         if "torch._dynamo" in sys.modules:  # (not imported by eager-only programs)
             # a torch.compile'd forward runs this check eagerly (graph break)
             forward = torch._dynamo.disable(forward)

@@ -92,7 +92,8 @@ class TrainingMode:
             d["training"] = other
         for module in self._flipped_custom:
             module.training = other
-        self._flipped = self._flipped_custom = []
+        self._flipped = []
+        self._flipped_custom = []
 
 def iter_module_pairs(original: torch.nn.Module, copied: torch.nn.Module):
     """Yield (original_submodule, copied_submodule) pairs in ``named_modules`` order."""

@@ -32,11 +32,12 @@ class WeightSync:
     def _pairs(self, buffers: bool = True, params: bool = True,
                buffer_names: Collection[str] | None = None
                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        dev = dict(self._device_model.named_parameters()) if params else {}
+        dev: dict[str, torch.Tensor] = \
+            dict(self._device_model.named_parameters()) if params else {}
         if buffers:
             dev.update((n, b) for n, b in self._device_model.named_buffers()
                        if buffer_names is None or n in buffer_names)
-        host = dict(self._host.named_parameters()) if params else {}
+        host: dict[str, torch.Tensor] = dict(self._host.named_parameters()) if params else {}
         if buffers:
             host.update(self._host.named_buffers())
         for name, tensor in dev.items():
@@ -112,7 +113,7 @@ def _install_access_hook(host: torch.nn.Module, sync: WeightSync) -> None:
     def __getattr__(self, name):
         refresh(self)
         return base.__getattr__(self, name)
-    namespace["__getattr__"] = __getattr__
+    namespace["__getattr__"] = __getattr__  # type: ignore[assignment]  # (a class namespace)
     host.__class__ = type(base.__name__, (base,), namespace)
 
 
