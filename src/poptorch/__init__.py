@@ -53,4 +53,4 @@ from ._runtime.export import importPoptorchMetadataFromFile
 # --- upstream's private modules that libraries import (issue 17) ------------------
 from . import _impl, _poplar_executor
 
-__version__ = "3.4.0"
+from ._version import __version__

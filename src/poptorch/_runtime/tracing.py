@@ -35,33 +35,19 @@ from typing import Any
 import torch
 
 from .._logging import info_once, logger
-from ..errors import Error
+from .environment import ENGINE_OPTIONS, PVTI_OPTIONS, json_options
 
 _TRUE = ("true", "1", "yes", "on")
-
-
-def _env_json(name: str) -> dict:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise Error(f"{name} is not valid JSON ({e}): expected for example "
-                    f"{name}='{{\"autoReport.all\":\"true\"}}'.") from e
-    if not isinstance(value, dict):
-        raise Error(f"{name} must be a JSON object, got {text!r}.")
-    return value
 
 
 def profile_directory(options: Any) -> str | None:
     """Where this model's run is profiled, or None (module docstring)."""
     if options.profile_dir is not None:
         return options.profile_dir
-    engine = _env_json("POPLAR_ENGINE_OPTIONS")
+    engine = json_options(ENGINE_OPTIONS)
     if str(engine.get("autoReport.all", "")).lower() in _TRUE:
         return str(engine.get("autoReport.directory", "."))
-    pvti = _env_json("PVTI_OPTIONS")
+    pvti = json_options(PVTI_OPTIONS)
     if str(pvti.get("enable", "")).lower() in _TRUE:
         return str(pvti.get("directory", engine.get("autoReport.directory", ".")))
     return None

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
+from .._runtime.torch_internals import pytree
 
 from ..errors import Error
 

@@ -12,7 +12,7 @@ import importlib.util
 from typing import Any, Iterator, Optional
 
 import torch
-import torch.utils._pytree as pytree
+from .._runtime.torch_internals import pytree
 
 from .._logging import info_once
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+from .._runtime.torch_internals import pytree
 
 from ..annotations.strategies import PipelinedExecution, ShardedExecution
 from ..errors import Error

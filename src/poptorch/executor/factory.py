@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 
 from .._runtime.export import read_payload, stash_precompiled
+from .._version import __version__
 from ..errors import Error
 from .poplar_executor import PoplarExecutor
 from ..optim.optimizers import SGD
@@ -19,7 +20,7 @@ from ..options.options import Options
 
 __all__ = ["trainingModel", "inferenceModel", "load"]
 
-_VERSION = "3.4.0"
+_VERSION = __version__
 
 
 class _ModelWithLoss(torch.nn.Module):

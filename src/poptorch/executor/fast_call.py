@@ -31,6 +31,7 @@ import torch
 from .._runtime import context
 from .._runtime.numerics.autocast import NOT_TOP
 from .._runtime.program.device_loop import detach_needed
+from .._runtime.torch_internals import set_grad_enabled
 
 MISS = object()  # FastCall's answer when the call must take the general path
 
@@ -142,7 +143,7 @@ def _eager_inference(executor: Any, args: tuple) -> Callable[[tuple, dict], Any]
     thread_state = context.thread_state()
     buffers = state.get("_buffers_list") or None
     perf_counter = time.perf_counter
-    grad_enabled, set_grad = torch.is_grad_enabled, torch._C._set_grad_enabled
+    grad_enabled, set_grad = torch.is_grad_enabled, set_grad_enabled
     tensor = _Tensor
 
     def fast_inference(args: tuple, kwargs: dict) -> Any:

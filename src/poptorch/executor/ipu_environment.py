@@ -7,20 +7,18 @@ library on an IPU and has no effect here: logged once at INFO when a model compi
 """
 from __future__ import annotations
 
-import json
-import os
-
 from .._logging import info_once
+from .._runtime.environment import ENGINE_OPTIONS, PVTI_OPTIONS, json_options, text
+from ..errors import Error
 
 __all__ = ["log_ipu_only_environment"]
 
 
-def _json(text: str) -> dict | None:
+def _json(name: str) -> dict | None:
     try:
-        value = json.loads(text)
-    except ValueError:
+        return json_options(name)
+    except Error:  # (the profiler refuses it when it reads it)
         return None
-    return value if isinstance(value, dict) else None
 
 
 def _truthy(value) -> bool:
@@ -34,9 +32,9 @@ def _requests_reports(options: dict) -> bool:
 
 def log_ipu_only_environment() -> None:
     """Log once the IPU-only settings found in the environment (see module docstring)."""
-    engine = os.environ.get("POPLAR_ENGINE_OPTIONS")
+    engine = text(ENGINE_OPTIONS)
     if engine:
-        options = _json(engine)
+        options = _json(ENGINE_OPTIONS)
         if options is None:
             info_once(("env", "POPLAR_ENGINE_OPTIONS", engine),
                       "POPLAR_ENGINE_OPTIONS=%r is not a JSON object; on an IPU Poplar "
@@ -46,9 +44,9 @@ def log_ipu_only_environment() -> None:
                       "POPLAR_ENGINE_OPTIONS=%r: on an IPU these Poplar engine options "
                       "tune how the graph is compiled and run; here they have no effect.",
                       engine)
-    pvti = os.environ.get("PVTI_OPTIONS")
+    pvti = text(PVTI_OPTIONS)
     if pvti:
-        options = _json(pvti)
+        options = _json(PVTI_OPTIONS)
         if options is None or not _truthy(options.get("enable")):
             info_once(("env", "PVTI_OPTIONS", pvti),
                       "PVTI_OPTIONS=%r: on an IPU system these configure the PopVision "

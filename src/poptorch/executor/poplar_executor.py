@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+from .._runtime.torch_internals import pytree
 
 from .. import _devices
 from . import hooks as _hooks, optimizer_rules, program_setup

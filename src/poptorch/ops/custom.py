@@ -7,6 +7,8 @@ import threading
 import torch
 
 from .._logging import info_once
+from .._runtime.torch_internals import (disable_dynamo, dispatch_get_all_op_names,
+                                        dispatch_has_kernel_for_dispatch_key, fake_impl_entry)
 from ..errors import Error
 
 __all__ = ["custom_op", "attributes_lists", "accessAttributes", "ATTR_PREFIX"]
@@ -63,7 +65,7 @@ def accessAttributes(attribute_id_str: str) -> dict:
 def _registered(namespace: str) -> list[str]:
     """Names of the operators registered under ``namespace`` (C++ or Python)."""
     prefix = namespace + "::"
-    return sorted({n[len(prefix):].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
+    return sorted({n[len(prefix):].split(".")[0] for n in dispatch_get_all_op_names()
                    if n.startswith(prefix)})
 
 
@@ -92,9 +94,9 @@ _fake_lock = threading.Lock()
 
 
 def _has_fake(qualname: str) -> bool:
-    if torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "Meta"):
+    if dispatch_has_kernel_for_dispatch_key(qualname, "Meta"):
         return True
-    entry = torch._library.simple_registry.singleton.find(qualname)
+    entry = fake_impl_entry(qualname)
     return entry.fake_impl.kernel is not None
 
 
@@ -135,7 +137,7 @@ def _record(operator, attributes: dict, example_outputs: list) -> None:
 # runs eagerly, and only at the operator's first use (one graph break). torch's lazy form
 # of ``torch._dynamo.disable``: importing torch._dynamo up front would double the time
 # ``import poptorch`` takes.
-_record_eagerly = torch._disable_dynamo(_record)
+_record_eagerly = disable_dynamo(_record)
 
 
 def custom_op(inputs, name: str, domain: str, domain_version: int, example_outputs,

@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 
 from .._runtime import context
+from .._runtime.torch_internals import disable_dynamo
 from ..errors import Error
 
 __all__ = ["CPU", "getIpuTensorId"]
@@ -86,7 +87,7 @@ class CPU:
             buffer.copy_(result)
         return self.outputs
 
-    @torch._disable_dynamo  # host work: a compiled model breaks its graph here (lazy: no
+    @disable_dynamo  # host work: a compiled model breaks its graph here (lazy: no
     # torch._dynamo import until the first call)
     def __call__(self, *input: Any, **kwargs: Any):
         tensors = [t for t in input if isinstance(t, torch.Tensor)]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._runtime.torch_internals import disable_dynamo
 from ..errors import Error
 
 __all__ = ["ipu_print_tensor", "format_tensor"]
@@ -145,7 +146,7 @@ class _PrintTensor(torch.autograd.Function):
         return grad, None, None, None
 
 
-@torch._disable_dynamo  # host work: keep the compiler out (imports torch._dynamo lazily)
+@disable_dynamo  # host work: keep the compiler out (imports torch._dynamo lazily)
 def _emit(title: str, tensor: torch.Tensor, style: dict) -> None:
     text = format_tensor(tensor, **style)
     builtins.print(f"{title}: {text}" if title else text, flush=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+from ..torch_internals import pytree
 
 from ...enums import CommGroupType, OutputMode
 from ...errors import Error

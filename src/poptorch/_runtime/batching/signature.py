@@ -237,7 +237,7 @@ def detach_inputs(args: tuple, kwargs: dict, warn_key: Any = None) -> tuple[tupl
     if not kwargs and all(isinstance(a, torch.Tensor) and not a.requires_grad
                           for a in args):
         return args, kwargs  # the common case: nothing to do
-    from torch.utils import _pytree as pytree
+    from ..torch_internals import pytree
     leaves, spec = pytree.tree_flatten((args, kwargs))
     if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
         return args, kwargs

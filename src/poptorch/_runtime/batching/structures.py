@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from torch.utils import _pytree as pytree
+from ..torch_internals import pytree
 
 __all__ = ["register_mapping_outputs"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+from ..torch_internals import pytree
 
 
 class SyntheticInputs:

@@ -10,6 +10,8 @@ import contextlib
 from typing import Any, Iterable, Iterator, List, Sequence
 
 import torch
+
+from ..torch_internals import foreach_copy_
 import torch.distributed as dist
 
 from ...errors import Error
@@ -85,7 +87,7 @@ def broadcast_(tensors: Sequence[torch.Tensor], group: Any, src: int = 0) -> Non
             members = [tensors[i] for i in bucket]
             flat = _flat(members)
             dist.broadcast(flat, src=src, group=group)
-            torch._foreach_copy_(members, list(_views(flat, members)))
+            foreach_copy_(members, list(_views(flat, members)))
 
 
 def all_reduce_sum(tensors: Sequence[torch.Tensor], group: Any) -> List[torch.Tensor]:

@@ -24,6 +24,7 @@ from typing import Any, Iterator
 
 import torch
 
+from ..torch_internals import inductor_cache_dir, inductor_codecache
 from ..._logging import logger
 
 FORMAT = 1
@@ -31,8 +32,7 @@ FORMAT = 1
 
 def _inductor_cache_dir() -> str | None:
     try:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-        return os.path.realpath(cache_dir())
+        return os.path.realpath(inductor_cache_dir())
     except Exception:  # pragma: no cover - torch without inductor
         return None
 
@@ -149,7 +149,7 @@ def prebuilt_kernels() -> Iterator[None]:
     seconds on a fresh machine. A kernel that still has to be built (none when the
     binaries were installed) includes the plain header instead: slower, same code."""
     try:
-        from torch._inductor import codecache
+        codecache = inductor_codecache()
         original = codecache._precompile_header
     except (ImportError, AttributeError):
         yield
@@ -164,7 +164,7 @@ def prebuilt_kernels() -> Iterator[None]:
                 f.write(f"#include <{header}>\n")
         return path
 
-    codecache._precompile_header = plain_header  # type: ignore[assignment]  # (its lru_cache wrapper is what we replace)
+    codecache._precompile_header = plain_header  # (its lru_cache wrapper is what we replace)
     try:
         yield
     finally:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+from ..torch_internals import pytree
 
 from ...errors import Error
 

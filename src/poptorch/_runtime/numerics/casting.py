@@ -111,7 +111,7 @@ def _signature(args: tuple, kwargs: dict) -> tuple:
             return tuple([a.dtype for a in args])
         except AttributeError:
             pass
-    from torch.utils import _pytree as pytree
+    from ..torch_internals import pytree
     leaves = pytree.tree_leaves((args, kwargs))
     return tuple(t.dtype if isinstance(t, torch.Tensor) else None for t in leaves)
 

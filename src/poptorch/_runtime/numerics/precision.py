@@ -30,7 +30,7 @@ from typing import Any, Iterable, Mapping
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
+from ..torch_internals import NormBase, pytree
 
 from ... import _logging
 from ...enums import HalfFloatCastingBehavior
@@ -256,7 +256,7 @@ def _keep_statistics_float(model: torch.nn.Module) -> list[str]:
     they stay shared) and make those layers compute in float32. Returns their names."""
     adapted = []
     for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.modules.batchnorm._NormBase):
+        if not isinstance(module, NormBase):
             continue
         stats = [module.running_mean, module.running_var]
         weights = [module.weight, module.bias]

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
+from ..torch_internals import pytree
 
 from . import markers
 from .strategy import (PARALLEL_PHASED, PIPELINED, ExecutionStrategy, is_phased,

@@ -28,8 +28,10 @@ from types import FrameType
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from ..torch_internals import (MODULE_CALL_CODE, DisableAutocast, DisableTorchFunction,
+                               TorchDispatchMode, current_graph_task_id,
+                               disable_current_modes, pytree,
+                               top_saved_tensors_default_hooks)
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ...errors import Error
@@ -42,7 +44,7 @@ Ref = Tuple[int, int]  # (index of the op in the tape, index of the output tenso
 _state = threading.local()
 _hooked_models: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 _hook_lock = threading.Lock()
-_CALL_IMPL = torch.nn.Module._call_impl.__code__
+_CALL_IMPL = MODULE_CALL_CODE
 
 
 def checkpoint(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -109,7 +111,7 @@ class ForwardRecording:
         self.owner = owner
         self.depth = 0
         self.checkpoints = 0
-        self.outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        self.outer = top_saved_tensors_default_hooks(True)
         self.segment = _Segment(self.outer)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._mode = _TapeMode(self)
@@ -322,7 +324,7 @@ class _Segment:
         return value
 
     def _replay(self) -> Dict[Ref, torch.Tensor]:
-        if torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
+        if torch.is_grad_enabled() and current_graph_task_id() != -1:
             raise Error("Recomputation does not support a backward pass with "
                         "create_graph=True (double backward): remove the "
                         "poptorch.recomputationCheckpoint calls for this model.")
@@ -336,8 +338,8 @@ class _Segment:
         externals = [self.snapshots[i].clone() if i in self.snapshots else t
                      for i, t in enumerate(self.externals)]
         values: Dict[Ref, torch.Tensor] = {}
-        with torch.no_grad(), _disable_current_modes(), torch._C.DisableTorchFunction(), \
-                torch._C._DisableAutocast(), _ReplayRng(self.rng) as rng:
+        with torch.no_grad(), disable_current_modes(), DisableTorchFunction(), \
+                DisableAutocast(), _ReplayRng(self.rng) as rng:
             for i, (func, refs, spec) in enumerate(self.ops):
                 rng.before(i)
                 leaves = [values[r.ref] if isinstance(r, _Internal) else

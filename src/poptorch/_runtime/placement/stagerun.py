@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
+from ..torch_internals import pytree
 
 from . import markers
 from .partition import BlockNamer, Partition

@@ -40,13 +40,14 @@ import types
 from typing import Any, Callable
 
 import torch
-from torch.optim import optimizer as torch_optimizer
 
 from ..._logging import info_once, logger
 from .. import context
 from ..batching.plan import OutputCollector, split_inputs
 from .loss import LossNeedsEager, find_loss
 from .runner import SequentialRunner
+from ..torch_internals import (dynamo, dynamo_config_patch, optimizer_hooks_registered,
+                               torch_function_stack_depth)
 
 __all__ = ["CompiledCall", "capture_blocker", "compile_device_program"]
 
@@ -91,7 +92,7 @@ def _unwrapped_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
 
 
 def _detach(output: Any) -> Any:
-    from torch.utils import _pytree as pytree
+    from ..torch_internals import pytree
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t,
                            output)
 
@@ -100,13 +101,13 @@ def _dynamo_settings() -> Any:
     """The dynamo settings our traces need, scoped to the trace: ``trace_autograd_ops``
     lets torch.compile trace ``torch.autograd.grad`` instead of splitting the graph
     there. Nothing is changed for the rest of the process."""
-    return torch._dynamo.config.patch(trace_autograd_ops=True)
+    return dynamo_config_patch(trace_autograd_ops=True)
 
 
 def _cuda_graph_replay(compiled: Callable[..., Any]) -> Callable[..., Any]:
     """CUDA graph replays reuse their output memory: mark each replay as a new step
     and copy the outputs out, since a call keeps several steps' outputs."""
-    from torch.utils import _pytree as pytree
+    from ..torch_internals import pytree
 
     def replay(*inputs: Any) -> Any:
         torch.compiler.cudagraph_mark_step_begin()
@@ -220,10 +221,7 @@ class CompiledCall:
             return None
         if program.scaler is not None:
             return "loss scaling skips steps depending on the gradients"
-        optimizer = program.optimizer
-        if (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
-                or torch_optimizer._global_optimizer_pre_hooks
-                or torch_optimizer._global_optimizer_post_hooks):
+        if optimizer_hooks_registered(program.optimizer):
             return "optimizer step hooks are registered"
         return None
 
@@ -243,7 +241,7 @@ class CompiledCall:
         if self._eager_calls_left:
             self._eager_calls_left -= 1
             return False
-        if torch._C._len_torch_function_stack():
+        if torch_function_stack_depth():
             # A torch function mode (the precision rules' casting of a call whose input
             # dtypes are new) is active: this call runs eagerly; the next ones, once
             # the rules know no casting is needed, are compiled.
@@ -301,7 +299,7 @@ class CompiledCall:
         if self._traced:
             try:
                 return fn(*inputs)
-            except (torch._dynamo.exc.TorchDynamoException, Uncapturable) as error:
+            except (dynamo().exc.TorchDynamoException, Uncapturable) as error:
                 self._fail(error)
                 if first:
                     raise CaptureFailed(str(error)) from error
@@ -316,7 +314,7 @@ class CompiledCall:
             # whole and falls back to the eager loop, with the same results)
             with _dynamo_settings():
                 result = fn(*inputs)
-        except (torch._dynamo.exc.TorchDynamoException, Uncapturable) as error:
+        except (dynamo().exc.TorchDynamoException, Uncapturable) as error:
             self._fail(error)
             if first:
                 raise CaptureFailed(str(error)) from error

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+from ..torch_internals import foreach_copy_, pytree
 
 from .. import context
 from ..batching.plan import Microbatch
@@ -171,7 +171,7 @@ class ConcurrentReplicas:
         written by the host since the last step)."""
         with torch.no_grad():
             for params in self.params[1:]:
-                torch._foreach_copy_(list[torch.Tensor](params), list[torch.Tensor](self.params[0]),
+                foreach_copy_(list[torch.Tensor](params), list[torch.Tensor](self.params[0]),
                                      non_blocking=True)
 
     def _gather_grads(self) -> None:
@@ -201,4 +201,4 @@ class ConcurrentReplicas:
             return
         with torch.no_grad():
             for buffers in self.buffers[1:]:
-                torch._foreach_copy_(buffers, self.buffers[0], non_blocking=True)
+                foreach_copy_(buffers, self.buffers[0], non_blocking=True)

@@ -22,6 +22,7 @@ from .loss import find_loss
 from .optimizer import fast_step
 from .perf import PerfCounters
 from .runner import SequentialRunner, StepRunner
+from ..torch_internals import foreach_div_, foreach_mul_, set_grad_enabled
 
 
 def detach(output: Any) -> Any:
@@ -30,7 +31,7 @@ def detach(output: Any) -> Any:
         return output.detach()
     if type(output) is tuple and all(isinstance(t, torch.Tensor) for t in output):
         return tuple(t.detach() for t in output)  # (a namedtuple goes through pytree)
-    from torch.utils import _pytree as pytree
+    from ..torch_internals import pytree
     register_mapping_outputs(output)  # dict-like outputs: gathered key by key
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t,
                            output)
@@ -213,9 +214,9 @@ class DeviceProgram:
         if self.divide_grads_by != 1 or self.multiply_grads_by != 1:
             grads = [p.grad for p in params if p.grad is not None]
             if grads and self.divide_grads_by != 1:
-                torch._foreach_div_(grads, float(self.divide_grads_by))
+                foreach_div_(grads, float(self.divide_grads_by))
             if grads and self.multiply_grads_by != 1:
-                torch._foreach_mul_(grads, float(self.multiply_grads_by))
+                foreach_mul_(grads, float(self.multiply_grads_by))
         if self.scaler is None or self.scaler.unscale_(params):
             self._step()
         if self.cross is not None:
@@ -316,12 +317,12 @@ class DeviceProgram:
                 output = detach(self._train_step([(args, kwargs)])[0])
             else:
                 grad = torch.is_grad_enabled()
-                torch._C._set_grad_enabled(False)
+                set_grad_enabled(False)
                 try:
                     runner: Any = self.runner  # a SequentialRunner (single_ready)
                     output = runner.forward(*args, **kwargs)
                 finally:
-                    torch._C._set_grad_enabled(grad)
+                    set_grad_enabled(grad)
                 if marked:
                     marked.clear()
                 output = detach_needed(output)

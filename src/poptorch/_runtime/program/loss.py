@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+from ..torch_internals import pytree
 
 from ...errors import Error
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ...errors import Error
+from ..torch_internals import step_needs_wrapper
 from ..weights.sync import WeightSync
 
 
@@ -116,19 +117,12 @@ def fast_step(optimizer: torch.optim.Optimizer):
     returned callable calls the unwrapped step while no step hook is registered and no
     profiler is running, and the full ``optimizer.step()`` otherwise: same results.
     """
-    from torch.autograd import profiler
-    from torch.optim import optimizer as torch_optimizer
-
     wrapped = optimizer.step
     inner = getattr(type(optimizer).step, "__wrapped__", None)
     if inner is None:
         return wrapped
-    global_pre = torch_optimizer._global_optimizer_pre_hooks
-    global_post = torch_optimizer._global_optimizer_post_hooks
-
     def step() -> Any:
-        if (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
-                or global_pre or global_post or profiler._is_profiler_enabled):
+        if step_needs_wrapper(optimizer):
             return wrapped()
         return inner(optimizer)
     return step

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
-from torch.utils import _pytree as pytree
+from ..torch_internals import DisableTorchFunction, dynamo, pytree
 
 from .. import context
 from ...enums import OutputMode, OverlapMode
@@ -86,7 +86,7 @@ class OverlapSettings:
 def _alias(tensor: torch.Tensor) -> torch.Tensor:
     """A new tensor object viewing ``tensor`` (same storage and values, differentiable),
     made outside every torch function mode so that no mode sees the marker as an op."""
-    with torch._C.DisableTorchFunction():
+    with DisableTorchFunction():
         return tensor.view_as(tensor)
 
 
@@ -253,7 +253,7 @@ class OverlapCheck:
         forward.__wrapped__ = original  # type: ignore[attr-defined]  # (a function attribute: inspect.signature sees forward's parameters)
         if "torch._dynamo" in sys.modules:  # (not imported by eager-only programs)
             # a torch.compile'd forward runs this check eagerly (graph break)
-            forward = torch._dynamo.disable(forward)
+            forward = dynamo().disable(forward)
         model.__dict__["forward"] = forward
         return self
 

@@ -12,6 +12,8 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from ..torch_internals import foreach_copy_
+
 from ..batching.plan import Microbatch
 
 LossOf = Callable[[Any], torch.Tensor]
@@ -97,7 +99,7 @@ class ReplicaBuffers:
         self.select(0)
         with torch.no_grad():
             for copies in self.copies[1:]:
-                torch._foreach_copy_(copies, self.copies[0])
+                foreach_copy_(copies, self.copies[0])
 
 
 class PerReplicaRunner:
