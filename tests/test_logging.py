@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import poptorch
 from poptorch import _logging
@@ -117,7 +118,7 @@ def test_max_repeat_logs_suppresses_and_reports(caplog):
     caplog.set_level(logging.INFO, logger="poptorch::python")
     poptorch.setLogLevel("INFO")
     opts = poptorch.Options().maxRepeatLogs(2)
-    opts._freeze()  # logging options take effect when a model is compiled with them
+    opts._apply_effects()  # what a model compiled with these options does
     poptorch.logger.info("start")
     for _ in range(5):
         poptorch.logger.info("same")
@@ -142,7 +143,12 @@ def test_log_dir_writes_a_log_file(tmp_path):
     poptorch.setLogLevel("INFO")
     log_dir = tmp_path / "logs"
     opts = poptorch.Options().logDir(str(log_dir))
-    opts._freeze()
+    opts._freeze()  # freezing alone has no effect ...
+    assert not log_dir.exists()
+    model = torch.nn.Linear(2, 2)
+    x = torch.ones(1, 2)
+    torch.testing.assert_close(poptorch.inferenceModel(model, opts)(x), model(x))
+    assert log_dir.exists()  # ... the options take effect when the model compiles
     poptorch.logger.warning("into the file")
     _logging.set_log_dir(None)  # closes the file
     text = (log_dir / _logging.LOG_FILE_NAME).read_text()
@@ -151,7 +157,7 @@ def test_log_dir_writes_a_log_file(tmp_path):
 
 def test_default_log_dir_writes_no_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    poptorch.Options()._freeze()
+    poptorch.Options()._apply_effects()
     poptorch.logger.warning("not in a file")
     assert not (tmp_path / _logging.LOG_FILE_NAME).exists()
 

@@ -386,8 +386,8 @@ def test_ignored_options_are_reported_and_logged_once(caplog, monkeypatch):
     poptorch.setLogLevel("INFO")
     try:
         with caplog.at_level(logging.INFO, logger="poptorch::python"):
-            opts._freeze()
-            opts.clone()._freeze()  # same options again: not logged twice
+            opts._apply_effects()
+            opts.clone()._apply_effects()  # same options again: not logged twice
     finally:
         poptorch.setLogLevel("WARN")
     logged = [r.getMessage() for r in caplog.records if "has no effect and is ignored" in r.getMessage()]

@@ -200,7 +200,8 @@ class PoplarExecutor(ExecutorInspection):
             bar.update()
         finally:
             bar.close()
-        opts._freeze()  # also logs the options that have no effect here
+        opts._freeze()
+        opts._apply_effects()  # logging options; logs the options without effect here
         from .ipu_environment import log_ipu_only_environment
         log_ipu_only_environment()
         self.__dict__["_attached"] = True

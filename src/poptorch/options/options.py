@@ -471,11 +471,18 @@ class Options(OptionsDict):
         return clone
 
     def _freeze(self) -> None:
-        """Forbid changes (a model is compiled with these options); apply the logging
-        options and log, once, every option that has no meaning on our devices."""
+        """Forbid changes (a model is wrapped or compiled with these options, or a
+        DataLoader read its batching from them). Nothing else: the options take
+        effect when a model compiles (:py:meth:`_apply_effects`)."""
         super()._freeze()
         for sub in self._sub_objects().values():
             sub._freeze()
+
+    def _apply_effects(self) -> None:
+        """What these options do beyond configuring the compiled program, done when a
+        model compiles with them: apply the logging options (``logDir``,
+        ``maxRepeatLogs``) and log, once, every option that has no meaning on our
+        devices."""
         _logging.apply_options(self)
         from .ipu_only import ipu_meaning
         for name, value in self._ignored_options().items():
