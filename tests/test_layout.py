@@ -129,3 +129,44 @@ def test_module_size(name, path):
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, (f"{name} has {lines} lines (limit {MAX_LINES}): split it "
                                 "by responsibility")
+
+
+# -- the executor's state is read through its attributes, never through __dict__ -----
+def _dict_reach_ins(tree: ast.AST) -> list[tuple[int, str, str]]:
+    """(line, object, enclosing function) of every ``X.__dict__`` and ``vars(X)``."""
+    found = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = node.name
+        if isinstance(node, ast.Attribute) and node.attr == "__dict__" \
+                and isinstance(node.value, ast.Name):
+            found.append((node.lineno, node.value.id, function))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id == "vars" and node.args \
+                and isinstance(node.args[0], ast.Name):
+            found.append((node.lineno, node.args[0].id, function))
+        for child in ast.iter_child_nodes(node):
+            visit(child, function)
+
+    visit(tree, "")
+    return found
+
+
+def test_no_module_reaches_into_the_executors_dict():
+    bad = []
+    for name, path in _modules().items():
+        executor_layer = name.startswith("poptorch.executor")
+        for line, obj, function in _dict_reach_ins(ast.parse(path.read_text())):
+            if obj == "executor" or (executor_layer and obj == "self"
+                                     and function != "__getattr__"):
+                bad.append(f"{name}:{line}: {obj}.__dict__ / vars({obj}) in {function}()")
+    assert not bad, ("read and write the executor's state through its attributes "
+                     "(all created in PoplarExecutor._init_state):\n" + "\n".join(bad))
+
+
+def test_the_dict_reader_sees_reach_ins():
+    """So that the test above cannot pass by finding nothing."""
+    tree = ast.parse("def f(executor):\n    executor.__dict__['_x'] = 1\n    vars(executor)\n")
+    assert [(line, obj) for line, obj, _ in _dict_reach_ins(tree)] == [
+        (2, "executor"), (3, "executor")]

@@ -404,3 +404,17 @@ def test_wide_tables_scroll_instead_of_being_cut_off():
                   for s in sheets[0].strip().splitlines())
     rule = re.search(r"table\s*\{([^}]*)\}", css)
     assert rule and "overflow-x: auto" in rule.group(1) and "display: block" in rule.group(1)
+
+
+# -- attribute forwarding: an explicit rule -------------------------------------------
+def test_public_attributes_are_forwarded_private_names_are_not():
+    model = Net()
+    model.threshold = 0.5
+    model._private = "the model's"
+    pop = poptorch.inferenceModel(model)
+    assert pop.threshold == 0.5 and pop.fc is model.fc  # as PopTorch: read on the model
+    x, _ = _data(2)
+    assert torch.allclose(pop(x), model(x))
+    for name in ("_private", "_optimzer", "_programm"):  # ours are all created up front
+        with pytest.raises(AttributeError, match=name):
+            getattr(pop, name)

@@ -35,18 +35,18 @@ def compile_by_running(executor: Any, args: tuple, kwargs: dict) -> None:
     import copy
     if not executor.isCompiled():
         executor.compile(*args, **kwargs)
-    source = executor.__dict__["_source"]
+    source = executor._source
     if source is None or not source.compiles or not source.fresh:
         return
-    model = executor.__dict__["_model"]
+    model = executor._model
     tensors = [(t, t.detach().clone()) for t in
                list(model.parameters()) + list(model.buffers())]
-    optimizer = executor.__dict__.get("_device_optimizer")
+    optimizer = executor._device_optimizer
     if optimizer is not None:  # restored in place: the user's references stay valid
         opt_state = {p: copy.deepcopy(st) for p, st in optimizer.state.items()}
         opt_groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
                       for g in optimizer.param_groups]
-    program = executor.__dict__["_program"]
+    program = executor._program
     scaler = program.scaler
     scaler_state = None if scaler is None else scaler.state_dict()
     rng = program.rng
@@ -97,7 +97,7 @@ def save_executor(executor: Any, filename: str, export_model: bool,
     from .executable import artifacts
     filename = save_target(filename)
     executor.copyWeightsToHostIfNeeded()
-    source = executor.__dict__["_source"]
+    source = executor._source
     compiled = None
     if source is not None and source.compiles and source.warmup_calls < 2:
         compiled = artifacts.collect()
@@ -141,9 +141,9 @@ def importPoptorchMetadataFromFile(import_filename: str) -> dict:
 
 def stash_precompiled(executor: Any, payload: dict) -> None:
     """Hand the signature and compiled program to the executor's next compile."""
-    executor.__dict__["_pending_precompiled"] = {
+    executor._pending_precompiled = {
         "signature": payload.get("signature"), "artifacts": payload.get("compiled")}
-    source = executor.__dict__.get("_source")
+    source = executor._source
     if source is not None and executor.isCompiled():
         # Already compiled here: nothing to install, but the signature still holds.
         source.expected = payload.get("signature")
@@ -159,13 +159,13 @@ def load_into(executor: Any, filename: str) -> None:
     executor.load_state_dict(payload["state_dict"])
     if executor._training and payload["optimizer_state"] is not None:
         executor._optimizer.load_state_dict(payload["optimizer_state"])
-    executor.__dict__["_pending_rng_state"] = payload["rng_state"]
+    executor._pending_rng_state = payload["rng_state"]
     stash_precompiled(executor, payload)
     if executor.isCompiled():
         _apply_pending_rng(executor)
 
 
 def _apply_pending_rng(executor: Any) -> None:
-    state = executor.__dict__.pop("_pending_rng_state", None)
+    state, executor._pending_rng_state = executor._pending_rng_state, None
     if state is not None and state[0] is not None:
         executor.rng_state = state

@@ -88,6 +88,17 @@ class CallRollback:
         self.scaler = scaler
         self.scaler_state = None if scaler is None else scaler.state_dict()
 
+    @classmethod
+    def for_call(cls, program: Any, buffers: list) -> "CallRollback | None":
+        """What a call of ``program`` must be able to undo: everything when it runs
+        more than one micro-batch of training; the buffers (which a forward may update
+        before it fails) otherwise; None when there is nothing to undo."""
+        weights = program.plan.factor > 1 and program.training
+        if not weights and not buffers and program.scaler is None:
+            return None
+        return cls(program.params if weights else [], list(buffers),
+                   program.optimizer if weights else None, program.scaler)
+
     def restore(self) -> None:
         with torch.no_grad():
             for t, saved in self.tensors:

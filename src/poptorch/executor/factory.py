@@ -89,7 +89,7 @@ def _unwrap(model: Any) -> torch.nn.Module:
     """A PoplarExecutor may be wrapped again: the new wrapper shares its weights."""
     if isinstance(model, PoplarExecutor):
         model.copyWeightsToHostIfNeeded()
-        return model.__dict__["_user_model"]
+        return model._user_model
     return model
 
 
@@ -153,6 +153,6 @@ def load(filename: str, edit_opts_fn: Callable[[Any], None] | None = None) -> Po
         executor = trainingModel(model, options, payload["optimizer"])
     else:
         executor = inferenceModel(model, options)
-    executor.__dict__["_pending_rng_state"] = payload["rng_state"]
+    executor._pending_rng_state = payload["rng_state"]
     stash_precompiled(executor, payload)
     return executor

@@ -55,27 +55,26 @@ class FastCall:
     """One compiled model's fast path (see module docstring)."""
 
     def __init__(self, executor: Any, args: tuple) -> None:
-        state = executor.__dict__
-        self._state = state
-        self._program = state["_program"]
+        state = executor
+        self._executor = executor
+        self._program = state._program
         self._compiled = self._program.compiled
         self._dtypes = tuple(a.dtype for a in args)
         self._shapes = tuple(a.shape for a in args)
-        constants = state.get("_tensor_constants")
+        constants = state._tensor_constants
         self._constants = constants if constants else None
-        self._mode = state["_mode"]
-        self._casting = state.get("_casting")
-        self._optimizer_sync = state.get("_optimizer_sync")
+        self._mode = state._mode
+        self._casting = state._casting
+        self._optimizer_sync = state._optimizer_sync
         # a failed call puts back the buffers its forward updated before failing
-        self._buffers = state.get("_buffers_list") or None
+        self._buffers = state._buffers_list or None
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
-        state = self._state
         program = self._program
         if kwargs or not _inputs_match(args, self._dtypes, self._shapes):
             return MISS
         if program.compiled is not self._compiled:  # the fastest backend chose eager
-            state["_fast"] = None  # built again after this call
+            self._executor._fast = None  # built again after this call
             return MISS
         if self._constants is not None:
             self._constants.restore()
@@ -123,16 +122,16 @@ def _eager_inference(executor: Any, args: tuple) -> Callable[[tuple, dict], Any]
     Every line below runs on each call; what can be looked up once is (closure
     variables), and the executor drops this path (``_fast = None``) whenever the program
     or the device attachment changes."""
-    state = executor.__dict__
-    program = state["_program"]
+    state = executor
+    program = state._program
     forward = program.runner.forward
     dtypes = tuple(a.dtype for a in args)
     shapes = tuple(a.shape for a in args)
-    constants = state.get("_tensor_constants") or None
-    mode = state["_mode"]
+    constants = state._tensor_constants or None
+    mode = state._mode
     flags = mode.plain_flags()  # the modules' __dict__s: their training flags
     training = mode.training
-    casting = state.get("_casting")
+    casting = state._casting
     enter_casting = casting.enter_top_run if casting is not None else None
     exit_casting: Any = casting.exit_top_run if casting is not None else None
     rng = program.rng
@@ -141,7 +140,7 @@ def _eager_inference(executor: Any, args: tuple) -> Callable[[tuple, dict], Any]
     inputs, inputs_complete = stamps["input"], stamps["input_complete"]
     outputs, outputs_complete = stamps["output"], stamps["output_complete"]
     thread_state = context.thread_state()
-    buffers = state.get("_buffers_list") or None
+    buffers = state._buffers_list or None
     perf_counter = time.perf_counter
     grad_enabled, set_grad = torch.is_grad_enabled, set_grad_enabled
     tensor = _Tensor
@@ -150,7 +149,7 @@ def _eager_inference(executor: Any, args: tuple) -> Callable[[tuple, dict], Any]
         if kwargs or not _inputs_match(args, dtypes, shapes):
             return MISS
         if rng.enabled:  # the rng_state setter turned the program's own stream on
-            state["_fast"] = None  # built again (as a FastCall) after this call
+            executor._fast = None  # built again (as a FastCall) after this call
             return MISS
         previous_run = None
         if enter_casting is not None:
@@ -215,22 +214,22 @@ def make_fast_call(executor: Any, args: tuple, kwargs: dict
     """The fast path of ``executor`` for calls like this one (just run on the general
     path): a :py:class:`FastCall`; None when it may qualify later (warm-up calls, casting
     rules still learning); False when it never will."""
-    state = executor.__dict__
-    program = state["_program"]
+    state = executor
+    program = state._program
     if program is None or not program.single_ready() \
-            or state.get("_synthetic") is not None or state["_device"].type != "cpu":
+            or state._synthetic is not None or state._device.type != "cpu":
         return False
     if kwargs or not all(type(a) is _Tensor for a in args):
         return None  # the inputs of a later call may qualify
-    source = state.get("_source")
+    source = state._source
     if source is not None and source.fresh:
         return None
-    signature = state.get("_signature")
+    signature = state._signature
     compiled = None if signature is None else signature.fingerprint()
     if compiled is None or len(compiled) != len(args) \
             or any((a.dtype, a.shape) != fp for a, fp in zip(args, compiled)):
         return None  # a call that does not match the compiled inputs
-    casting = state.get("_casting")
+    casting = state._casting
     default = getattr(casting, "default_casting", None)
     if default is not None and not default.settled(args, kwargs):
         return None

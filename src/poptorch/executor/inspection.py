@@ -22,6 +22,7 @@ class ExecutorInspection:
     _options: Any
     _model: torch.nn.Module
     _training: bool
+    _io_counts: tuple
     _anchors: Any  # the AnchorRecorder of the compiled program, or {} before
 
     # ------------------------------------------------------------------ timings
@@ -35,7 +36,7 @@ class ExecutorInspection:
         'output_complete'} -> [per input / output tensor][per transfer] seconds (one
         transfer per micro-batch; outputs only those the output mode returns)."""
         program = self._require_compiled("getPerfCounters")
-        num_inputs, num_outputs = self.__dict__.get("_io_counts", (0, 0))
+        num_inputs, num_outputs = self._io_counts
         plan = program.plan
         return program.perf.shaped(num_inputs, num_outputs, plan.per_step,
                                    plan.replication_factor, program.output_mode,
@@ -81,7 +82,7 @@ class ExecutorInspection:
     def _anchor_recorder(self, plan: BatchPlan):
         from .._runtime.batching.anchors import AnchorRecorder
         recorder = AnchorRecorder(self._model, self._options, plan, self._training)
-        self.__dict__["_anchors"] = recorder
+        self._anchors = recorder
         return recorder
 
     def getAnchoredTensor(self, short_name: str) -> torch.Tensor:

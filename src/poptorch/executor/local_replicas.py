@@ -43,7 +43,7 @@ def local_replica_runner(executor: Any, runner: Any, plan: BatchPlan, cross: Any
     model, options = executor._model, executor._options
     r = plan.replication_factor
     processes = cross.world.size if cross is not None else 1
-    groupings = executor.__dict__.get("_replica_groupings") or {}
+    groupings = executor._replica_groupings or {}
     grouped = grouped_parameters(
         model, groupings, (cross.world.rank if cross is not None else 0) * r, r,
         r * processes) if groupings else []
@@ -59,7 +59,7 @@ def local_replica_runner(executor: Any, runner: Any, plan: BatchPlan, cross: Any
                   ", ".join(map(str, devices)))
         concurrent = ConcurrentReplicas(model, devices, bool(options.broadcast_buffers),
                                         plan.per_step)
-        executor.__dict__["_replica_buffers"] = concurrent
+        executor._replica_buffers = concurrent
         return concurrent
     has_buffers = r > 1 and next(model.buffers(), None) is not None
     if not grouped and not has_buffers:
@@ -72,6 +72,6 @@ def local_replica_runner(executor: Any, runner: Any, plan: BatchPlan, cross: Any
     states: list[Any] = list(grouped)
     if has_buffers:
         buffers = ReplicaBuffers(model, r, bool(options.broadcast_buffers))
-        executor.__dict__["_replica_buffers"] = buffers
+        executor._replica_buffers = buffers
         states.append(buffers)
     return PerReplicaRunner(runner, states, r, plan.per_step)

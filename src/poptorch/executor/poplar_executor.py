@@ -85,34 +85,48 @@ class PoplarExecutor(ExecutorInspection):
                          user_model or model)
 
     def _init_state(self, model, options, training, version, optimizer, user_model) -> None:
-        d = self.__dict__  # bypass __setattr__ forwarding rules during set-up
-        d["_user_model"] = user_model
-        d["_options"] = options
-        d["_training"] = training
-        d["_poptorch_version"] = version
-        d["_optimizer"] = optimizer
-        d["_model"] = shallow_copy_module(model)
-        d["_model"].training = training  # the copy's own flag; submodules: per call
+        # Every attribute of the executor's state is created here.
+        self._user_model = user_model
+        self._options = options
+        self._training = training
+        self._poptorch_version = version
+        self._optimizer = optimizer
+        self._model = shallow_copy_module(model)
+        self._model.training = training  # the copy's own flag; submodules: per call
         # A trainingModel of a model in train mode keeps the submodules the user put in
         # eval mode (frozen BatchNorm / Dropout when fine-tuning), as PopTorch does.
         keep_eval = [m for m in user_model.modules() if not m.training] \
             if training and user_model.training else []
-        d["_mode"] = TrainingMode(d["_model"], training, keep_eval)
-        d["_program"] = None
-        d["_weights"] = None
-        d["_attached"] = False
-        d["_compile_seconds"] = None
-        d["_anchors"] = {}
-        d["_device"] = None
-        d["_constants"] = None
-        d["_synthetic"] = None
-        d["_replica_buffers"] = None
-        d["_precision"] = None
-        d["_optimizer_sync"] = None
-        d["_backend"] = None
-        d["_source"] = None
-        d["_fast"] = None
-        d["_once_key"] = next(_EXECUTOR_IDS)  # per-model "log once" messages
+        self._mode = TrainingMode(self._model, training, keep_eval)
+        self._program: Any = None
+        self._weights: Any = None
+        self._attached = False
+        self._compile_seconds: Any = None
+        self._anchors: Any = {}
+        self._device: Any = None
+        self._constants: Any = None
+        self._synthetic: Any = None
+        self._replica_buffers: Any = None
+        self._precision: Any = None
+        self._optimizer_sync: Any = None
+        self._backend: Any = None
+        self._source: Any = None
+        self._fast: Any = None
+        self._once_key = next(_EXECUTOR_IDS)  # per-model "log once" messages
+        # Set when compiling (None / empty before): every attribute of the executor's
+        # state exists from here on, so that a lookup never falls through __getattr__.
+        self._signature: Any = None
+        self._tensor_constants: Any = None
+        self._buffers_list: Any = []
+        self._optimizer_keys: Any = None
+        self._device_optimizer: Any = None
+        self._casting: Any = None
+        self._autocast_hooks: Any = None
+        self._io_checked = False
+        self._io_counts = (0, 0)
+        self._pending_precompiled: Any = None  # poptorch.load: compiled at the first call
+        self._pending_rng_state: Any = None
+        self._replica_groupings: Any = {}
 
     # ------------------------------------------------------------------ properties
     @property
@@ -156,7 +170,7 @@ class PoplarExecutor(ExecutorInspection):
     def _compile(self, args: tuple, kwargs: dict) -> None:
         from tqdm import tqdm
         opts = self._options
-        self.__dict__["_fast"] = None
+        self._fast = None
         t0 = time.perf_counter()
         _hooks.run_pre_compile_hooks()
         bar = tqdm(total=4, desc="Graph compilation", leave=False, unit="stage",
@@ -166,9 +180,9 @@ class PoplarExecutor(ExecutorInspection):
             split_inputs(plan, args, kwargs)  # check batch sizes before anything else
             from .program_setup import check_precompiled_inputs
             check_precompiled_inputs(self, args, kwargs)
-            self.__dict__["_signature"] = InputSignature(self._model.forward, args, kwargs)
-            self.__dict__["_tensor_constants"] = TensorConstants(self._model)
-            self.__dict__["_buffers_list"] = list(self._model.buffers())
+            self._signature = InputSignature(self._model.forward, args, kwargs)
+            self._tensor_constants = TensorConstants(self._model)
+            self._buffers_list = list(self._model.buffers())
             if self._training:
                 optimizer_rules.apply_mean_reduction_rule(opts, self._optimizer, False)
             bar.update()
@@ -182,9 +196,9 @@ class PoplarExecutor(ExecutorInspection):
             if cross is not None:
                 runner = cross.wrap_runner(runner, plan.per_step, device)
             bar.update()
-            self.__dict__["_program"] = self._build_program(plan, runner, device, cross)
+            self._program = self._build_program(plan, runner, device, cross)
             program_setup.install_program_extras(self, self._program)
-            backend = self.__dict__.get("_backend")
+            backend = self._backend
             if backend in ("inductor", "fastest"):
                 from .._runtime.program.compiled_step import compile_device_program
                 compile_device_program(self._program, runner, self._model, device,
@@ -192,10 +206,10 @@ class PoplarExecutor(ExecutorInspection):
                                        bool(opts.show_compilation_progress_bar),
                                        measure=backend == "fastest")
             from .program_setup import program_source
-            self.__dict__["_source"] = program_source(self, args, kwargs)
+            self._source = program_source(self, args, kwargs)
             if opts.synthetic_data:
                 from .._runtime.batching.synthetic import SyntheticInputs
-                self.__dict__["_synthetic"] = SyntheticInputs(self._device)
+                self._synthetic = SyntheticInputs(self._device)
                 self._program.perf.synthetic = True
             bar.update()
         finally:
@@ -204,8 +218,8 @@ class PoplarExecutor(ExecutorInspection):
         opts._apply_effects()  # logging options; logs the options without effect here
         from .ipu_environment import log_ipu_only_environment
         log_ipu_only_environment()
-        self.__dict__["_attached"] = True
-        self.__dict__["_compile_seconds"] = time.perf_counter() - t0
+        self._attached = True
+        self._compile_seconds = time.perf_counter() - t0
         logger.debug("Compiled %s in %.3f s", self._model_name(), self._compile_seconds)
         from .._runtime.export import _apply_pending_rng
         _apply_pending_rng(self)
@@ -216,20 +230,20 @@ class PoplarExecutor(ExecutorInspection):
         runner = build_runner(self._model, self._options, self._training)
         if runner is not None:
             device = getattr(runner, "output_device", torch.device("cpu"))
-            self.__dict__["_device"] = getattr(runner, "input_device", device)
-            self.__dict__["_backend"] = backend_name(self._options, device)
+            self._device = getattr(runner, "input_device", device)
+            self._backend = backend_name(self._options, device)
             return runner, device
         device = _devices.acquire_devices(self._options, 1)[0]
-        self.__dict__["_device"] = device
+        self._device = device
         forward = self._model
         backend = backend_name(self._options, device)
-        self.__dict__["_backend"] = backend
+        self._backend = backend
         return SequentialRunner(forward), device
 
     def _weights_to_device(self, **which) -> None:
         """Host -> device copy; every replica then holds the host's buffers."""
         self._weights.to_device(**which)
-        buffers = self.__dict__.get("_replica_buffers")
+        buffers = self._replica_buffers
         if buffers is not None and which.get("buffers", True):
             buffers.broadcast()
 
@@ -243,26 +257,26 @@ class PoplarExecutor(ExecutorInspection):
                             f"{', '.join(map(repr, unknown))}; its buffers are: "
                             f"{', '.join(known) or '(none)'}.")
         sync = WeightSync(self._user_model, self._model, device)
-        self.__dict__["_weights"] = sync
+        self._weights = sync
         if self._training:
             attached = attach_optimizer(self._optimizer, self._model, self._user_model,
                                         sync)
             optimizer_rules.mark_compiled(self._optimizer, self._options)
-            self.__dict__["_optimizer_keys"] = optimizer_rules.attribute_keys(
+            self._optimizer_keys = optimizer_rules.attribute_keys(
                 self._optimizer)
-            self.__dict__["_device_optimizer"] = attached
+            self._device_optimizer = attached
             self._sync_optimizer(self._optimizer, attached)
 
     def _sync_optimizer(self, user_optimizer: Any, device_optimizer: Any) -> None:
         sync = None
         if DeviceOptimizerSync.needed(user_optimizer, device_optimizer):
             sync = DeviceOptimizerSync(user_optimizer, device_optimizer)
-        self.__dict__["_optimizer_sync"] = sync
-        self.__dict__["_fast"] = None  # built again with this sync
+        self._optimizer_sync = sync
+        self._fast = None  # built again with this sync
 
     def _join_processes(self, device: torch.device):
         return join_processes(self._options, self._model, self._training,
-                              self.__dict__.get("_device_optimizer"), self._model_name(),
+                              self._device_optimizer, self._model_name(),
                               device)
 
     def _build_program(self, plan: BatchPlan, runner, device, cross=None) -> DeviceProgram:
@@ -273,7 +287,7 @@ class PoplarExecutor(ExecutorInspection):
             plan=plan, runner=runner, training=self._training,
             output_mode=resolve_output_mode(opts.output_mode, self._training),
             output_return_period=opts.output_return_period, params=params,
-            optimizer=self.__dict__.get("_device_optimizer"), options=opts,
+            optimizer=self._device_optimizer, options=opts,
             rng=RngScope(seed, device),
             to_host=None if device.type == "cpu" else to_cpu,
             anchors=self._anchor_recorder(plan) if opts.anchored_tensors else None,
@@ -281,7 +295,7 @@ class PoplarExecutor(ExecutorInspection):
         if self._training:
             program.set_scaler(make_loss_scaler(self._optimizer, opts))
             from ..optim.attributes import snapshot_constants
-            self.__dict__["_constants"] = snapshot_constants(self._optimizer)
+            self._constants = snapshot_constants(self._optimizer)
         return program
 
     def _model_name(self) -> str:
@@ -316,18 +330,18 @@ class PoplarExecutor(ExecutorInspection):
                 if user_optimizer is not None:
                     user_optimizer.load_state_dict(before)
                 raise
-            snapshot: Snapshot | CallRollback | None = Snapshot(self._model, self.__dict__.get("_device_optimizer"),
+            snapshot: Snapshot | CallRollback | None = Snapshot(self._model, self._device_optimizer,
                                 user_optimizer, before)
         else:
             self._check_signature(args, kwargs)  # before anything runs
             if self._tensor_constants:
                 self._tensor_constants.restore()
-            snapshot = self._call_snapshot()
+            snapshot = CallRollback.for_call(self._program, self._buffers_list)
         # PopTorch's rules for overlap markers, checked on the first run (compiling)
-        io_check = None if self.__dict__.get("_io_checked") else \
+        io_check = None if self._io_checked else \
             program_setup.overlap_check(self)
         if io_check is not None and not first:  # compiled by compile(): checked now
-            snapshot = Snapshot(self._model, self.__dict__.get("_device_optimizer"))
+            snapshot = Snapshot(self._model, self._device_optimizer)
         if not self._attached:
             self.attachToDevice()
         device = self._device
@@ -335,7 +349,7 @@ class PoplarExecutor(ExecutorInspection):
             args, kwargs = self._synthetic(args, kwargs)
         elif device.type != "cpu":
             args, kwargs = to_device((args, kwargs), device)
-        casting = self.__dict__.get("_casting")
+        casting = self._casting
         opt_sync = self._optimizer_sync
         if opt_sync is not None:
             opt_sync.before_run()
@@ -360,15 +374,15 @@ class PoplarExecutor(ExecutorInspection):
                 self.destroy()
             raise
         if io_check is not None and io_check.done:
-            self.__dict__["_io_checked"] = True
+            self._io_checked = True
         self._weights.mark_device_newer()
         if opt_sync is not None:
             opt_sync.after_run()
         if first:
-            self.__dict__["_io_counts"] = (count_tensors((args, kwargs)),
+            self._io_counts = (count_tensors((args, kwargs)),
                                            count_tensors(result))
         elif fast is None:
-            self.__dict__["_fast"] = make_fast_call(self, args, kwargs)
+            self._fast = make_fast_call(self, args, kwargs)
         return result
 
     def _call_with_grad(self, args: tuple, kwargs: dict) -> Any:
@@ -382,19 +396,6 @@ class PoplarExecutor(ExecutorInspection):
                 lambda t: t.clone() if isinstance(t, torch.Tensor) and t.is_inference()
                 else t, (args, kwargs))
             return self(*args, **kwargs)
-
-    def _call_snapshot(self) -> CallRollback | None:
-        """What a later call must be able to undo if it fails part-way (see
-        :py:class:`CallRollback`): everything when the call runs more than one
-        micro-batch; the buffers (which a forward may update before it fails) otherwise;
-        nothing for a model without buffers called on one micro-batch."""
-        program = self._program
-        weights = program.plan.factor > 1 and self._training
-        buffers = self.__dict__.get("_buffers_list")
-        if not weights and not buffers and program.scaler is None:
-            return None
-        return CallRollback(program.params if weights else [], buffers or [],
-                            program.optimizer if weights else None, program.scaler)
 
     def _check_signature(self, args: tuple, kwargs: dict) -> None:
         try:
@@ -415,7 +416,7 @@ class PoplarExecutor(ExecutorInspection):
     def _loaded_not_run(self) -> bool:
         """A model from ``poptorch.load`` compiles at its first call; until then its
         weights live only in the host model, so weight copies have nothing to do."""
-        return self._program is None and "_pending_precompiled" in self.__dict__
+        return self._program is None and self._pending_precompiled is not None
 
     def copyWeightsToHostIfNeeded(self) -> bool:
         """Copy the weights to the host if the device has newer ones; True if copied."""
@@ -470,14 +471,14 @@ class PoplarExecutor(ExecutorInspection):
                 raise
             attached = attach_optimizer(optimizer, self._model, self._user_model,
                                         self._weights, previous=self._device_optimizer)
-            self.__dict__["_device_optimizer"] = attached
+            self._device_optimizer = attached
             self._program.optimizer = attached
             self._precision.prepare_optimizer(attached)
             self._sync_optimizer(optimizer, attached)
             optimizer_rules.mark_compiled(optimizer, self._options)
             self._program.set_scaler(make_loss_scaler(optimizer, self._options,
                                                       self._program.scaler))
-        self.__dict__["_optimizer"] = optimizer
+        self._optimizer = optimizer
 
     @property
     def _executable(self) -> DeviceProgram | None:
@@ -499,8 +500,8 @@ class PoplarExecutor(ExecutorInspection):
         if not self._attached:
             raise Error("detachFromDevice: the model is not attached to a device.")
         self._weights.to_host_if_needed()
-        self.__dict__["_attached"] = False
-        self.__dict__["_fast"] = None  # (the fast path assumes an attached model)
+        self._attached = False
+        self._fast = None  # (the fast path assumes an attached model)
 
     def attachToDevice(self) -> None:
         """Attach to the device again; the host weights are copied to the device."""
@@ -508,7 +509,7 @@ class PoplarExecutor(ExecutorInspection):
         if self._attached:
             raise Error("attachToDevice: the model is already attached to a device.")
         self._weights_to_device()
-        self.__dict__["_attached"] = True
+        self._attached = True
         logger.debug("Attached to %s", self._device)
 
     def destroy(self) -> None:
@@ -517,11 +518,11 @@ class PoplarExecutor(ExecutorInspection):
             self._weights.to_host_if_needed()
         for name in ("_program", "_weights", "_device", "_replica_buffers", "_synthetic",
                      "_fast"):
-            self.__dict__[name] = None
+            setattr(self, name, None)
         self._mode.forget()
-        self.__dict__["_attached"] = False
-        self.__dict__["_compile_seconds"] = None
-        self.__dict__["_io_checked"] = False  # checked again when compiled again
+        self._attached = False
+        self._compile_seconds = None
+        self._io_checked = False  # checked again when compiled again
 
     def _require_compiled(self, what: str) -> DeviceProgram:
         if self._program is None:
@@ -567,8 +568,14 @@ class PoplarExecutor(ExecutorInspection):
         return self.train(False)
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or "_user_model" not in self.__dict__:
-            raise AttributeError(name)
+        """The explicit forwarding rule: a public attribute the executor does not have
+        is read from the user's model (``pop.fc1.weight``, a model's own methods), as
+        in PopTorch. Private names are never forwarded: every attribute of the
+        executor's own state is private and created in ``_init_state``, so a misspelt
+        one is an AttributeError instead of a silent read of the user's module."""
+        if name.startswith("_") or "_user_model" not in self.__dict__:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute "
+                                 f"{name!r}")
         value = getattr(self.model, name)
         if isinstance(value, torch.nn.Parameter):
             return GroupableParameter(self, name, value)

@@ -41,7 +41,7 @@ class GroupableParameter:
         if executor.isCompiled():
             raise Error(f"{what} must be called before the model is first run (or "
                         "compiled): the grouping is part of the compiled program.")
-        groupings = executor.__dict__.setdefault("_replica_groupings", {})
+        groupings = executor._replica_groupings
         groupings[self._name] = (kind, size, mode)
 
     def __getattr__(self, name: str) -> Any:
