@@ -4,6 +4,7 @@ import pathlib
 import re
 
 import pytest
+import torch
 
 import poptorch
 
@@ -34,3 +35,41 @@ def test_each_environment_variable_is_read_in_one_module(name, module):
     readers = [p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py")
                if "os.environ" in p.read_text() and f'"{name}"' in p.read_text()]
     assert readers == [module]
+
+
+def test_batch_trees_are_torch_pytrees():
+    """data/tree.py flattens batches with torch.utils._pytree: same leaves, same order,
+    the same structure back (namedtuples, dicts, dict-like classes, non-tensor values)."""
+    import collections
+    from collections.abc import Mapping
+
+    from torch.utils import _pytree as pytree
+
+    from poptorch.data import tree
+
+    class Record(Mapping):  # a dict-like class pytree does not know
+        def __init__(self, items):
+            self._items = dict(items)
+
+        def __getitem__(self, key):
+            return self._items[key]
+
+        def __iter__(self):
+            return iter(self._items)
+
+        def __len__(self):
+            return len(self._items)
+
+    Pair = collections.namedtuple("Pair", "a b")
+    t = [torch.randn(2, 3) for _ in range(5)]
+    batch = {"x": Pair(t[0], [t[1], "label"]), "y": (t[2], 7),
+             "r": Record({"u": t[3], "v": t[4]})}
+    skeleton, tensors = tree.flatten(batch)
+    expected = [x for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
+    assert len(tensors) == len(expected) == 5
+    assert all(torch.equal(a, b) for a, b in zip(tensors, expected))  # pytree's order
+    rebuilt = tree.unflatten(skeleton, tensors)
+    assert type(rebuilt["x"]) is Pair and rebuilt["x"].b[1] == "label" and rebuilt["y"][1] == 7
+    assert type(rebuilt["r"]) is Record and torch.equal(rebuilt["r"]["v"], t[4])
+    assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+               for a, b in zip(pytree.tree_leaves(rebuilt), pytree.tree_leaves(batch)))

@@ -7,11 +7,12 @@ values) travels as a small pickled *skeleton* in which every tensor is replaced 
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from .._runtime.batching.structures import register_mapping_outputs
+from .._runtime.torch_internals import pytree
 from ..errors import Error
 
 __all__ = ["TensorRef", "flatten", "flatten_keyed", "unflatten", "Rebatcher"]
@@ -27,29 +28,22 @@ class TensorRef(int):
         return (TensorRef, (int(self),))
 
 
-def _is_namedtuple(obj: Any) -> bool:
-    return isinstance(obj, tuple) and hasattr(obj, "_fields")
-
-
 def flatten(batch: Any) -> tuple[Any, list[torch.Tensor]]:
     """Returns ``(skeleton, tensors)``: ``batch`` with each tensor replaced by a
-    :class:`TensorRef`, and the tensors in depth-first order."""
+    :class:`TensorRef`, and the tensors in depth-first order (``torch.utils._pytree``'s
+    order; dict-like classes it does not know are registered first, see
+    ``_runtime/batching/structures.py``)."""
+    register_mapping_outputs(batch)
+    leaves, spec = pytree.tree_flatten(batch)
     tensors: list[torch.Tensor] = []
-
-    def visit(node: Any) -> Any:
-        if isinstance(node, torch.Tensor):
-            tensors.append(node.detach())
-            return TensorRef(len(tensors) - 1)
-        if _is_namedtuple(node):
-            return type(node)(*(visit(child) for child in node))
-        if isinstance(node, (tuple, list)):
-            return type(node)(visit(child) for child in node)
-        if isinstance(node, Mapping):
-            mapping: Any = type(node)  # a dict-like class built from (key, value) pairs
-            return mapping((key, visit(value)) for key, value in node.items())
-        return node
-
-    return visit(batch), tensors
+    skeleton_leaves = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            skeleton_leaves.append(TensorRef(len(tensors)))
+            tensors.append(leaf.detach())
+        else:
+            skeleton_leaves.append(leaf)
+    return pytree.tree_unflatten(skeleton_leaves, spec), tensors
 
 
 _SHAPES: dict[Any, Any] = {}  # key -> skeleton of the common batch structures
@@ -93,17 +87,12 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     """Inverse of :func:`flatten`."""
     kind = type(skeleton)
     if kind is tuple and all(type(ref) is TensorRef for ref in skeleton):
-        return tuple(tensors[int(ref)] for ref in skeleton)
+        return tuple(tensors[int(ref)] for ref in skeleton)  # (the common case, fast)
     if isinstance(skeleton, TensorRef):
         return tensors[int(skeleton)]
-    if _is_namedtuple(skeleton):
-        return type(skeleton)(*(unflatten(child, tensors) for child in skeleton))
-    if isinstance(skeleton, (tuple, list)):
-        return type(skeleton)(unflatten(child, tensors) for child in skeleton)
-    if isinstance(skeleton, Mapping):
-        mapping: Any = type(skeleton)
-        return mapping((key, unflatten(value, tensors)) for key, value in skeleton.items())
-    return skeleton
+    register_mapping_outputs(skeleton)  # (a class first seen in this process)
+    return pytree.tree_map(
+        lambda leaf: tensors[int(leaf)] if isinstance(leaf, TensorRef) else leaf, skeleton)
 
 
 class Rebatcher:
@@ -169,10 +158,4 @@ class Rebatcher:
 
 
 def _has_non_tensor_leaf(skeleton: Any) -> bool:
-    if isinstance(skeleton, TensorRef):
-        return False
-    if isinstance(skeleton, (tuple, list)):
-        return any(_has_non_tensor_leaf(child) for child in skeleton)
-    if isinstance(skeleton, Mapping):
-        return any(_has_non_tensor_leaf(value) for value in skeleton.values())
-    return True
+    return any(not isinstance(leaf, TensorRef) for leaf in pytree.tree_leaves(skeleton))
