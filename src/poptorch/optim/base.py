@@ -74,15 +74,6 @@ class Optimizer:
         # ipu_state / ipu_param as last loaded, shown until the next step uses them.
         self._loaded_ipu: Optional[Tuple[Any, Any]] = None
 
-    def __getstate__(self) -> Dict[str, Any]:
-        """torch.optim keeps only defaults, state and param groups; a copy (``copy.copy``)
-        or a pickle must keep PopTorch's attributes as well."""
-        state = dict(self.__dict__)
-        state["_device_state_reader"] = None
-        for key in [k for k in state if k.startswith("_optimizer_")]:
-            del state[key]  # hooks: rebuilt empty by torch's __setstate__
-        return state
-
     # --- pickling (torch.save of a model with its optimizer, poptorch.load) --------
     def __getstate__(self) -> Dict[str, Any]:
         """torch keeps only defaults, state and param_groups; PopTorch's attributes
@@ -91,9 +82,15 @@ class Optimizer:
         state = super().__getstate__()  # type: ignore[misc]
         for key, value in self.__dict__.items():
             if key not in state and not key.startswith("_optimizer_") \
-                    and key != "_device_state_reader":
+                    and key != "_device_state_reader" and not self._patched_method(key):
                 state[key] = value
         return state
+
+    def _patched_method(self, key: str) -> bool:
+        """An instance attribute over a method of the class, such as the ``step`` an LR
+        scheduler wraps: it belongs to this process (a scheduler wraps the step again
+        after loading), and torch leaves it out too."""
+        return callable(getattr(type(self), key, None)) and callable(self.__dict__[key])
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)  # type: ignore[misc]
