@@ -103,6 +103,8 @@ def test_bad_arguments_are_errors():
         pvti.HeatmapDouble("h", [1.0, 0.0])
     with pytest.raises(poptorch.Error, match="expected a number"):
         pvti.Graph("g").addSeries("s").add("high")
+    with pytest.raises(poptorch.Error, match="expected a channel"):
+        pvti.Tracepoint.event("c", "x")
     pvti.Tracepoint.begin(channel, "a")
     with pytest.raises(poptorch.Error, match="innermost open tracepoint is c::a"):
         pvti.Tracepoint.end(channel, "b")

@@ -141,10 +141,11 @@ class Tracepoint:
     @staticmethod
     def event(channel: Channel, name: str) -> None:
         """An instant event ``"<channel>::<name>"`` at this moment."""
-        session = _session()
-        if session is not None:
+        if type(channel) is not Channel or type(name) is not str or not name:
             _check_channel("Tracepoint.event", channel)
             _check_name("Tracepoint.event", name)
+        session = _session()
+        if session is not None:
             session.add_events([{"ph": "i", "s": "p", "cat": "pvti",
                                  "name": f"{channel.name}::{name}",
                                  "tid": threading.get_ident(),
@@ -171,12 +172,13 @@ class Series:
 
     def add(self, value: Any) -> None:
         """Record ``value`` (a number or a one-element tensor) at this moment."""
+        if type(value) is not float and type(value) is not int:  # checked even when off
+            value = _number("Series.add", value)
         session = _session()
         if session is not None:
-            value = _number("Series.add", value)
             session.add_events([{"ph": "C", "cat": "pvti", "name": self.graph.track,
                                  "ts_ns": time.perf_counter_ns(),
-                                 "args": {self.name: value}}])
+                                 "args": {self.name: float(value)}}])
 
 
 class Graph:
