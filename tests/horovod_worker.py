@@ -4,14 +4,13 @@ import sys
 
 import torch
 
-import horovod.torch as hvd
-
 
 def rank_tensor(r: int) -> torch.Tensor:
     return torch.arange(6, dtype=torch.float32).reshape(2, 3) * (r + 1) + r
 
 
 def main(out: str) -> None:
+    import horovod.torch as hvd
     hvd.init()
     r = hvd.rank()
     torch.manual_seed(r)  # different weights per rank until broadcast
