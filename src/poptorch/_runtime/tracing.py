@@ -20,7 +20,9 @@ printing a summary. The trace holds torch's operator events and these ranges:
   row per stage (these run on worker threads, so they are added from the schedule's
   timestamps when the trace is written);
 * the user's ``poptorch.profiling.Channel`` tracepoints (``<channel>::<name>``) and
-  ``poptorch.NameScope`` scopes, when they run on the calling thread.
+  ``poptorch.NameScope`` scopes, when they run on the calling thread;
+* events others hand over with :py:meth:`RunProfiler.add_events` (``libpvti``'s
+  instant events, graph series and heatmaps as counter tracks).
 """
 from __future__ import annotations
 
@@ -44,6 +46,12 @@ def profile_directory(options: Any) -> str | None:
     """Where this model's run is profiled, or None (module docstring)."""
     if options.profile_dir is not None:
         return options.profile_dir
+    return env_profile_directory()
+
+
+def env_profile_directory() -> str | None:
+    """Where ``POPLAR_ENGINE_OPTIONS`` / ``PVTI_OPTIONS`` ask the run to be profiled, or
+    None when they do not."""
     engine = json_options(ENGINE_OPTIONS)
     if str(engine.get("autoReport.all", "")).lower() in _TRUE:
         return str(engine.get("autoReport.directory", "."))
@@ -76,15 +84,21 @@ class RunProfiler:
         self.directory = directory
         self.models: list[ModelStats] = []
         self.stage_events: list[dict] = []
+        self.extra_events: list[dict] = []
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self.profile = torch.profiler.profile(activities=activities)
         self.profile.__enter__()
-        # A range with a known host time, to place the stage events on torch's clock.
-        self.clock_ns = time.perf_counter_ns()
+        # A range with a known host time, to place the stage events on torch's clock
+        # (the clock range's midpoint is taken as the midpoint of the perf_counter reads
+        # around it; the first range pays the profiler's first-use cost, ~0.1-1 ms).
         with torch.profiler.record_function("poptorch::run"):
             pass
+        before = time.perf_counter_ns()
+        with torch.profiler.record_function("poptorch::clock"):
+            pass
+        self.clock_ns = (before + time.perf_counter_ns()) // 2
         self.path: str | None = None
         self.summary: str | None = None
 
@@ -102,6 +116,12 @@ class RunProfiler:
         stats.stage_span += max(e.end for e in events) - min(e.start for e in events)
         stats.bubble.append(record.bubble_fraction())
 
+    def add_events(self, events: list[dict]) -> None:
+        """Chrome trace events to write with the trace, each with ``"ts_ns"`` (a
+        ``time.perf_counter_ns()`` time, placed on torch's clock when written) and no
+        ``pid`` (this process's)."""
+        self.extra_events.extend(events)
+
     def finish(self) -> str:
         """Stop profiling, write the trace and return its path (idempotent)."""
         if self.path is not None:
@@ -116,15 +136,16 @@ class RunProfiler:
         return path
 
     def _add_stage_rows(self, path: str) -> None:
-        if not self.stage_events:
+        if not self.stage_events and not self.extra_events:
             return
         with open(path, encoding="utf-8") as f:
             trace = json.load(f)
         events = trace.setdefault("traceEvents", [])
-        marker = next((e for e in events if e.get("name") == "poptorch::run"), None)
+        marker = next((e for e in events if e.get("name") == "poptorch::clock"), None)
         if marker is None:
             return
-        offset_us = float(marker["ts"]) - self.clock_ns / 1000.0
+        offset_us = float(marker["ts"]) + float(marker.get("dur", 0)) / 2 - \
+            self.clock_ns / 1000.0
         pid = marker.get("pid", os.getpid())
         for stage in sorted({e["stage"] for e in self.stage_events}):
             events.append({"ph": "M", "name": "thread_name", "pid": pid,
@@ -136,6 +157,10 @@ class RunProfiler:
                            "ts": e["start"] * 1e6 + offset_us,
                            "dur": (e["end"] - e["start"]) * 1e6,
                            "args": {"model": e["model"]}})
+        for e in self.extra_events:
+            event = {k: v for k, v in e.items() if k != "ts_ns"}
+            event.update(pid=pid, ts=e["ts_ns"] / 1000.0 + offset_us)
+            events.append(event)
         with open(path, "w", encoding="utf-8") as f:
             json.dump(trace, f)
 
@@ -159,6 +184,11 @@ def session(directory: str) -> RunProfiler:
                       "Profiling: one trace per run, already written to %s (not %s)",
                       _SESSION.directory, directory)
         return _SESSION
+
+
+def active_session() -> "RunProfiler | None":
+    """The run's profiler if one is running (a cheap read, for no-op checks)."""
+    return _SESSION
 
 
 def finish() -> str | None:

@@ -9,6 +9,7 @@ set, and every process gets the same number of batches.
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Sized
 from typing import Any, cast
 
@@ -489,7 +490,60 @@ class DataLoader(torch.utils.data.DataLoader):
         state["_accessor"] = None
         state["_iterator"] = None
         state["_pass"] = None
+        # A seeded torch.Generator (Options.randomSeed with shuffle=True) cannot travel
+        # to a spawned process through torch's shared-memory pickler: its state does.
+        portable: dict = {}
+        for key in ("generator", "sampler", "batch_sampler", "_resumable"):
+            if key in state:
+                state[key] = _portable_generators(state[key], portable)
         return state
+
+
+class _GeneratorState:
+    """A ``torch.Generator`` as plain bytes: rebuilt into an equal generator (same
+    device, same state, so the same shuffled order) when unpickled."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.device = str(generator.device)
+        self.state = bytes(generator.get_state().numpy().tobytes())
+
+    def __reduce__(self) -> tuple:
+        return _rebuild_generator, (self.device, self.state)
+
+
+def _rebuild_generator(device: str, state: bytes) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    return generator
+
+
+_HOLDERS = ("generator", "sampler", "inner", "loader_generator")
+
+
+def _portable_generators(obj: Any, portable: dict, depth: int = 0) -> Any:
+    """``obj`` (a generator, a sampler holding one, a batch sampler or the resumable
+    wrapper around those) with each ``torch.Generator`` replaced by its
+    :py:class:`_GeneratorState`. ``portable`` maps ids to replacements, so objects that
+    shared a generator (or a sampler) still share it once unpickled."""
+    if id(obj) in portable:
+        return portable[id(obj)]
+    if isinstance(obj, torch.Generator):
+        portable[id(obj)] = _GeneratorState(obj)
+        return portable[id(obj)]
+    if obj is None or depth > 3 or not hasattr(obj, "__dict__"):
+        return obj
+    changed = {}
+    for key in _HOLDERS:
+        value = obj.__dict__.get(key)
+        new = _portable_generators(value, portable, depth + 1)
+        if new is not value:
+            changed[key] = new
+    if not changed:
+        return obj
+    copied = copy.copy(obj)
+    copied.__dict__.update(changed)
+    portable[id(obj)] = copied
+    return copied
 
 
 _ITERABLE_DISTRIBUTED = (

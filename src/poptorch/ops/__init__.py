@@ -14,6 +14,7 @@ from .hints import (recorded_hints, set_available_memory, set_overlap_for_input,
                          set_overlap_for_output)
 from .host import CPU, getIpuTensorId
 from .print_tensor import ipu_print_tensor
+from . import registered as _registered  # torch.ops.poptorch.* (upstream op names)
 from .scopes import MultiConv, NameScope
 from .tensor import dynamic_slice, dynamic_update, identity_loss, nop, serializedMatMul
 from ..annotations.blocks import (BeginBlock, Block, BlockFunction, LegacyBeginBlockFn,

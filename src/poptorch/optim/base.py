@@ -95,9 +95,15 @@ class Optimizer:
         state = super().__getstate__()  # type: ignore[misc]
         for key, value in self.__dict__.items():
             if key not in state and not key.startswith("_optimizer_") \
-                    and key != "_device_state_reader":
+                    and key != "_device_state_reader" and not self._patched_method(key):
                 state[key] = value
         return state
+
+    def _patched_method(self, key: str) -> bool:
+        """An instance attribute over a method of the class, such as the ``step`` an LR
+        scheduler wraps: it belongs to this process (a scheduler wraps the step again
+        after loading), and torch leaves it out too."""
+        return callable(getattr(type(self), key, None)) and callable(self.__dict__[key])
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)  # type: ignore[misc]

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["AccumulateOuterFragmentSchedule", "SubgraphCopyingStrategy",
-           "SyntheticDataMode"]
+__all__ = ["AccumulateOuterFragmentSchedule", "BatchSerializationBatchSchedule",
+           "RecomputationType", "SubgraphCopyingStrategy", "SyntheticDataMode",
+           "VirtualGraphMode"]
 
 
 class AccumulateOuterFragmentSchedule(enum.IntEnum):
@@ -21,6 +22,26 @@ class AccumulateOuterFragmentSchedule(enum.IntEnum):
     Serial = 1
     OverlapCycleOptimized = 2
     OverlapMemoryOptimized = 3
+
+
+class BatchSerializationBatchSchedule(enum.IntEnum):
+    """How the sub-graphs of a serialised batch are scheduled before outlining."""
+    Scheduler = 0
+    Isomorphic = 1
+    OverlapOnIo = 2
+    OverlapOnCompute = 3
+    N = 4
+
+
+class RecomputationType(enum.IntEnum):
+    """Which operations automatic recomputation recomputes in the backward pass
+    (PopART's ``None`` is ``NoRecompute`` in Python)."""
+    NoRecompute = 0
+    Standard = 1
+    NormOnly = 2
+    Pipeline = 3
+    RecomputeAll = 4
+    N = 5
 
 
 class SubgraphCopyingStrategy(enum.IntEnum):
@@ -34,6 +55,15 @@ class SyntheticDataMode(enum.IntEnum):
     Off = 0
     Zeros = 1
     RandomNormal = 2
+
+
+class VirtualGraphMode(enum.IntEnum):
+    """How operations are placed on virtual graphs (IPUs)."""
+    Off = 0
+    Manual = 1
+    Auto = 2
+    ExecutionPhases = 3
+    N = 4
 
 
 def __getattr__(name: str):
