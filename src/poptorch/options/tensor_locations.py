@@ -9,6 +9,9 @@ from .store import OptionsDict, check_bool, check_int
 _IGNORED_LOCATION_KEYS = ("useReplicatedTensorSharding",
                           "minElementsForReplicatedTensorSharding",
                           "useIOTilesToLoad", "useIOTilesToStore")
+# Replicated tensor sharding of the optimizer state acts (``_runtime/memory/``).
+_ACTING = {"optimizer": ("useReplicatedTensorSharding",
+                         "minElementsForReplicatedTensorSharding")}
 
 
 class TensorLocationSettings(OptionsDict):
@@ -129,6 +132,6 @@ class _TensorLocationOptions(OptionsDict):
         for kind in self._KINDS:
             settings = self._values[f"location_{kind}"]
             for key in _IGNORED_LOCATION_KEYS:
-                if key in settings:
+                if key in settings and key not in _ACTING.get(kind, ()):
                     ignored[f"TensorLocations.location_{kind}.{key}"] = settings[key]
         return ignored
