@@ -12,7 +12,6 @@ import sys
 import pytest
 import torch
 
-import poptorch
 from poptorch.enums import CommGroupType
 from _memory_cases import (CALLS, Grouped, adamw, grouped_batch, make_model, options,
                            plain_reference, train, train_grouped, M)

@@ -14,7 +14,7 @@ from poptorch._runtime.memory.layout import balanced_ranges, plan_layout
 from poptorch._runtime.memory.offload import StateStorage, chunks
 from poptorch.enums import CommGroupType
 from _memory_cases import (CALLS, Grouped, adamw, elementwise_state_bytes, global_batch,
-                           make_model, options, plain_reference, train, train_grouped, M)
+                           make_model, options, plain_reference, train, train_grouped)
 
 TOL = 1e-6
 
