@@ -28,7 +28,10 @@ def save(out: pathlib.Path, name: str, value) -> None:
 
 def main(out: pathlib.Path) -> None:
     half = CALLS // 2
-    for sharded in (False, True):
+    for sharded in (False, True, 2):
+        if sharded == 2:  # one bucket per weight: gathers overlap the next update
+            from poptorch._runtime.memory import layout
+            layout.BUCKET_ELEMENTS = 30
         model = make_model(1000 + RANK)  # process 0's weights reach every process
         optimizer = adamw(model)
         training = train(model, options(1, sharded), optimizer, range(half), 1, RANK, WORLD)

@@ -55,14 +55,15 @@ def test_pieces_are_held_by_the_step_and_gathered_for_state_dict():
     training = train(model, options(2, True), optimizer, range(2), 2)
     managed = training._program.step_override
     assert not any(optimizer.state.values())  # nothing whole between steps
-    # fc1.weight and fc2.weight in two pieces each, the biases whole: same bytes in all
-    # (both local replicas' pieces are in this process)
+    # fc1.weight (40) and fc2.weight (24) end to end, cut in two ranges of 32: replica 0
+    # holds fc1.weight[:32], replica 1 fc1.weight[32:] and fc2.weight; the biases whole
+    # (both local replicas' pieces are in this process: the same bytes in all)
     shapes = sorted(tuple(e["exp_avg"].shape) for e in managed.state.values())
-    assert shapes == sorted([(3,), (8,), (12,), (12,), (20,), (20,)])
+    assert shapes == sorted([(3,), (8,), (8,), (24,), (32,)])
     state = optimizer.state_dict()
     assert [tuple(state["state"][i]["exp_avg"].shape) for i in range(4)] == \
         [(8, 5), (8,), (3, 8), (3,)]
-    assert elementwise_state_bytes(optimizer.state) == managed.local_state_bytes() - 4 * 6
+    assert elementwise_state_bytes(optimizer.state) == managed.local_state_bytes() - 4 * 5
 
 
 @pytest.mark.parametrize("min_elements,sharded_names", [
@@ -78,8 +79,7 @@ def test_min_elements_threshold(min_elements, sharded_names):
     if not sharded_names:
         assert managed is None
         return
-    assert sorted(names[q.param] for q in managed.layout.pieces) == \
-        sorted(n for n in sharded_names for _ in range(2))
+    assert sorted({names[q.param] for q in managed.layout.pieces}) == sorted(sharded_names)
     assert sorted(names[i] for i in managed.layout.replicated) == \
         sorted(set(names) - set(sharded_names))
 
@@ -170,7 +170,7 @@ def test_off_chip_state_streams_through_host_copies(monkeypatch):
     managed.inner = lambda: steps.append(1) or real_inner()
     for call in range(1, CALLS):
         training(*global_batch(call, 2))
-    assert len(fetched) == 6 * (CALLS - 1)  # every piece's state, every step
+    assert len(fetched) == 5 * (CALLS - 1)  # every piece's state, every step
     assert len(steps) > CALLS - 1          # several chunks per step
     reference = make_model()
     train(reference, options(2, False), adamw(reference), range(CALLS), 2)
@@ -203,12 +203,17 @@ def test_off_chip_on_cpu_is_logged_once_and_changes_nothing(caplog):
 
 def test_layout_rules():
     assert balanced_ranges(10, 3) == [(0, 4), (4, 7), (7, 10)]
-    params = [torch.zeros(10), torch.zeros(3, 4), torch.zeros(2)]
+    params = [torch.zeros(10, requires_grad=True), torch.zeros(3, 4, requires_grad=True),
+              torch.zeros(2, requires_grad=True), torch.zeros(50)]
     layout = plan_layout(params, min_elements=3, replicas_per_process=2, processes=2,
                          elementwise=True)
-    assert layout.replicated == [2]
+    assert layout.replicated == [2, 3]  # too small; not trained
+    # 10 + 12 elements end to end, padded to 24: six per replica
+    assert [(q.param, q.start, q.end, q.owner) for q in layout.local(0)] == \
+        [(0, 0, 6, 0), (0, 6, 10, 1), (1, 0, 2, 1)]
     assert [(q.param, q.start, q.end, q.owner) for q in layout.local(1)] == \
-        [(0, 6, 8, 2), (0, 8, 10, 3), (1, 6, 9, 2), (1, 9, 12, 3)]
-    whole = plan_layout(params, min_elements=3, replicas_per_process=1, processes=2,
+        [(1, 2, 8, 2), (1, 8, 12, 3)]
+    assert layout.process_range(layout.buckets[0], 1) == (12, 24)
+    whole = plan_layout(params[:2], min_elements=3, replicas_per_process=1, processes=2,
                         elementwise=False)
     assert [(q.param, q.owner, q.whole) for q in whole.pieces] == [(0, 0, True), (1, 1, True)]

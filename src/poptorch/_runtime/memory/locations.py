@@ -120,7 +120,10 @@ def install(program: Any, model: torch.nn.Module, options: Any,
         info_once(("rts", r, world.size), "TensorLocations: optimizer state of %d tensor(s) "
                   "sharded over %d replica(s) (%d per process).",
                   len({q.param for q in layout.pieces}), r * world.size, r)
-    managed = ManagedStep(lambda: program.optimizer, params, layout, world, storage)
+    # Phased execution moves each weight between devices (its storage changes), so the
+    # weights cannot live in the buckets there.
+    managed = ManagedStep(lambda: program.optimizer, params, layout, world, storage,
+                          flatten=not phased)
     program.step_override = managed
     return managed
 

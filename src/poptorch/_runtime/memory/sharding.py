@@ -71,7 +71,8 @@ class ManagedStep:
     """
 
     def __init__(self, optimizer_of: Any, params: List[torch.nn.Parameter],
-                 layout: ShardLayout, world: World, storage: StateStorage) -> None:
+                 layout: ShardLayout, world: World, storage: StateStorage,
+                 flatten: bool = True) -> None:
         self.optimizer_of = optimizer_of
         self.params = params
         self.index = {id(p): i for i, p in enumerate(params)}
@@ -90,7 +91,14 @@ class ManagedStep:
         self.inner: Any = None
         self.groups: List[List[Any]] = []
         self.group_ids: List[tuple] = []
-        # per (dtype, device): per process, the pieces it sends, in canonical order
+        self.bucket_groups: List[List[List[Any]]] = []
+        self.rest_groups: List[List[Any]] = []
+        # The buckets' weights, each in one tensor (the parameters are views into it)
+        # so that a bucket is gathered in place; only across processes.
+        self.flats: List[torch.Tensor] = []
+        if flatten and world.distributed:
+            self.flats = [self._flatten(bucket) for bucket in layout.buckets]
+        # per (dtype, device): per process, the other pieces it sends, in canonical order
         self.gather_plan = self._gather_plan() if world.distributed else []
 
     # --- the optimizer in force ----------------------------------------------------
@@ -123,6 +131,13 @@ class ManagedStep:
                     members.extend(self.pieces[q] for q in by_param.get(i, ()))
             self.groups.append(members)
             self.group_ids.append(tuple(id(p) for p in group["params"]))
+        bucket_of = {id(shard): piece.bucket for piece, shard in self.pieces.items()
+                     if self.flats}
+        self.bucket_groups = [[[m for m in members if bucket_of.get(id(m), -1) == b]
+                               for members in self.groups]
+                              for b in range(len(self.flats))]
+        self.rest_groups = [[m for m in members if bucket_of.get(id(m), -1) == -1]
+                            for members in self.groups]
 
     # --- one step -------------------------------------------------------------------
     @torch.no_grad()
@@ -140,28 +155,41 @@ class ManagedStep:
         saved_groups, saved_state = opt.param_groups, opt.state
         clip = self._clip_coefficient(opt)
         max_norm = getattr(opt, "max_grad_norm", None)
+        pending: List[Any] = []
         try:
             if clip is not None:
                 opt.__dict__["_gradients"] = self._clipped_gradients(opt, clip)
                 opt.max_grad_norm = float("inf")
             streamed = [p for g in self.groups for p in g if self.storage.streams(p)]
-            if not streamed:
-                opt.param_groups = [dict(g, params=m)
-                                    for g, m in zip(saved_groups, self.groups)]
-                opt.state = self.state
-                result = self.inner()
-            else:
+            if streamed:
                 result = self._streamed_step(opt, saved_groups, set(map(id, streamed)))
+            elif self.flats:
+                # Bucket after bucket: the gather of one overlaps the update of the next.
+                for b, groups in enumerate(self.bucket_groups):
+                    self._step_on(opt, saved_groups, groups)
+                    pending.append(self._gather_bucket(b))
+                result = self._step_on(opt, saved_groups, self.rest_groups)
+            else:
+                result = self._step_on(opt, saved_groups, self.groups)
         finally:
             opt.param_groups, opt.state = saved_groups, saved_state
             opt.__dict__.pop("_gradients", None)
             if clip is not None:
                 opt.max_grad_norm = max_norm
+            with failures_as_errors("Gathering the updated weight shards"):
+                for work in pending:
+                    work.wait()
         opt.state = defaultdict(dict)
         self.moved_on = True
         if self.world.distributed:
             self._all_gather_weights()
         return result
+
+    def _step_on(self, opt: Any, groups: List[dict], members: List[List[Any]]) -> Any:
+        """The optimizer's step over ``members`` (per param group) with their state."""
+        opt.param_groups = [dict(g, params=m) for g, m in zip(groups, members) if m]
+        opt.state = self.state
+        return self.inner() if opt.param_groups else None
 
     def _point_pieces(self) -> None:
         """Point every piece parameter at its elements of the weight and the gradient
@@ -256,9 +284,30 @@ class ManagedStep:
         return gradients
 
     # --- weights after the update ---------------------------------------------------
+    def _flatten(self, bucket: Any) -> torch.Tensor:
+        """One tensor holding ``bucket``'s parameters; they become views into it."""
+        first = self.params[bucket.params[0]]
+        flat = torch.zeros(bucket.length, dtype=first.dtype, device=first.device)
+        for i, offset in zip(bucket.params, bucket.offsets):
+            p = self.params[i]
+            view = flat[offset:offset + p.numel()]
+            view.copy_(p.data.reshape(-1))
+            p.data = view.view(p.shape)
+        return flat
+
+    def _gather_bucket(self, b: int) -> Any:
+        """Start gathering bucket ``b`` in place (every process sends its range)."""
+        flat = self.flats[b]
+        start, end = self.layout.process_range(self.layout.buckets[b], self.world.rank)
+        with failures_as_errors("Gathering the updated weight shards"):
+            return dist.all_gather_into_tensor(flat, flat[start:end],
+                                               group=self.world.group, async_op=True)
+
     def _gather_plan(self) -> List[tuple]:
         plan: Dict[tuple, List[List[Piece]]] = {}
         for piece in self.layout.pieces:
+            if self.flats and piece.bucket >= 0:
+                continue
             p = self.params[piece.param]
             per_process = plan.setdefault((p.dtype, p.device),
                                           [[] for _ in range(self.world.size)])
