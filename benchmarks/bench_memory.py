@@ -16,8 +16,10 @@ is its own:
 * ``torch FSDP2``: ``torch.distributed.fsdp.fully_shard`` on each layer and the model.
 
 Reported per process (the larger of the two): bytes of optimizer state held, peak RSS
-and its growth from the end of model construction to the end of training, and the
-median step time. Ratios: against the unsharded ``poptorch`` run (the TARGET: ``rts``
+and its growth from the end of model construction to the end of training (one pair of
+fresh processes per configuration), and the median step time, measured in one more
+pair of processes that trains every configuration in turn, a few steps each, round
+after round, so that machine noise hits all of them alike. Ratios: against the unsharded ``poptorch`` run (the TARGET: ``rts``
 state <= 0.55x, step time of ``rts`` no more than 1/0.9 of ``poptorch``'s) and against
 the torch peers.
 
@@ -89,7 +91,8 @@ def _batches(steps: int, rank: int):
              torch.randn(BATCH, WIDTHS[-1], generator=g)) for _ in range(steps)]
 
 
-def _poptorch(config: str, model, batches):
+def _poptorch(config: str, model):
+    """A step function and a reader of the optimizer state bytes held."""
     import poptorch
     opts = poptorch.Options()
     settings = poptorch.TensorLocationSettings()
@@ -100,19 +103,15 @@ def _poptorch(config: str, model, batches):
     opts.TensorLocations.setOptimizerLocation(settings)
     optimizer = poptorch.optim.AdamW(model.parameters(), lr=LR)
     training = poptorch.trainingModel(model, opts, optimizer)
-    times = []
-    for x, y in batches:
-        start = time.perf_counter()
-        training(x, y)
-        times.append(time.perf_counter() - start)
-    managed = training._program.step_override
-    held = _state_bytes(optimizer.state)
-    if managed is not None:
-        held += managed.local_state_bytes()
-    return times, held
+
+    def held() -> int:
+        managed = training._program.step_override
+        return _state_bytes(optimizer.state) + (
+            managed.local_state_bytes() if managed is not None else 0)
+    return training, held
 
 
-def _torch(config: str, model, batches):
+def _torch(config: str, model):
     if config == "torch FSDP2":
         from torch.distributed.fsdp import fully_shard
         for layer in model.layers:
@@ -128,35 +127,59 @@ def _torch(config: str, model, batches):
                                                 optimizer_class=torch.optim.AdamW, lr=LR)
         else:
             optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    times = []
-    for x, y in batches:
-        start = time.perf_counter()
+
+    def step(x, y) -> None:
         optimizer.zero_grad(set_to_none=True)
         forward(x, y)[1].backward()
         optimizer.step()
-        times.append(time.perf_counter() - start)
     inner = getattr(optimizer, "optim", optimizer)  # ZeRO's local optimizer
-    return times, _state_bytes(inner.state)
+    return step, lambda: _state_bytes(inner.state)
+
+
+def _build(config: str, model):
+    return (_poptorch if config.startswith("poptorch") else _torch)(config, model)
+
+
+def _timed(step, batches) -> list:
+    times = []
+    for x, y in batches:
+        start = time.perf_counter()
+        step(x, y)
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def worker(config: str, out: str, steps: int) -> None:
+    """Memory of one configuration (``config``), or every configuration's step time
+    (``config == "timing"``), in this pair of processes."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = MLP()
     batches = _batches(steps, rank)
-    dist.barrier()
-    rss_before = _rss_bytes()
-    run = _poptorch if config.startswith("poptorch") else _torch
-    times, held = run(config, model, batches)
-    dist.barrier()
-    warm = max(2, steps // 5)
-    result = {"config": config, "rank": rank, "state_bytes": held,
-              "peak_rss": _peak_rss_bytes(), "rss_growth": _peak_rss_bytes() - rss_before,
-              "step_s": statistics.median(times[warm:]),
-              "params": sum(p.numel() for p in model.parameters()),
-              "checksum": float(sum(p.detach().double().sum() for p in model.parameters()))}
+    if config == "timing":
+        steps_per_round = 3
+        runs = {}
+        for name in CONFIGS:
+            torch.manual_seed(0)
+            runs[name] = _build(name, MLP())[0]
+            _timed(runs[name], batches[:2])  # compile, first steps
+        times: dict = {name: [] for name in CONFIGS}
+        for start in range(0, steps, steps_per_round):
+            for name in CONFIGS:
+                dist.barrier()
+                times[name] += _timed(runs[name], batches[start:start + steps_per_round])
+        result = {name: statistics.median(t) for name, t in times.items()}
+    else:
+        torch.manual_seed(0)
+        model = MLP()
+        dist.barrier()
+        rss_before = _rss_bytes()
+        step, held = _build(config, model)
+        _timed(step, batches)
+        dist.barrier()
+        result = {"state_bytes": held(), "peak_rss": _peak_rss_bytes(),
+                  "rss_growth": _peak_rss_bytes() - rss_before,
+                  "params": sum(p.numel() for p in model.parameters())}
     pathlib.Path(out, f"{config.replace(' ', '_')}_{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -179,25 +202,29 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker")
     parser.add_argument("--out")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.out, args.steps)
         return
-    steps = 8 if args.quick else args.steps
+    steps = 6 if args.quick else args.steps
     rows = {}
     with tempfile.TemporaryDirectory() as out:
         for config in CONFIGS:
-            per_rank = launch(config, out, steps)
+            per_rank = launch(config, out, 4 if args.quick else 6)
             rows[config] = {key: max(r[key] for r in per_rank)
-                            for key in ("state_bytes", "peak_rss", "rss_growth", "step_s")}
+                            for key in ("state_bytes", "peak_rss", "rss_growth")}
             rows[config]["params"] = per_rank[0]["params"]
+        timing = launch("timing", out, steps)
+        for config in CONFIGS:
+            rows[config]["step_s"] = max(r[config] for r in timing)
     mib = 1024 * 1024
     base = rows["poptorch"]
     print(f"MLP {'-'.join(map(str, WIDTHS))}: {base['params'] / 1e6:.2f} M parameters, "
-          f"AdamW, 2 processes (gloo, 1 thread each), batch {BATCH} per process, "
-          f"{steps} steps; per process, the larger of the two")
+          f"AdamW, 2 processes (gloo, 1 thread each), batch {BATCH} per process; "
+          f"per process, the larger of the two; step time: median of {steps} steps, "
+          f"configurations interleaved")
     print(f"{'config':24} {'opt state MiB':>13} {'x poptorch':>10} {'peak RSS MiB':>12} "
           f"{'RSS growth MiB':>14} {'step ms':>8} {'speed x poptorch':>16}")
     for config, row in rows.items():
@@ -212,9 +239,11 @@ def main() -> None:
           f"({'met' if state_ratio <= 0.55 else 'MISSED'})")
     print(f"TARGET sharded step speed >= 0.9x unsharded: {speed_ratio:.3f}x "
           f"({'met' if speed_ratio >= 0.9 else 'MISSED'})")
-    for peer in ("torch ZeRO", "torch FSDP2"):
-        print(f"poptorch rts vs {peer}: state {rts['state_bytes'] / rows[peer]['state_bytes']:.3f}x, "
-              f"speed {rows[peer]['step_s'] / rts['step_s']:.3f}x")
+    for peer in ("torch DDP", "torch ZeRO", "torch FSDP2"):
+        print(f"poptorch rts vs {peer}: state "
+              f"{rts['state_bytes'] / rows[peer]['state_bytes']:.3f}x, speed "
+              f"{rows[peer]['step_s'] / rts['step_s']:.3f}x, peak RSS "
+              f"{rts['peak_rss'] / rows[peer]['peak_rss']:.3f}x")
 
 
 if __name__ == "__main__":

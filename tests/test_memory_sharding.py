@@ -217,3 +217,43 @@ def test_layout_rules():
     whole = plan_layout(params[:2], min_elements=3, replicas_per_process=1, processes=2,
                         elementwise=False)
     assert [(q.param, q.owner, q.whole) for q in whole.pieces] == [(0, 0, True), (1, 1, True)]
+
+
+def test_activations_off_chip_wrapper_on_gpu_devices_only():
+    """The wrapper is installed for an accelerator (a stand-in program; no GPU here) and
+    not on the CPU; around a forward / backward it gives plain PyTorch's gradients, in
+    the calling thread and in a worker thread (``thread_context``)."""
+    import threading
+    from types import SimpleNamespace
+
+    from poptorch._runtime.memory.locations import install
+    from poptorch._runtime.memory.offload import ActivationsOffChip
+    opts = poptorch.Options()
+    opts.TensorLocations.setActivationLocation(
+        poptorch.TensorLocationSettings().useOnChipStorage(False))
+    for device, expected in (("cuda", 1), ("cpu", 0)):
+        program = SimpleNamespace(training=False, wrappers=[])
+        install(program, make_model(), opts, None, torch.device(device))
+        assert program.wrappers == [] or isinstance(program.wrappers[0], ActivationsOffChip)
+        program = SimpleNamespace(training=True, wrappers=[], cross=None,
+                                  plan=SimpleNamespace(replication_factor=1),
+                                  optimizer=None)
+        install(program, make_model(), opts, None, torch.device(device))
+        assert len(program.wrappers) == expected
+    wrapper = ActivationsOffChip()
+    x, y = global_batch(0, 1)
+
+    def grads(context) -> list:
+        model = make_model()
+        with context:
+            model(x, y)[1].backward()
+        return [p.grad for p in model.parameters()]
+    import contextlib
+    plain = grads(contextlib.nullcontext())
+    for _ in range(2):  # entered once per call
+        assert all(torch.equal(a, b) for a, b in zip(grads(wrapper), plain))
+    result = []
+    thread = threading.Thread(target=lambda: result.append(grads(wrapper.thread_context())))
+    thread.start()
+    thread.join()
+    assert all(torch.equal(a, b) for a, b in zip(result[0], plain))
