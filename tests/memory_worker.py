@@ -28,7 +28,7 @@ def save(out: pathlib.Path, name: str, value) -> None:
 
 def main(out: pathlib.Path) -> None:
     half = CALLS // 2
-    for sharded in (False, True, 2):
+    for sharded in (False, True, 2, 3):
         if sharded == 2:  # one bucket per weight: gathers overlap the next update
             from poptorch._runtime.memory import layout
             layout.BUCKET_ELEMENTS = 30
@@ -36,6 +36,9 @@ def main(out: pathlib.Path) -> None:
         optimizer = adamw(model)
         training = train(model, options(1, sharded), optimizer, range(half), 1, RANK, WORLD)
         managed = training._program.step_override
+        if sharded == 3:  # the state's moves to and from host memory (GPUs), forced
+            from poptorch._runtime.memory.offload import StateStorage
+            managed.storage = StateStorage(True, force_stream=True)
         held = managed.state if managed is not None else optimizer.state
         local_bytes = elementwise_state_bytes(held)
         checkpoint = {"model": {k: v.clone() for k, v in model.state_dict().items()},

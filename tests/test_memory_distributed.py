@@ -58,11 +58,13 @@ def _state_diff(a: dict, b: dict) -> float:
 def test_sharded_weights_equal_unsharded_and_plain_pytorch(runs):
     sharded, unsharded = runs("adamw_sharded1"), runs("adamw_sharded0")
     buckets = runs("adamw_sharded2")  # fc1.weight and fc2.weight in buckets of their own
+    streamed = runs("adamw_sharded3")  # state moved to and from host memory (forced)
     reference = plain_reference(make_model(1000), range(CALLS), 2)
     for rank in (0, 1):
         assert _max_diff(sharded[rank]["weights"], unsharded[rank]["weights"]) <= TOL
         assert _max_diff(sharded[rank]["weights"], reference) <= TOL
         assert _max_diff(buckets[rank]["weights"], reference) <= TOL
+        assert _max_diff(streamed[rank]["weights"], reference) <= TOL
     # the gathered state dict is PopTorch's whole one, the same on both processes
     for rank in (0, 1):
         assert _state_diff(sharded[rank]["state_dict"], unsharded[0]["state_dict"]) <= TOL

@@ -163,6 +163,7 @@ class ManagedStep:
             streamed = [p for g in self.groups for p in g if self.storage.streams(p)]
             if streamed:
                 result = self._streamed_step(opt, saved_groups, set(map(id, streamed)))
+                pending.extend(self._gather_bucket(b) for b in range(len(self.flats)))
             elif self.flats:
                 # Bucket after bucket: the gather of one overlaps the update of the next.
                 for b, groups in enumerate(self.bucket_groups):
