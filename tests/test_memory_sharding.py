@@ -257,3 +257,19 @@ def test_activations_off_chip_wrapper_on_gpu_devices_only():
     thread.start()
     thread.join()
     assert all(torch.equal(a, b) for a, b in zip(result[0], plain))
+
+
+def test_a_program_compiled_again_keeps_the_sharded_state():
+    """destroy() and a new first call compile again: the new program starts from the
+    pieces of the previous one, as an unsharded program keeps the optimizer's state."""
+    weights = []
+    for sharded in (False, True):
+        model = make_model()
+        optimizer = adamw(model)
+        training = train(model, options(2, sharded), optimizer, range(2), 2)
+        training.destroy()
+        for call in range(2, CALLS):
+            training(*global_batch(call, 2))
+        weights.append(_weights(model))
+    assert _diff(weights[1], weights[0]) <= TOL
+    assert _diff(weights[1], plain_reference(make_model(), range(CALLS), 2)) <= TOL

@@ -27,7 +27,7 @@ from ..placement.strategy import is_phased
 from ..program.replica_groups import group_count, group_of
 from .layout import DEFAULT_MIN_ELEMENTS, plan_layout
 from .offload import ActivationsOffChip, StateStorage
-from .sharding import ManagedStep
+from .sharding import ManagedStep, take_over
 
 # Optimizers whose update of each element depends on that element only (piece by piece
 # is the same update); others are sharded tensor by tensor.
@@ -98,6 +98,8 @@ def install(program: Any, model: torch.nn.Module, options: Any,
     params = list(model.parameters())
     names = {id(p): n for n, p in model.named_parameters()}
     optimizer = program.optimizer
+    if optimizer is not None:
+        take_over(optimizer)  # a program compiled again: the previous one's pieces
     if sharding:
         min_elements = int(optimizer_loc.get("minElementsForReplicatedTensorSharding",
                                              DEFAULT_MIN_ELEMENTS))

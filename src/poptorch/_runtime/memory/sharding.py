@@ -20,7 +20,6 @@ resumes at any world size and with or without sharding.
 """
 from __future__ import annotations
 
-import weakref
 from collections import defaultdict
 from typing import Any, Dict, List, Optional
 
@@ -43,10 +42,17 @@ _MANAGER_ATTR = "_optimizer_poptorch_managed_step"
 
 
 def _gather_before_state_dict(optimizer: Any) -> None:
-    ref = optimizer.__dict__.get(_MANAGER_ATTR)
-    managed = ref() if ref is not None else None
+    managed = optimizer.__dict__.get(_MANAGER_ATTR)
     if managed is not None:
         managed.gather_into(optimizer)
+
+
+def take_over(optimizer: Any) -> None:
+    """Before a program compiled again for ``optimizer`` steps it: the pieces held by
+    the previous program become ``optimizer``'s whole state (a collective)."""
+    previous = optimizer.__dict__.pop(_MANAGER_ATTR, None)
+    if previous is not None:
+        previous.gather_into(optimizer)
 
 
 def state_bytes(state: Dict[Any, Dict[str, Any]]) -> int:
@@ -107,9 +113,11 @@ class ManagedStep:
         self.opt = opt
         self.inner = fast_step(opt)
         # The hook (registered once per optimizer) finds the step in force through this
-        # weak reference; names starting "_optimizer_" are left out of pickles.
+        # attribute, which also keeps the pieces alive as long as the optimizer (a
+        # program compiled again takes them over); names starting "_optimizer_" are left
+        # out of pickles.
         first = _MANAGER_ATTR not in opt.__dict__
-        opt.__dict__[_MANAGER_ATTR] = weakref.ref(self)
+        opt.__dict__[_MANAGER_ATTR] = self
         if first:
             opt.register_state_dict_pre_hook(_gather_before_state_dict)
         self._regroup(opt)
