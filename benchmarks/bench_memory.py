@@ -16,7 +16,7 @@ is its own:
 * ``torch FSDP2``: ``torch.distributed.fsdp.fully_shard`` on each layer and the model.
 
 Reported per process (the larger of the two): bytes of optimizer state held, peak RSS
-and its growth from the end of model construction to the end of training (one pair of
+(large blocks returned to the system when freed: ``MALLOC_MMAP_THRESHOLD_``) and its growth from the end of model construction to the end of training (one pair of
 fresh processes per configuration), and the median step time, measured in one more
 pair of processes that trains every configuration in turn, a few steps each, round
 after round, so that machine noise hits all of them alike. Ratios: against the unsharded ``poptorch`` run (the TARGET: ``rts``
@@ -185,7 +185,10 @@ def worker(config: str, out: str, steps: int) -> None:
 
 
 def launch(config: str, out: str, steps: int) -> list:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # Large blocks straight from mmap and back on free (glibc's threshold otherwise
+    # grows and freed temporaries stay in the heap): the peak RSS then follows the
+    # memory really in use, the same rule for every configuration.
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
