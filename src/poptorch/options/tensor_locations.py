@@ -9,6 +9,9 @@ from .store import OptionsDict, check_bool, check_int
 _IGNORED_LOCATION_KEYS = ("useReplicatedTensorSharding",
                           "minElementsForReplicatedTensorSharding",
                           "useIOTilesToLoad", "useIOTilesToStore")
+# Replicated tensor sharding of the optimizer state acts (``_runtime/memory/``).
+_ACTING = {"optimizer": ("useReplicatedTensorSharding",
+                         "minElementsForReplicatedTensorSharding")}
 
 
 class TensorLocationSettings(OptionsDict):
@@ -19,8 +22,10 @@ class TensorLocationSettings(OptionsDict):
     ...     poptorch.TensorLocationSettings().useOnChipStorage(False))
 
     ``onChip=False`` (off-chip, "streaming memory") and ``minElementsForOffChip`` are
-    applied by phased execution: such tensors live in host memory between phases.
-    Replicated tensor sharding and IO tiles are recorded only.
+    applied by phased execution (such tensors live in host memory between phases) and,
+    for optimizer state and activations, on GPUs (``_runtime/memory/``). Replicated
+    tensor sharding acts on the optimizer state; for weights and accumulators it is
+    recorded only, as are IO tiles.
     """
 
     def minElementsForOffChip(self, min_elements: int) -> "TensorLocationSettings":
@@ -31,7 +36,8 @@ class TensorLocationSettings(OptionsDict):
 
     def minElementsForReplicatedTensorSharding(self, min_elements: int
                                                ) -> "TensorLocationSettings":
-        """Only shard tensors with more elements than this (recorded only)."""
+        """Only shard the optimizer state of tensors with at least this many elements
+        (default 8192)."""
         self.createOrSet(minElementsForReplicatedTensorSharding=check_int(
             "TensorLocationSettings.minElementsForReplicatedTensorSharding", min_elements,
             minimum=0))
@@ -47,7 +53,8 @@ class TensorLocationSettings(OptionsDict):
         return self
 
     def useReplicatedTensorSharding(self, use: bool = True) -> "TensorLocationSettings":
-        """Shard weights / optimizer state over replicas (recorded only)."""
+        """Shard the optimizer state over the replicas sharing each tensor (for weights
+        and accumulators: recorded only)."""
         self.createOrSet(useReplicatedTensorSharding=check_bool(
             "TensorLocationSettings.useReplicatedTensorSharding", use))
         return self
@@ -129,6 +136,6 @@ class _TensorLocationOptions(OptionsDict):
         for kind in self._KINDS:
             settings = self._values[f"location_{kind}"]
             for key in _IGNORED_LOCATION_KEYS:
-                if key in settings:
+                if key in settings and key not in _ACTING.get(kind, ()):
                     ignored[f"TensorLocations.location_{kind}.{key}"] = settings[key]
         return ignored

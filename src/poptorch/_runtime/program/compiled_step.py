@@ -70,6 +70,8 @@ def capture_blocker(program: Any, runner: Any) -> str | None:
         return "anchored tensors are read between device iterations"
     if program.finite_check is not None:
         return "floating-point exception checks run after every step"
+    if getattr(program, "step_override", None) is not None:
+        return "the optimizer state is sharded over replicas or kept off chip"
     if program.training:
         optimizer = program.optimizer
         if not isinstance(optimizer, torch.optim.Optimizer):

@@ -110,6 +110,8 @@ class DeviceProgram:
         self.output_mode = output_mode
         self.output_return_period = output_return_period
         self.params = params
+        # Replaces the optimizer's step when set (``_runtime/memory/sharding.py``).
+        self.step_override: Callable[[], Any] | None = None
         self.optimizer = optimizer  # a property: also picks the fast step function
         self.rng = rng
         self.to_host = to_host
@@ -218,7 +220,7 @@ class DeviceProgram:
             if grads and self.multiply_grads_by != 1:
                 foreach_mul_(grads, float(self.multiply_grads_by))
         if self.scaler is None or self.scaler.unscale_(params):
-            self._step()
+            (self.step_override or self._step)()
         if self.cross is not None:
             self.cross.sync_buffers()
         return outputs

@@ -1,0 +1,144 @@
+"""What ``Options.TensorLocations`` does to a compiled training model outside phased
+execution (which streams its phases' weights and activations itself:
+``_runtime/placement/phased.py``).
+
+* optimizer state, ``useReplicatedTensorSharding(True)``: sharded over the replicas
+  sharing each tensor of at least ``minElementsForReplicatedTensorSharding`` elements
+  (``layout.py``, ``sharding.py``);
+* optimizer state, ``useOnChipStorage(False)``: in host memory between steps
+  (``offload.py``);
+* activations, ``useOnChipStorage(False)``: saved for the backward pass in host memory;
+* weights and accumulators: sharding and off-chip storage are recorded and logged once
+  at INFO (they act in phased execution only, for off-chip weights).
+
+On the CPU, host memory is the device's: off-chip storage is logged once at INFO and
+changes nothing.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from ..._logging import info_once
+from ...enums import CommGroupType, VariableRetrievalMode
+from ..distributed.world import SINGLE_PROCESS
+from ..placement.strategy import is_phased
+from ..program.replica_groups import group_count, group_of
+from .layout import DEFAULT_MIN_ELEMENTS, plan_layout
+from .offload import ActivationsOffChip, StateStorage
+from .sharding import ManagedStep, take_over
+
+# Optimizers whose update of each element depends on that element only (piece by piece
+# is the same update); others are sharded tensor by tensor.
+_ELEMENTWISE = {"SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "NAdam", "RAdam"}
+
+
+def elementwise(optimizer: Any) -> bool:
+    """Whether ``optimizer``'s update may run on any piece of a tensor on its own."""
+    cls = type(optimizer)
+    return cls.__name__ in _ELEMENTWISE and cls.__module__.startswith(
+        ("poptorch.optim", "torch.optim"))
+
+
+def _settings(options: Any, kind: str) -> Dict[str, Any]:
+    return dict(getattr(options.TensorLocations, f"location_{kind}", {}) or {})
+
+
+def slot_members(params: List[torch.nn.Parameter], names: Dict[int, str],
+                 groupings: Optional[dict], replicas: int) -> Dict[int, List[List[int]]]:
+    """For each replica-grouped parameter (by index): the global replicas sharing each
+    slice of its first dimension."""
+    result: Dict[int, List[List[int]]] = {}
+    for i, p in enumerate(params):
+        grouping = (groupings or {}).get(names.get(id(p)))
+        if grouping is None:
+            continue
+        kind, size, mode = grouping
+        kind, mode = CommGroupType(kind), VariableRetrievalMode(mode)
+        if kind == CommGroupType.All:
+            continue
+        if mode == VariableRetrievalMode.AllReplicas:
+            result[i] = [[k] for k in range(replicas)]
+            continue
+        members: List[List[int]] = [[] for _ in range(group_count(replicas, kind, size))]
+        for k in range(replicas):
+            members[group_of(k, replicas, kind, size)].append(k)
+        result[i] = members
+    return result
+
+
+def install(program: Any, model: torch.nn.Module, options: Any,
+            groupings: Optional[dict], device: torch.device) -> Optional[ManagedStep]:
+    """Make the tensor locations of ``options`` act on ``program`` (module docstring);
+    returns the managed optimizer step when one replaces the optimizer's own."""
+    optimizer_loc = _settings(options, "optimizer")
+    phased = is_phased(options._execution_strategy)
+    cpu = device.type == "cpu"
+    _log_recorded(options, cpu, phased)
+    activation_loc = _settings(options, "activation")
+    if activation_loc.get("onChip") is False and program.training and not phased:
+        if cpu:
+            info_once(("off-chip", "activation"), "TensorLocations: activations off chip "
+                      "(useOnChipStorage(False)) change nothing on the CPU, where host "
+                      "memory is the device's.")
+        else:
+            program.wrappers.append(ActivationsOffChip())
+    if not program.training:
+        return None
+    off_chip = optimizer_loc.get("onChip") is False
+    if off_chip and cpu:
+        info_once(("off-chip", "optimizer"), "TensorLocations: optimizer state off chip "
+                  "(useOnChipStorage(False)) changes nothing on the CPU, where host memory "
+                  "is the device's.")
+    sharding = bool(optimizer_loc.get("useReplicatedTensorSharding"))
+    cross = program.cross
+    world = cross.world if cross is not None else SINGLE_PROCESS
+    r = program.plan.replication_factor
+    params = list(model.parameters())
+    names = {id(p): n for n, p in model.named_parameters()}
+    optimizer = program.optimizer
+    if optimizer is not None:
+        take_over(optimizer)  # a program compiled again: the previous one's pieces
+    if sharding:
+        min_elements = int(optimizer_loc.get("minElementsForReplicatedTensorSharding",
+                                             DEFAULT_MIN_ELEMENTS))
+        layout = plan_layout(params, min_elements=min_elements, replicas_per_process=r,
+                             processes=world.size, elementwise=elementwise(optimizer),
+                             slot_members=slot_members(params, names, groupings,
+                                                       r * world.size))
+    else:
+        layout = plan_layout(params, min_elements=0, replicas_per_process=1,
+                             processes=1, elementwise=True)
+    storage = StateStorage(off_chip and not cpu,
+                           int(optimizer_loc.get("minElementsForOffChip", 0)))
+    if sharding and not layout.sharded:
+        info_once(("rts", "single replica"), "TensorLocations: replicated tensor sharding "
+                  "of the optimizer state has nothing to shard (one replica, or no tensor "
+                  "of at least %d elements).", min_elements)
+    if not layout.sharded and not storage.off_chip:
+        return None
+    if layout.sharded:
+        info_once(("rts", r, world.size), "TensorLocations: optimizer state of %d tensor(s) "
+                  "sharded over %d replica(s) (%d per process).",
+                  len({q.param for q in layout.pieces}), r * world.size, r)
+    # Phased execution moves each weight between devices (its storage changes), so the
+    # weights cannot live in the buckets there.
+    managed = ManagedStep(lambda: program.optimizer, params, layout, world, storage,
+                          flatten=not phased)
+    program.step_override = managed
+    return managed
+
+
+def _log_recorded(options: Any, cpu: bool, phased: bool) -> None:
+    """One INFO line per location setting that is recorded only."""
+    for kind in ("weight", "accumulator"):
+        settings = _settings(options, kind)
+        if settings.get("useReplicatedTensorSharding"):
+            info_once(("rts", kind), "TensorLocations: replicated tensor sharding of %ss is "
+                      "recorded; every replica holds the whole %ss (only the optimizer "
+                      "state is sharded).", kind, kind)
+        if settings.get("onChip") is False and not (kind == "weight" and phased):
+            info_once(("off-chip", kind), "TensorLocations: %ss off chip are recorded; "
+                      "they stay in device memory%s.", kind,
+                      "" if cpu else " (off-chip weights stream in phased execution only)")

@@ -1,0 +1,124 @@
+"""Models, data and plain-PyTorch references shared by the replicated tensor sharding
+tests (tests/test_memory_sharding.py, tests/test_memory_distributed.py) and the program
+the latter starts under torchrun (tests/memory_worker.py).
+
+A run has ``R`` global replicas (``r`` per process); each call is one optimizer step on
+a global batch of ``R * M`` rows, replica ``k`` taking rows ``k*M .. (k+1)*M``.
+"""
+from __future__ import annotations
+
+import torch
+
+import poptorch
+from poptorch.enums import CommGroupType, VariableRetrievalMode
+
+M = 3                     # rows per micro-batch
+FEATURES, HIDDEN, CLASSES = 5, 8, 3
+CALLS = 4
+LR, WEIGHT_DECAY, LOSS_SCALING, MAX_NORM = 0.05, 0.1, 4.0, 0.3
+MIN_ELEMENTS = 10         # fc1.weight (40) and fc2.weight (24) sharded, biases whole
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(FEATURES, HIDDEN)
+        self.fc2 = torch.nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x, y):
+        out = self.fc2(torch.tanh(self.fc1(x)))
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def make_model(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def global_batch(call: int, replicas: int) -> tuple:
+    g = torch.Generator().manual_seed(100 + call)
+    return (torch.randn(replicas * M, FEATURES, generator=g),
+            torch.randint(0, CLASSES, (replicas * M,), generator=g))
+
+
+def rows(batch: tuple, first_replica: int, replicas: int) -> tuple:
+    """The rows of replicas ``first_replica .. first_replica + replicas - 1``."""
+    return tuple(t[first_replica * M:(first_replica + replicas) * M] for t in batch)
+
+
+def options(replicas: int, sharded: bool, min_elements: int = MIN_ELEMENTS,
+            off_chip: bool = False) -> poptorch.Options:
+    opts = poptorch.Options().replicationFactor(replicas)
+    settings = poptorch.TensorLocationSettings()
+    if sharded:
+        settings.useReplicatedTensorSharding(True)
+        settings.minElementsForReplicatedTensorSharding(min_elements)
+    if off_chip:
+        settings.useOnChipStorage(False)
+    opts.TensorLocations.setOptimizerLocation(settings)
+    return opts
+
+
+def adamw(model: torch.nn.Module) -> poptorch.optim.AdamW:
+    return poptorch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
+                                loss_scaling=LOSS_SCALING, max_grad_norm=MAX_NORM)
+
+
+def train(model: torch.nn.Module, opts: poptorch.Options, optimizer, calls, replicas: int,
+          first_replica: int = 0, total_replicas: int | None = None):
+    """Train ``model`` on calls ``calls`` of the global batches; returns the executor."""
+    total = total_replicas or replicas
+    training = poptorch.trainingModel(model, opts, optimizer)
+    for call in calls:
+        training(*rows(global_batch(call, total), first_replica, replicas))
+    return training
+
+
+def plain_reference(model: torch.nn.Module, calls, replicas: int) -> dict:
+    """Plain PyTorch: one AdamW step per global batch (mean loss over all rows, gradients
+    clipped to MAX_NORM)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    for call in calls:
+        optimizer.zero_grad()
+        model(*global_batch(call, replicas))[1].backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def elementwise_state_bytes(state: dict) -> int:
+    """Bytes of the non-scalar tensors of an optimizer state (``optimizer.state`` or a
+    sharded step's pieces)."""
+    return sum(v.numel() * v.element_size() for entry in state.values()
+               for v in entry.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+class Grouped(torch.nn.Module):
+    """A weight with one slice per group of replicas (``replicaGrouping``)."""
+
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(7)
+        self.W = torch.nn.Parameter(torch.randn(groups, FEATURES, 4, generator=g) * 0.3)
+
+    def forward(self, x):
+        z = torch.mm(x, self.W)
+        return z, poptorch.identity_loss(z ** 2, reduction="mean")
+
+
+def grouped_batch(call: int, replicas: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(300 + call)
+    return torch.randn(replicas * M, FEATURES, generator=g)
+
+
+def train_grouped(model: Grouped, replicas: int, sharded: bool, kind: CommGroupType,
+                  size: int, first_replica: int = 0, total: int | None = None):
+    opts = options(replicas, sharded, min_elements=4)
+    optimizer = poptorch.optim.Adam(model.parameters(), lr=0.05)
+    training = poptorch.trainingModel(model, opts, optimizer)
+    training.W.replicaGrouping(kind, size, VariableRetrievalMode.OnePerGroup)
+    total = total or replicas
+    for call in range(CALLS):
+        x = grouped_batch(call, total)
+        training(x[first_replica * M:(first_replica + replicas) * M])
+    return training, optimizer
