@@ -195,7 +195,7 @@ class ModelParallelRunner:
             self.compile(microbatches[0])
         if self._plain:
             return self._run_plain(microbatches, loss_of)
-        if self.engine is not None:
+        if self.engine is not None and self._engine_call(microbatches):
             inputs = [self.captured.inputs_of(args, kwargs) for args, kwargs in microbatches]
             if all(i is not None for i in inputs):
                 return self._run_engine(inputs, loss_of)
@@ -204,6 +204,13 @@ class ModelParallelRunner:
         if kind_of(self.strategy) == SHARDED:
             return self._run_sharded(microbatches, loss_of)
         return self._run_pipelined(microbatches, loss_of)
+
+    def _engine_call(self, microbatches: List[tuple]) -> bool:
+        """Whether the engine runs this call. The stage modules never call the model's
+        ``forward``, so a call for which the executor wrapped ``model.forward`` (the
+        first call's check of the overlap markers) runs through the tracing runner,
+        which does; so does a call with no micro-batch."""
+        return bool(microbatches) and "forward" not in self.model.__dict__
 
     def _run_engine(self, inputs: List[dict], loss_of: Optional[LossOf]) -> List[Any]:
         part, engine = self.partition, self.engine
