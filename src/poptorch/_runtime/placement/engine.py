@@ -79,10 +79,18 @@ class DeviceWorker:
     def stop(self) -> None:
         self._tasks.put(None)
 
+    def join(self, timeout: float) -> None:
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
 
 def _stop_all(workers: List[DeviceWorker]) -> None:
+    """Stop the workers and wait for them (also at interpreter exit: a thread still in
+    torch when the interpreter finalizes aborts the process)."""
     for worker in workers:
         worker.stop()
+    for worker in workers:
+        worker.join(5.0)
 
 
 class Engine:
@@ -127,9 +135,10 @@ class Engine:
         step = _Step(self, inputs, loss_of, cut=True, record=record)
         grad = torch.is_grad_enabled()
         busy = [(d, lane) for d, lane in enumerate(lanes) if lane]
+        step.lanes = len(busy)
         for d, lane in busy:
             self.workers[d].submit(lambda d=d, lane=lane: step.run_lane(d, lane, grad))
-        step.wait(len(busy))
+        step.wait()
         return step.results
 
     # ---------------------------------------------------------------- sharded
@@ -167,6 +176,8 @@ class _Step:
         self.cond = threading.Condition()
         self.error: Optional[BaseException] = None
         self.finished = 0
+        self.lanes = 0
+        self.all_finished = threading.Event()  # the driver waits on this alone
 
     # ------------------------------------------------------------ worker side
     def run_lane(self, d: int, lane: List[Op], grad: bool) -> None:
@@ -193,6 +204,8 @@ class _Step:
             with self.cond:
                 self.finished += 1
                 self.cond.notify_all()
+                if self.finished == self.lanes:
+                    self.all_finished.set()
 
     def _wait_for(self, op: Op) -> None:
         kind, s, m = op
@@ -214,11 +227,9 @@ class _Step:
                                 f"{WAIT_TIMEOUT_S:.0f}s for {deps}.")
                 self.cond.wait(min(remaining, 1.0))
 
-    def wait(self, lanes: int) -> None:
+    def wait(self) -> None:
         """Driver side: wait until every lane has finished; re-raise the first error."""
-        with self.cond:
-            while self.finished < lanes:
-                self.cond.wait(1.0)
+        self.all_finished.wait()
         if self.error is not None:
             raise self.error
 
