@@ -233,3 +233,24 @@ def test_device_lanes_run_every_action_once_in_dependency_order():
     for stage in range(4):  # each stage keeps its own 1F1B order
         lane = lanes[stage % 2]
         assert [op for op in lane if op[1] == stage] == per_stage[stage]
+
+
+@pytest.mark.parametrize("kind", ["serial", "parallel"])
+def test_phased_on_the_engine_streams_weights_and_matches_pytorch(kind):
+    cls = poptorch.SerialPhasedExecution if kind == "serial" else \
+        poptorch.ParallelPhasedExecution
+    strategy = cls(*[poptorch.Phase(poptorch.Stage(f"b{k}")) for k in range(4)])
+    if kind == "serial":
+        strategy.setTensorsLiveness(poptorch.Liveness.OffChipAfterEachPhase)
+    model = Chain([None] * 4)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    training = _train_both(model, strategy, 2)
+    runner = _runner_of(training)
+    assert runner.engine is not None
+    mem = runner.streaming
+    if kind == "serial":  # one phase of four resident at a time
+        assert mem.peak_resident_bytes == total // 4
+    else:  # AlwaysLive (parallel phases have no liveness setting): all resident
+        assert mem.peak_resident_bytes == total
+        assert {e.lane for e in strategy.last_schedule.events} == {0, 1}
+    assert len(strategy.last_schedule.events) == 2 * 2 * 4

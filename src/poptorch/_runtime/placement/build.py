@@ -128,15 +128,16 @@ class ModelParallelRunner:
         (pipelined and sharded execution); None when the model cannot be captured or
         its strategy is phased (the tracing runner then takes over on the first call)."""
         self._capture_tried = True
-        if is_phased(self.strategy):
-            return None
         captured = capture(self.model, args, kwargs, self.strategy)
         if captured is None:
             return None
         part = resolve_partition(captured.trace, self.strategy, self.options,
                                  self.training, 0)
         staged = None
-        plain = not part.has_blocks or _single_ipu_pipeline(part)
+        plain = not is_phased(self.strategy) and (not part.has_blocks
+                                                  or _single_ipu_pipeline(part))
+        if is_phased(self.strategy) and part.num_stages != part.num_phases:
+            return None  # phases of several stages: the tracing runner
         if not plain:
             try:
                 staged = split_stages(captured, part)
@@ -217,7 +218,9 @@ class ModelParallelRunner:
         engine.worker_contexts = self.worker_contexts
         n, count, training = part.num_stages, len(inputs), loss_of is not None
         record = ScheduleRecord(n)
-        if kind_of(self.strategy) == SHARDED or not is_pipelined(part):
+        if is_phased(self.strategy):
+            outputs = self._run_engine_phased(inputs, loss_of, record)
+        elif kind_of(self.strategy) == SHARDED or not is_pipelined(part):
             outputs = engine.run_in_order(sharded_actions(n, count, training), inputs,
                                           loss_of, record)
         else:
@@ -234,6 +237,37 @@ class ModelParallelRunner:
             outputs = engine.run_lanes(lanes, inputs, loss_of, record)
         self._keep(record)
         return outputs
+
+    def _run_engine_phased(self, inputs: List[dict], loss_of: Optional[LossOf],
+                           record: ScheduleRecord) -> List[Any]:
+        """Phases (one stage each) on the engine: serial phases in this thread, parallel
+        phases on the even / odd devices' workers; a phase's weights are streamed in
+        before its first action and out when its lane moves on."""
+        part, engine, streaming = self.partition, self.engine, self.streaming
+        count, training = len(inputs), loss_of is not None
+        lane_phase: dict = {}
+        lock = threading.Lock()
+
+        def before(lane: int, op: tuple) -> None:
+            phase = part.stages[op[1]].phase
+            with lock:
+                streaming.enter(phase, lane_phase.get(lane))
+                lane_phase[lane] = phase
+
+        scope = lambda: streaming.activation_scope(self.devices)  # noqa: E731
+        try:
+            if kind_of(self.strategy) == PARALLEL_PHASED:
+                lanes: List[list] = [[] for _ in self.devices]
+                for ops in parallel_phased_schedule(part.num_phases, count, training):
+                    for op in ops:
+                        lanes[engine.stage_device[op[1]]].append(op)
+                return engine.run_lanes(lanes, inputs, loss_of, record, before, (scope, ))
+            ops = sequential_schedule(list(range(part.num_stages)), count, training)[0]
+            with scope():
+                return engine.run_in_order(ops, inputs, loss_of, record, cut=True,
+                                           before=before)
+        finally:
+            streaming.offload_all()
 
     def _run_plain(self, microbatches, loss_of):
         outputs = []

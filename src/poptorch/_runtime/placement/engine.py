@@ -128,11 +128,15 @@ class Engine:
     # ---------------------------------------------------------------- pipelined
     def run_lanes(self, lanes: List[List[Op]], inputs: List[Dict[str, Any]],
                   loss_of: Optional[Callable[[Any], torch.Tensor]],
-                  record: ScheduleRecord) -> List[Any]:
+                  record: ScheduleRecord, before: Optional[Callable] = None,
+                  contexts: tuple = ()) -> List[Any]:
         """Run ``lanes`` (one action list per device, ``lanes[d]`` on device ``d``),
-        each on its device's worker; returns the model's outputs per micro-batch."""
+        each on its device's worker; returns the model's outputs per micro-batch.
+        ``before(lane, op)`` runs before each action (phased streaming); ``contexts``
+        are extra context factories entered by each worker for the call."""
         self._ensure_workers()
         step = _Step(self, inputs, loss_of, cut=True, record=record)
+        step.before, step.contexts = before, list(contexts)
         grad = torch.is_grad_enabled()
         busy = [(d, lane) for d, lane in enumerate(lanes) if lane]
         step.lanes = len(busy)
@@ -144,11 +148,13 @@ class Engine:
     # ---------------------------------------------------------------- sharded
     def run_in_order(self, ops: List[Op], inputs: List[Dict[str, Any]],
                      loss_of: Optional[Callable[[Any], torch.Tensor]],
-                     record: ScheduleRecord) -> List[Any]:
-        """Run ``ops`` in this thread, one device busy at a time. The stages of a
-        micro-batch form one autograd graph (nothing runs in between to overlap), so
-        its backward is one call from the loss."""
-        step = _Step(self, inputs, loss_of, cut=False, record=record)
+                     record: ScheduleRecord, cut: bool = False,
+                     before: Optional[Callable] = None) -> List[Any]:
+        """Run ``ops`` in this thread, one device busy at a time. Uncut (sharded), the
+        stages of a micro-batch form one autograd graph and its backward is one call
+        from the loss; cut (serial phases), each backward action runs its stage's."""
+        step = _Step(self, inputs, loss_of, cut=cut, record=record)
+        step.before = before
         for op in ops:
             step.run_op(0, op)
         return step.results
@@ -177,6 +183,8 @@ class _Step:
         self.error: Optional[BaseException] = None
         self.finished = 0
         self.lanes = 0
+        self.before: Optional[Callable] = None
+        self.contexts: list = []
         self.all_finished = threading.Event()  # the driver waits on this alone
 
     # ------------------------------------------------------------ worker side
@@ -184,7 +192,8 @@ class _Step:
         worker = self.engine.workers[d]
         try:
             with torch.set_grad_enabled(grad), context.running_on_ipu(), \
-                    context.worker_scope(self.engine.worker_contexts), _on_stream(worker):
+                    context.worker_scope(self.engine.worker_contexts + self.contexts), \
+                    _on_stream(worker):
                 for op in lane:
                     self._wait_for(op)
                     self.run_op(d, op)
@@ -236,6 +245,8 @@ class _Step:
     # ------------------------------------------------------------ actions
     def run_op(self, lane: int, op: Op) -> None:
         kind, s, m = op
+        if self.before is not None:
+            self.before(lane, op)
         event = ScheduleEvent(lane, kind, s, m, time.perf_counter())
         if kind == FORWARD:
             self._forward(s, m)
