@@ -254,3 +254,19 @@ def test_phased_on_the_engine_streams_weights_and_matches_pytorch(kind):
         assert mem.peak_resident_bytes == total
         assert {e.lane for e in strategy.last_schedule.events} == {0, 1}
     assert len(strategy.last_schedule.events) == 2 * 2 * 4
+
+
+class CheckpointedChain(Chain):
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = poptorch.recomputationCheckpoint(torch.tanh(layer(x)) * 2.0)
+        return x, ((x.exp() - y)**2).mean()
+
+
+@pytest.mark.parametrize("name", ["1F1B", "sharded"])
+def test_recomputation_per_stage_on_the_engine(name):
+    strategy = _schedules()[name]()
+    training = _train_both(CheckpointedChain([0, 1]), strategy, 4)
+    runner = _runner_of(training)
+    assert runner.engine is not None
+    assert all(s.checkpoints for s in runner.engine.staged.stages)

@@ -40,6 +40,7 @@ from .phased import StreamingMemory, parallel_phased_schedule
 from .pipeline import (BACKWARD, FORWARD, LaneScheduler, ScheduleEvent, ScheduleRecord,
                        gpipe_schedule, one_f_one_b_schedule, run_workers,
                        sequential_schedule)
+from . import recompute
 from .stagerun import StageRun, listening
 from .stages import split_stages
 
@@ -196,10 +197,14 @@ class ModelParallelRunner:
             self.compile(microbatches[0])
         if self._plain:
             return self._run_plain(microbatches, loss_of)
-        if self.engine is not None and self._engine_call(microbatches):
-            inputs = [self.captured.inputs_of(args, kwargs) for args, kwargs in microbatches]
-            if all(i is not None for i in inputs):
-                return self._run_engine(inputs, loss_of)
+        if self.engine is not None:
+            if self._engine_call(microbatches):
+                inputs = [self.captured.inputs_of(args, kwargs)
+                          for args, kwargs in microbatches]
+                if all(i is not None for i in inputs):
+                    return self._run_engine(inputs, loss_of)
+            if self.captured.checkpoints:  # the tracing runner records whole forwards
+                recompute.hook_model(self.model)
         if is_phased(self.strategy):
             return self._run_phased(microbatches, loss_of)
         if kind_of(self.strategy) == SHARDED:

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.fx
 
-from . import markers
+from . import markers, recompute
 from .partition import IMPLICIT_BLOCK, BlockTrace, _Tracer
 from .. import context
 
@@ -46,6 +46,7 @@ class CapturedModel:
     placeholders: List[str]  # forward parameter name of each placeholder, in order
     concrete: Dict[str, Any]  # non-tensor arguments baked into the graph
     loss_nodes: List[torch.fx.Node] = field(default_factory=list)  # identity_loss marks
+    checkpoints: int = 0  # recomputation checkpoints in the graph
 
     def inputs_of(self, args: tuple, kwargs: dict) -> Optional[Dict[str, Any]]:
         """The placeholder values of one micro-batch, or None when the micro-batch's
@@ -65,6 +66,7 @@ class _BlockTracer(torch.fx.Tracer):
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.blocks = _Tracer(model)  # the block bookkeeping (sequence, IPUs, rules)
+        self.checkpoints = 0
 
     # block listener ------------------------------------------------------------------
     def reset_auto_id(self) -> None:
@@ -74,7 +76,14 @@ class _BlockTracer(torch.fx.Tracer):
         self.blocks.begin_block(user_id, ipu_id, layer=layer)
 
     def checkpoint(self, tensors: list) -> list:
-        raise CaptureUnsupported("recomputation checkpoints are run by the tracing runner")
+        """A recomputation checkpoint becomes a node (``recompute.checkpoint_values``)
+        that cuts its stage's recording into segments when the stage runs."""
+        if not all(isinstance(t, torch.fx.Proxy) for t in tensors):
+            raise CaptureUnsupported("a recomputation checkpoint of untraced values")
+        self.checkpoints += 1
+        node = self.create_proxy("call_function", recompute.checkpoint_values,
+                                 tuple(tensors), {})
+        return [node[i] for i in range(len(tensors))]
 
     # fx tracer -----------------------------------------------------------------------
     def call_module(self, m, forward, args, kwargs):
@@ -118,7 +127,7 @@ def _capture(model, args, kwargs, strategy) -> CapturedModel:
     previous = markers.set_listener(tracer)
     losses_before = len(context.marked_losses())
     try:
-        with context.running_on_ipu():
+        with context.running_on_ipu(), recompute.recording(None):
             graph = tracer.trace(model, concrete_args=dict(concrete) or None)
     finally:
         markers.set_listener(previous)
@@ -134,7 +143,8 @@ def _capture(model, args, kwargs, strategy) -> CapturedModel:
     _record_weight_users(gm, trace, model)
     placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"
                     and n.target in bound.arguments and n.target not in concrete]
-    return CapturedModel(gm, trace, signature, placeholders, concrete, loss_nodes)
+    return CapturedModel(gm, trace, signature, placeholders, concrete, loss_nodes,
+                         tracer.checkpoints)
 
 
 def _is_traced_input(value: Any) -> bool:

@@ -33,6 +33,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .pipeline import BACKWARD, FORWARD, Op, ScheduleEvent, ScheduleRecord, WAIT_TIMEOUT_S
+from . import recompute
 from .stages import StagedModel
 from .. import context
 
@@ -269,7 +270,11 @@ class _Step:
                 self._wait_event((FORWARD, p, m))
                 value = self.outputs[(p, m)][pos]
                 args.append(self._cross(value, device, crossed.setdefault(p, [])))
-        out = stage.module(*args)
+        if stage.checkpoints and self.loss_of is not None and torch.is_grad_enabled():
+            with recompute.recording(stage.module):  # segments recomputed in backward
+                out = stage.module(*args)
+        else:
+            out = stage.module(*args)
         self.outputs[(s, m)] = out
         if self.cut:
             self.crossed[(s, m)] = crossed

@@ -21,6 +21,7 @@ import torch.fx
 
 from .capture import BLOCK_META, CapturedModel
 from .partition import Partition
+from .recompute import checkpoint_values
 
 
 @dataclass
@@ -33,6 +34,7 @@ class StageModule:
     consumers: List[int] = field(default_factory=list)  # later stages reading its outputs
     producers: List[int] = field(default_factory=list)  # earlier stages it reads from
     num_outputs: int = 0
+    checkpoints: bool = False  # recomputation checkpoints cut its forward into segments
 
 
 @dataclass
@@ -83,7 +85,10 @@ def split_stages(captured: CapturedModel, part: Partition) -> StagedModel:
     for s in range(num):
         module, sources = _stage_module(gm, s, stage_of, imports[s], exports)
         producers = sorted({src[1] for src in sources if src[0] == "stage"})
-        stages.append(StageModule(s, module, sources, [], producers, len(exports[s])))
+        checkpoints = any(n.op == "call_function" and n.target is checkpoint_values
+                          for n in module.graph.nodes)
+        stages.append(StageModule(s, module, sources, [], producers, len(exports[s]),
+                                  checkpoints))
     for stage in stages:
         for p in stage.producers:
             stages[p].consumers.append(stage.index)
