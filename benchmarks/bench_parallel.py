@@ -31,11 +31,9 @@ about 3 minutes, ``--quick`` about 1.5).
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import socket
 import statistics
-import sys
 import time
 
 import torch
@@ -180,7 +178,7 @@ def _peer_main(rank, port, conn):
             stage = PipelineStage(part, rank, 2, torch.device("cpu"))
             cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
             schedule = cls(stage, n_microbatches=g,
-                           loss_fn=lambda out, target: torch.nn.functional.mse_loss(
+                           loss_fn=lambda out, target, g=g: torch.nn.functional.mse_loss(
                                out, target) / g)
             cache[key] = (schedule, torch.optim.SGD(part.parameters(), lr=1e-3),
                           make_data(name, g))

@@ -11,13 +11,13 @@ because an action only waits for actions that come earlier in that execution.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from collections.abc import Sequence
 
 from .pipeline import BACKWARD, FORWARD, Op
 
 
 def dependencies(op: Op, producers: Sequence[Sequence[int]],
-                 consumers: Sequence[Sequence[int]]) -> List[Op]:
+                 consumers: Sequence[Sequence[int]]) -> list[Op]:
     """The actions ``op`` waits for: a forward waits for the forwards of the stages it
     reads from; a backward for its own forward and the backwards of its readers."""
     kind, stage, m = op
@@ -26,11 +26,11 @@ def dependencies(op: Op, producers: Sequence[Sequence[int]],
     return [(FORWARD, stage, m)] + [(BACKWARD, c, m) for c in consumers[stage]]
 
 
-def device_lanes(stage_lanes: List[List[Op]], stage_device: List[int], num_devices: int,
+def device_lanes(stage_lanes: list[list[Op]], stage_device: list[int], num_devices: int,
                  producers: Sequence[Sequence[int]],
-                 consumers: Sequence[Sequence[int]]) -> List[List[Op]]:
+                 consumers: Sequence[Sequence[int]]) -> list[list[Op]]:
     """Merge per-stage action lists into one list per device (module docstring)."""
-    slot: Dict[Op, int] = {}
+    slot: dict[Op, int] = {}
     cursor = [0] * len(stage_lanes)
     free = [0] * len(stage_lanes)
     remaining = sum(len(lane) for lane in stage_lanes)
@@ -50,17 +50,17 @@ def device_lanes(stage_lanes: List[List[Op]], stage_device: List[int], num_devic
                 progress = True
         if not progress:
             raise RuntimeError("the per-stage schedules wait for each other")
-    lanes: List[List[Tuple[int, int, Op]]] = [[] for _ in range(num_devices)]
+    lanes: list[list[tuple[int, int, Op]]] = [[] for _ in range(num_devices)]
     for s, lane in enumerate(stage_lanes):
         for op in lane:
             lanes[stage_device[s]].append((slot[op], s, op))
     return [[op for _, _, op in sorted(lane)] for lane in lanes]
 
 
-def sharded_actions(num_stages: int, num_microbatches: int, training: bool) -> List[Op]:
+def sharded_actions(num_stages: int, num_microbatches: int, training: bool) -> list[Op]:
     """One device busy at a time: each micro-batch goes through the stages, forward
     then backward, before the next starts."""
-    ops: List[Op] = []
+    ops: list[Op] = []
     for m in range(num_microbatches):
         ops += [(FORWARD, s, m) for s in range(num_stages)]
         if training:

@@ -20,14 +20,14 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 import torch.fx
 
+from .. import context
 from . import markers, recompute
 from .partition import IMPLICIT_BLOCK, BlockTrace, _Tracer
-from .. import context
 
 logger = logging.getLogger("poptorch")
 BLOCK_META = "poptorch_block"
@@ -43,12 +43,12 @@ class CapturedModel:
     graph_module: torch.fx.GraphModule
     trace: BlockTrace
     signature: inspect.Signature
-    placeholders: List[str]  # forward parameter name of each placeholder, in order
-    concrete: Dict[str, Any]  # non-tensor arguments baked into the graph
-    loss_nodes: List[torch.fx.Node] = field(default_factory=list)  # identity_loss marks
+    placeholders: list[str]  # forward parameter name of each placeholder, in order
+    concrete: dict[str, Any]  # non-tensor arguments baked into the graph
+    loss_nodes: list[torch.fx.Node] = field(default_factory=list)  # identity_loss marks
     checkpoints: int = 0  # recomputation checkpoints in the graph
 
-    def inputs_of(self, args: tuple, kwargs: dict) -> Optional[Dict[str, Any]]:
+    def inputs_of(self, args: tuple, kwargs: dict) -> dict[str, Any] | None:
         """The placeholder values of one micro-batch, or None when the micro-batch's
         non-tensor arguments differ from those the graph was captured with."""
         bound = self.signature.bind(*args, **kwargs)
@@ -103,7 +103,7 @@ class _BlockTracer(torch.fx.Tracer):
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict,
-            strategy: Any) -> Optional[CapturedModel]:
+            strategy: Any) -> CapturedModel | None:
     """Capture ``model`` for arguments like ``(args, kwargs)`` (only whether each one is a
     tensor, and the non-tensor values, matter); None when it cannot be captured."""
     try:
@@ -168,7 +168,7 @@ def _record_weight_users(gm: torch.fx.GraphModule, trace: BlockTrace,
         block = node.meta.get(BLOCK_META)
         if block is None:
             continue
-        tensors: List[torch.Tensor] = []
+        tensors: list[torch.Tensor] = []
         if node.op == "call_module":
             sub = gm.get_submodule(node.target)
             tensors += list(sub.parameters()) + list(sub.buffers())

@@ -27,15 +27,23 @@ import queue
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-from .pipeline import BACKWARD, FORWARD, Op, ScheduleEvent, ScheduleRecord, WAIT_TIMEOUT_S
-from . import recompute
-from .stages import StagedModel
 from .. import context
+from . import recompute
+from .pipeline import (
+    BACKWARD,
+    FORWARD,
+    WAIT_TIMEOUT_S,
+    Op,
+    ScheduleEvent,
+    ScheduleRecord,
+)
+from .stages import StagedModel
 
 
 class _Aborted(Exception):
@@ -58,7 +66,7 @@ class DeviceWorker:
         self.device = device
         self.threads = threads
         self.stream = (torch.cuda.Stream(device) if device.type == "cuda" else None)
-        self._tasks: "queue.SimpleQueue[Optional[Callable[[], None]]]" = queue.SimpleQueue()
+        self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=f"poptorch-device-{index}",
                                         daemon=True)
         self._thread.start()
@@ -85,7 +93,7 @@ class DeviceWorker:
             self._thread.join(timeout)
 
 
-def _stop_all(workers: List[DeviceWorker]) -> None:
+def _stop_all(workers: list[DeviceWorker]) -> None:
     """Stop the workers and wait for them (also at interpreter exit: a thread still in
     torch when the interpreter finalizes aborts the process)."""
     for worker in workers:
@@ -97,8 +105,8 @@ def _stop_all(workers: List[DeviceWorker]) -> None:
 class Engine:
     """Runs a :class:`~.stages.StagedModel` over its devices (module docstring)."""
 
-    def __init__(self, staged: StagedModel, stage_device: List[int],
-                 devices: List[torch.device]) -> None:
+    def __init__(self, staged: StagedModel, stage_device: list[int],
+                 devices: list[torch.device]) -> None:
         self.staged = staged
         self.stage_device = stage_device
         self.devices = devices
@@ -107,10 +115,10 @@ class Engine:
         used = sorted(set(stage_device))
         cpu_lanes = sum(1 for d in used if devices[d].type == "cpu")
         threads = max(1, cpu_cores() // max(1, cpu_lanes))
-        self.workers: Dict[int, DeviceWorker] = {}
+        self.workers: dict[int, DeviceWorker] = {}
         self._threads = threads
         self._used = used
-        self._finalizer: Optional[weakref.finalize] = None
+        self._finalizer: weakref.finalize | None = None
         self.worker_contexts: list = []
 
     def _ensure_workers(self) -> None:
@@ -127,10 +135,10 @@ class Engine:
         self.workers = {}
 
     # ---------------------------------------------------------------- pipelined
-    def run_lanes(self, lanes: List[List[Op]], inputs: List[Dict[str, Any]],
-                  loss_of: Optional[Callable[[Any], torch.Tensor]],
-                  record: ScheduleRecord, before: Optional[Callable] = None,
-                  contexts: tuple = ()) -> List[Any]:
+    def run_lanes(self, lanes: list[list[Op]], inputs: list[dict[str, Any]],
+                  loss_of: Callable[[Any], torch.Tensor] | None,
+                  record: ScheduleRecord, before: Callable | None = None,
+                  contexts: tuple = ()) -> list[Any]:
         """Run ``lanes`` (one action list per device, ``lanes[d]`` on device ``d``),
         each on its device's worker; returns the model's outputs per micro-batch.
         ``before(lane, op)`` runs before each action (phased streaming); ``contexts``
@@ -147,10 +155,10 @@ class Engine:
         return step.results
 
     # ---------------------------------------------------------------- sharded
-    def run_in_order(self, ops: List[Op], inputs: List[Dict[str, Any]],
-                     loss_of: Optional[Callable[[Any], torch.Tensor]],
+    def run_in_order(self, ops: list[Op], inputs: list[dict[str, Any]],
+                     loss_of: Callable[[Any], torch.Tensor] | None,
                      record: ScheduleRecord, cut: bool = False,
-                     before: Optional[Callable] = None) -> List[Any]:
+                     before: Callable | None = None) -> list[Any]:
         """Run ``ops`` in this thread, one device busy at a time. Uncut (sharded), the
         stages of a micro-batch form one autograd graph and its backward is one call
         from the loss; cut (serial phases), each backward action runs its stage's."""
@@ -164,8 +172,8 @@ class Engine:
 class _Step:
     """The mailbox and the bookkeeping of one runner call."""
 
-    def __init__(self, engine: Engine, inputs: List[Dict[str, Any]],
-                 loss_of: Optional[Callable[[Any], torch.Tensor]], cut: bool,
+    def __init__(self, engine: Engine, inputs: list[dict[str, Any]],
+                 loss_of: Callable[[Any], torch.Tensor] | None, cut: bool,
                  record: ScheduleRecord) -> None:
         self.engine = engine
         self.staged = engine.staged
@@ -174,22 +182,22 @@ class _Step:
         self.cut = cut
         self.record = record
         self.last = len(self.staged.stages) - 1
-        self.results: List[Any] = [None] * len(inputs)
-        self.outputs: Dict[Tuple[int, int], tuple] = {}
-        self.crossed: Dict[Tuple[int, int], Dict[int, list]] = {}  # (s, m) -> producer -> pairs
-        self.losses: Dict[int, torch.Tensor] = {}
-        self.events: Dict[Op, Any] = {}  # CUDA events of finished actions
+        self.results: list[Any] = [None] * len(inputs)
+        self.outputs: dict[tuple[int, int], tuple] = {}
+        self.crossed: dict[tuple[int, int], dict[int, list]] = {}  # (s, m) -> producer -> pairs
+        self.losses: dict[int, torch.Tensor] = {}
+        self.events: dict[Op, Any] = {}  # CUDA events of finished actions
         self.done: set = set()
         self.cond = threading.Condition()
-        self.error: Optional[BaseException] = None
+        self.error: BaseException | None = None
         self.finished = 0
         self.lanes = 0
-        self.before: Optional[Callable] = None
+        self.before: Callable | None = None
         self.contexts: list = []
         self.all_finished = threading.Event()  # the driver waits on this alone
 
     # ------------------------------------------------------------ worker side
-    def run_lane(self, d: int, lane: List[Op], grad: bool) -> None:
+    def run_lane(self, d: int, lane: list[Op], grad: bool) -> None:
         worker = self.engine.workers[d]
         try:
             with torch.set_grad_enabled(grad), context.running_on_ipu(), \
@@ -260,7 +268,7 @@ class _Step:
     def _forward(self, s: int, m: int) -> None:
         stage = self.staged.stages[s]
         device = self.engine.devices[self.engine.stage_device[s]]
-        crossed: Dict[int, list] = {}
+        crossed: dict[int, list] = {}
         args = []
         for source in stage.sources:
             if source[0] == "input":
@@ -307,7 +315,7 @@ class _Step:
     def _backward(self, s: int, m: int) -> None:
         if not self.cut:  # the loss's backward already ran through every stage
             return
-        roots: Dict[int, list] = {}
+        roots: dict[int, list] = {}
         if s == self.last:
             loss = self.losses.pop(m)
             roots[id(loss)] = [loss, None]

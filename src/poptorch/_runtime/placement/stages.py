@@ -14,7 +14,7 @@ last stage: values of other stages that it needs cross into it like any boundary
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 import torch
 import torch.fx
@@ -30,9 +30,9 @@ class StageModule:
     index: int
     module: torch.fx.GraphModule
     # per input: ("input", placeholder name) or ("stage", producer stage, output position)
-    sources: List[Tuple] = field(default_factory=list)
-    consumers: List[int] = field(default_factory=list)  # later stages reading its outputs
-    producers: List[int] = field(default_factory=list)  # earlier stages it reads from
+    sources: list[tuple] = field(default_factory=list)
+    consumers: list[int] = field(default_factory=list)  # later stages reading its outputs
+    producers: list[int] = field(default_factory=list)  # earlier stages it reads from
     num_outputs: int = 0
     checkpoints: bool = False  # recomputation checkpoints cut its forward into segments
 
@@ -40,18 +40,18 @@ class StageModule:
 @dataclass
 class StagedModel:
     """The model split into stages, and how the model's output is rebuilt."""
-    stages: List[StageModule]
+    stages: list[StageModule]
     # the output structure: pytree of ("stage", s, position) / ("const", value) leaves
     output_spec: Any
-    output_sources: List[Tuple]
-    loss_sources: List[Tuple]
+    output_sources: list[tuple]
+    loss_sources: list[tuple]
 
 
 def split_stages(captured: CapturedModel, part: Partition) -> StagedModel:
     """Split ``captured`` into the stages of ``part`` (module docstring)."""
     gm = captured.graph_module
     num = part.num_stages
-    stage_of: Dict[torch.fx.Node, int] = {}
+    stage_of: dict[torch.fx.Node, int] = {}
     for node in gm.graph.nodes:
         block = node.meta.get(BLOCK_META)
         if block is not None:
@@ -60,8 +60,8 @@ def split_stages(captured: CapturedModel, part: Partition) -> StagedModel:
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
     last = num - 1
     # values each stage exports: node -> position in its output tuple
-    exports: List[Dict[torch.fx.Node, int]] = [dict() for _ in range(num)]
-    imports: List[List[torch.fx.Node]] = [[] for _ in range(num)]
+    exports: list[dict[torch.fx.Node, int]] = [{} for _ in range(num)]
+    imports: list[list[torch.fx.Node]] = [[] for _ in range(num)]
 
     def need(consumer: int, node: torch.fx.Node) -> None:
         if node.op == "get_attr":
@@ -93,7 +93,7 @@ def split_stages(captured: CapturedModel, part: Partition) -> StagedModel:
         for p in stage.producers:
             stages[p].consumers.append(stage.index)
 
-    def source(node: torch.fx.Node) -> Tuple:
+    def source(node: torch.fx.Node) -> tuple:
         # the last stage exposes the values it needs for the output as its own inputs
         # (imported) or outputs (made there)
         if node.op == "get_attr":
@@ -110,7 +110,7 @@ def split_stages(captured: CapturedModel, part: Partition) -> StagedModel:
     return StagedModel(stages, out_spec, output_sources, loss_sources)
 
 
-def _check_forward_order(gm: torch.fx.GraphModule, stage_of: Dict[torch.fx.Node, int]) -> None:
+def _check_forward_order(gm: torch.fx.GraphModule, stage_of: dict[torch.fx.Node, int]) -> None:
     """A stage may read only from earlier stages (checked for pipelines by the block
     rules; sharded stages that revisit an earlier stage cannot be split)."""
     for node, s in stage_of.items():
@@ -122,8 +122,8 @@ def _check_forward_order(gm: torch.fx.GraphModule, stage_of: Dict[torch.fx.Node,
 def _stage_module(gm, s, stage_of, imports, exports):
     """Stage ``s`` as a graph module, and the source of each of its inputs."""
     graph = torch.fx.Graph()
-    env: Dict[torch.fx.Node, torch.fx.Node] = {}
-    sources: List[Tuple] = []
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    sources: list[tuple] = []
     for i, node in enumerate(imports):
         env[node] = graph.placeholder(f"in_{i}_{node.name}")
         if node.op == "placeholder":
