@@ -217,7 +217,7 @@ def recomputationCheckpoint(*tensors) -> Union[torch.Tensor, tuple, list]:
     as_list = len(tensors) == 1 and isinstance(tensors[0], (list, tuple))
     flat = list(tensors[0]) if as_list else list(tensors)
     for t in flat:
-        if not isinstance(t, torch.Tensor):
+        if not isinstance(t, (torch.Tensor, torch.fx.Proxy)):  # (Proxy: graph capture)
             raise TypeError("recomputationCheckpoint expects tensors, got "
                             f"{type(t).__name__}")
     listener = markers.current_listener()

@@ -7,6 +7,8 @@ resolves it against the blocks the model actually enters and enforces the rules.
 """
 from __future__ import annotations
 
+import copy
+
 from typing import Any, List, Optional, Union
 
 from .._runtime.placement import strategy as _kinds
@@ -135,6 +137,19 @@ class _IExecutionStrategy:
     def onEndTracing(self) -> None:
         """Called when PopTorch has discovered the model's blocks."""
         self._tracing = False
+
+    def __deepcopy__(self, memo: dict) -> "_IExecutionStrategy":
+        # Options are copied when a model is wrapped; the copy remembers the user's
+        # object (``_origin``) so that the runtime can publish ``last_schedule`` there.
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        for key, value in self.__dict__.items():
+            if key in ("_origin", "last_schedule"):
+                clone.__dict__[key] = value
+            else:
+                clone.__dict__[key] = copy.deepcopy(value, memo)
+        clone.__dict__["_origin"] = self.__dict__.get("_origin") or self
+        return clone
 
 
 class PipelinedExecution(_IExecutionStrategy):

@@ -186,7 +186,7 @@ class PoplarExecutor(ExecutorInspection):
             if self._training:
                 optimizer_rules.apply_mean_reduction_rule(opts, self._optimizer, False)
             bar.update()
-            runner, device = self._build_runner()
+            runner, device = self._build_runner((args, kwargs))
             bar.update()
             self._weights_and_optimizer(device)
             # Only training needs the other processes; an inference model runs on its
@@ -225,9 +225,9 @@ class PoplarExecutor(ExecutorInspection):
         _apply_pending_rng(self)
         _hooks.run_post_compile_hooks()
 
-    def _build_runner(self):
+    def _build_runner(self, example=None):
         from .._runtime.placement.build import build_runner
-        runner = build_runner(self._model, self._options, self._training)
+        runner = build_runner(self._model, self._options, self._training, example=example)
         if runner is not None:
             device = getattr(runner, "output_device", torch.device("cpu"))
             self._device = getattr(runner, "input_device", device)

@@ -40,7 +40,7 @@ def identity_loss(x: torch.Tensor, reduction) -> torch.Tensor:
         reduction: ``"sum"``, ``"mean"`` or ``"none"``; upstream's integer codes
             ``0``/``1``/``2`` (``poptorch.ReductionType``) are accepted too.
     """
-    if not isinstance(x, torch.Tensor):
+    if not isinstance(x, (torch.Tensor, torch.fx.Proxy)):  # (a Proxy: graph capture)
         raise TypeError(f"identity_loss expects a torch.Tensor, got {type(x).__name__}.")
     code = _reduction_code(reduction)
     if code == ReductionType.Sum:

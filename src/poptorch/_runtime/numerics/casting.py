@@ -23,6 +23,7 @@ call, as upstream fixed it when compiling.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterable
 
 import torch
@@ -157,6 +158,24 @@ class DefaultCasting:
         if exc_type is None and mode.casts == 0:
             self.not_needed.add(signature)
 
-    def thread_context(self) -> WeightsFollowActivations:
-        """The mode for a worker thread running part of the program."""
-        return WeightsFollowActivations(self.buffer_ids)
+    def thread_context(self) -> contextlib.AbstractContextManager:
+        """The mode for a worker thread running part of the current call (a pipeline
+        stage): none when the call runs without it; its casts count for the call."""
+        current = self._modes[-1][0] if self._modes else None
+        if self._modes and current is None:
+            return contextlib.nullcontext()
+        return _WorkerCasting(self.buffer_ids, current)
+
+
+class _WorkerCasting(WeightsFollowActivations):
+    """:class:`WeightsFollowActivations` in a worker thread, adding its casts to those
+    of the calling thread's mode (which decides whether later calls need one)."""
+
+    def __init__(self, buffer_ids: frozenset, parent: WeightsFollowActivations | None) -> None:
+        super().__init__(buffer_ids)
+        self.parent = parent
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        if self.parent is not None:
+            self.parent.casts += self.casts

@@ -20,6 +20,7 @@ The schedule a step executed is kept in ``runner.last_schedule`` and in
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 import threading
 from contextlib import nullcontext
@@ -30,12 +31,20 @@ import torch
 from .strategy import (PARALLEL_PHASED, PIPELINED, SHARDED, ExecutionStrategy, is_phased,
                        kind_of)
 from .. import context
-from .partition import (Partition, has_static_annotations, resolve_partition, trace_blocks)
+from .actions import device_lanes, sharded_actions
+from .capture import CapturedModel, capture
+from .engine import Engine
+from .partition import (Partition, has_static_annotations, is_pipelined, resolve_partition,
+                        trace_blocks)
 from .phased import StreamingMemory, parallel_phased_schedule
 from .pipeline import (BACKWARD, FORWARD, LaneScheduler, ScheduleEvent, ScheduleRecord,
                        gpipe_schedule, one_f_one_b_schedule, run_workers,
                        sequential_schedule)
+from . import recompute
 from .stagerun import StageRun, listening
+from .stages import split_stages
+
+logger = logging.getLogger("poptorch")
 
 LossOf = Callable[[Any], torch.Tensor]
 # Whole words only: ``poptorch.Block(``, ``Block.start``, ``BlockFunction``, ``ipu.IPU(``,
@@ -44,16 +53,24 @@ _BLOCK_WORDS = re.compile(r"(?<![\w])(Block\s*\(|Block\.start|BlockFunction\b|IP
 
 
 def build_runner(model: torch.nn.Module, options: Any, training: bool,
-                 devices: Optional[List[torch.device]] = None) -> Optional["ModelParallelRunner"]:
+                 devices: Optional[List[torch.device]] = None,
+                 example: Optional[tuple] = None) -> Optional["ModelParallelRunner"]:
     """A runner for the model's execution strategy, or None when the model has no block
     annotations and no strategy was set (the executor then runs it on one device).
 
     ``options._execution_strategy`` is the strategy in force (the default one when
-    ``options.execution_strategy`` is None)."""
+    ``options.execution_strategy`` is None). With ``example`` (``(args, kwargs)`` of a
+    call), the model is captured and split now, so its devices and the placement of its
+    weights are known before the weight sync and the optimizer are built; without it
+    (or when the model cannot be captured) on the first call."""
     if options.execution_strategy is None and not (
             has_static_annotations(model) or _forward_uses_blocks(model)):
         return None
-    return ModelParallelRunner(model, options, training, options._execution_strategy, devices)
+    runner = ModelParallelRunner(model, options, training, options._execution_strategy,
+                                 devices)
+    if example is not None:
+        runner.compile_captured(*example)
+    return runner
 
 
 def _single_ipu_pipeline(part: Partition) -> bool:
@@ -95,6 +112,10 @@ class ModelParallelRunner:
         self.streaming: Optional[StreamingMemory] = None
         self.last_schedule: Optional[ScheduleRecord] = None
         self._plain = False
+        self.engine: Optional[Engine] = None
+        self.captured: Optional[CapturedModel] = None
+        self._capture_tried = False
+        self._lanes_cache: dict = {}
         # Thread-local contexts of the program (set by the device loop), entered in
         # every worker thread.
         self.worker_contexts: list = []
@@ -103,11 +124,48 @@ class ModelParallelRunner:
         self.output_device = first
 
     # ------------------------------------------------------------------ compile
+    def compile_captured(self, args: tuple, kwargs: dict) -> Optional[Partition]:
+        """Capture the model's graph and split it into stage modules run by the engine
+        (pipelined and sharded execution); None when the model cannot be captured or
+        its strategy is phased (the tracing runner then takes over on the first call)."""
+        self._capture_tried = True
+        captured = capture(self.model, args, kwargs, self.strategy)
+        if captured is None:
+            return None
+        part = resolve_partition(captured.trace, self.strategy, self.options,
+                                 self.training, 0)
+        staged = None
+        plain = not is_phased(self.strategy) and (not part.has_blocks
+                                                  or _single_ipu_pipeline(part))
+        if is_phased(self.strategy) and part.num_stages != part.num_phases:
+            return None  # phases of several stages: the tracing runner
+        if not plain:
+            try:
+                staged = split_stages(captured, part)
+            except ValueError as exc:  # a sharded stage revisited: the tracing runner
+                logger.info("Model parallelism: %s is run by the tracing runner (%s)",
+                            type(self.model).__name__, exc)
+                return None
+        self._set_partition(part)
+        if staged is not None:
+            self.captured = captured
+            self.engine = Engine(staged, [st.ipu for st in part.stages], self.devices)
+        return part
+
     def compile(self, microbatch: tuple) -> Partition:
         """Trace the model on ``microbatch`` and set up the partition (first call)."""
         args, kwargs = microbatch
+        if not self._capture_tried:
+            part = self.compile_captured(args, kwargs)
+            if part is not None:
+                return part
         trace = trace_blocks(self.model, args, kwargs, self.strategy)
         part = resolve_partition(trace, self.strategy, self.options, self.training, 0)
+        self._set_partition(part)
+        return part
+
+    def _set_partition(self, part: Partition) -> None:
+        """Adopt ``part``: acquire the devices and place the weights on them."""
         self.partition = part
         if not is_phased(self.strategy) and (not part.has_blocks or _single_ipu_pipeline(part)):
             self._plain = True
@@ -123,7 +181,6 @@ class ModelParallelRunner:
         else:
             self._place_weights(part)
         self.output_device = self.devices[part.stages[-1].ipu]
-        return part
 
     def _place_weights(self, part: Partition) -> None:
         with torch.no_grad():
@@ -140,11 +197,82 @@ class ModelParallelRunner:
             self.compile(microbatches[0])
         if self._plain:
             return self._run_plain(microbatches, loss_of)
+        if self.engine is not None:
+            if self._engine_call(microbatches):
+                inputs = [self.captured.inputs_of(args, kwargs)
+                          for args, kwargs in microbatches]
+                if all(i is not None for i in inputs):
+                    return self._run_engine(inputs, loss_of)
+            if self.captured.checkpoints:  # the tracing runner records whole forwards
+                recompute.hook_model(self.model)
         if is_phased(self.strategy):
             return self._run_phased(microbatches, loss_of)
         if kind_of(self.strategy) == SHARDED:
             return self._run_sharded(microbatches, loss_of)
         return self._run_pipelined(microbatches, loss_of)
+
+    def _engine_call(self, microbatches: List[tuple]) -> bool:
+        """Whether the engine runs this call. The stage modules never call the model's
+        ``forward``, so a call for which the executor wrapped ``model.forward`` (the
+        first call's check of the overlap markers) runs through the tracing runner,
+        which does; so does a call with no micro-batch."""
+        return bool(microbatches) and "forward" not in self.model.__dict__
+
+    def _run_engine(self, inputs: List[dict], loss_of: Optional[LossOf]) -> List[Any]:
+        part, engine = self.partition, self.engine
+        engine.worker_contexts = self.worker_contexts
+        n, count, training = part.num_stages, len(inputs), loss_of is not None
+        record = ScheduleRecord(n)
+        if is_phased(self.strategy):
+            outputs = self._run_engine_phased(inputs, loss_of, record)
+        elif kind_of(self.strategy) == SHARDED or not is_pipelined(part):
+            outputs = engine.run_in_order(sharded_actions(n, count, training), inputs,
+                                          loss_of, record)
+        else:
+            key = (count, training, _schedule_name(self.strategy))
+            lanes = self._lanes_cache.get(key)
+            if lanes is None:
+                if training and key[2] == "1F1B":
+                    per_stage = one_f_one_b_schedule(n, count)
+                else:
+                    per_stage = gpipe_schedule(n, count, training)
+                lanes = device_lanes(per_stage, engine.stage_device, len(self.devices),
+                                     engine.producers, engine.consumers)
+                self._lanes_cache[key] = lanes
+            outputs = engine.run_lanes(lanes, inputs, loss_of, record)
+        self._keep(record)
+        return outputs
+
+    def _run_engine_phased(self, inputs: List[dict], loss_of: Optional[LossOf],
+                           record: ScheduleRecord) -> List[Any]:
+        """Phases (one stage each) on the engine: serial phases in this thread, parallel
+        phases on the even / odd devices' workers; a phase's weights are streamed in
+        before its first action and out when its lane moves on."""
+        part, engine, streaming = self.partition, self.engine, self.streaming
+        count, training = len(inputs), loss_of is not None
+        lane_phase: dict = {}
+        lock = threading.Lock()
+
+        def before(lane: int, op: tuple) -> None:
+            phase = part.stages[op[1]].phase
+            with lock:
+                streaming.enter(phase, lane_phase.get(lane))
+                lane_phase[lane] = phase
+
+        scope = lambda: streaming.activation_scope(self.devices)  # noqa: E731
+        try:
+            if kind_of(self.strategy) == PARALLEL_PHASED:
+                lanes: List[list] = [[] for _ in self.devices]
+                for ops in parallel_phased_schedule(part.num_phases, count, training):
+                    for op in ops:
+                        lanes[engine.stage_device[op[1]]].append(op)
+                return engine.run_lanes(lanes, inputs, loss_of, record, before, (scope, ))
+            ops = sequential_schedule(list(range(part.num_stages)), count, training)[0]
+            with scope():
+                return engine.run_in_order(ops, inputs, loss_of, record, cut=True,
+                                           before=before)
+        finally:
+            streaming.offload_all()
 
     def _run_plain(self, microbatches, loss_of):
         outputs = []
@@ -245,8 +373,13 @@ class ModelParallelRunner:
         return run_workers(len(microbatches), work, gate)
 
     def _keep(self, record: ScheduleRecord) -> None:
+        """Publish the schedule just run, on the runner and on the strategy object the
+        user made (the options hold a copy of it; see ``strategies._origin``)."""
         self.last_schedule = record
         self.strategy.last_schedule = record
+        origin = getattr(self.strategy, "_origin", None)
+        if origin is not None:
+            origin.last_schedule = record
 
 
 def _dedupe(trail: List[int]) -> List[int]:

@@ -60,6 +60,44 @@ def checkpoint(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     return tensors
 
 
+def checkpoint_values(*tensors: torch.Tensor) -> tuple:
+    """The checkpoint as a node of a captured stage graph (``capture.py``): starts a
+    new segment of the stage's recording (:func:`recording`), if one runs."""
+    recording = getattr(_state, "recording", None)
+    if recording is not None:
+        recording.checkpoint(list(tensors))
+    return tensors
+
+
+class recording:
+    """Record the forward pass of ``owner`` (one stage of the engine) in this thread,
+    cut into segments by :func:`checkpoint_values`. ``owner=None``: swallow checkpoint
+    calls (while a model is captured, no hooks are installed)."""
+
+    def __init__(self, owner: Optional[torch.nn.Module]) -> None:
+        self.owner = owner
+        self.rec: Any = None
+        self.previous: Any = None
+
+    def __enter__(self) -> "recording":
+        self.previous = getattr(_state, "recording", None)
+        self.rec = _Swallow() if self.owner is None else ForwardRecording(self.owner)
+        _state.recording = self.rec
+        if self.owner is not None:
+            self.rec.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _state.recording = self.previous
+        if self.owner is not None:
+            self.rec.finish()
+
+
+class _Swallow:
+    def checkpoint(self, tensors: List[torch.Tensor]) -> None:
+        return None
+
+
 # ---------------------------------------------------------------- forward boundaries
 def _hook_outermost_module() -> None:
     """Install the recording hooks on the outermost module running on this thread."""
@@ -71,8 +109,12 @@ def _hook_outermost_module() -> None:
             if isinstance(candidate, torch.nn.Module):
                 model = candidate
         frame = frame.f_back
-    if model is None:
-        return
+    if model is not None:
+        hook_model(model)
+
+
+def hook_model(model: torch.nn.Module) -> None:
+    """Record every later training forward pass of ``model`` in segments (once)."""
     with _hook_lock:
         if model in _hooked_models:
             return

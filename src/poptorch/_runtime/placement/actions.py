@@ -1,0 +1,68 @@
+"""Schedules as data: the action list of every device.
+
+A pipeline schedule is first written per stage (:func:`~.pipeline.gpipe_schedule`,
+:func:`~.pipeline.one_f_one_b_schedule`: lists of ``(kind, stage, microbatch)``
+actions, the form of ``torch.distributed.pipelining``'s ``_Action`` lists). The engine
+runs one worker per *device*, so the stages that share a device are merged into one
+action list in the order of an ideal unit-time execution (:func:`device_lanes`): when
+stages outnumber devices this interleaves them (stage 0 and stage 2 on device 0 take
+turns, as ``ScheduleInterleaved1F1B`` does), and the merged order cannot deadlock,
+because an action only waits for actions that come earlier in that execution.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .pipeline import BACKWARD, FORWARD, Op
+
+
+def dependencies(op: Op, producers: Sequence[Sequence[int]],
+                 consumers: Sequence[Sequence[int]]) -> list[Op]:
+    """The actions ``op`` waits for: a forward waits for the forwards of the stages it
+    reads from; a backward for its own forward and the backwards of its readers."""
+    kind, stage, m = op
+    if kind == FORWARD:
+        return [(FORWARD, p, m) for p in producers[stage]]
+    return [(FORWARD, stage, m)] + [(BACKWARD, c, m) for c in consumers[stage]]
+
+
+def device_lanes(stage_lanes: list[list[Op]], stage_device: list[int], num_devices: int,
+                 producers: Sequence[Sequence[int]],
+                 consumers: Sequence[Sequence[int]]) -> list[list[Op]]:
+    """Merge per-stage action lists into one list per device (module docstring)."""
+    slot: dict[Op, int] = {}
+    cursor = [0] * len(stage_lanes)
+    free = [0] * len(stage_lanes)
+    remaining = sum(len(lane) for lane in stage_lanes)
+    while remaining:
+        progress = False
+        for s, lane in enumerate(stage_lanes):
+            while cursor[s] < len(lane):
+                op = lane[cursor[s]]
+                deps = dependencies(op, producers, consumers)
+                if any(d not in slot for d in deps):
+                    break
+                t = max([free[s]] + [slot[d] + 1 for d in deps])
+                slot[op] = t
+                free[s] = t + 1
+                cursor[s] += 1
+                remaining -= 1
+                progress = True
+        if not progress:
+            raise RuntimeError("the per-stage schedules wait for each other")
+    lanes: list[list[tuple[int, int, Op]]] = [[] for _ in range(num_devices)]
+    for s, lane in enumerate(stage_lanes):
+        for op in lane:
+            lanes[stage_device[s]].append((slot[op], s, op))
+    return [[op for _, _, op in sorted(lane)] for lane in lanes]
+
+
+def sharded_actions(num_stages: int, num_microbatches: int, training: bool) -> list[Op]:
+    """One device busy at a time: each micro-batch goes through the stages, forward
+    then backward, before the next starts."""
+    ops: list[Op] = []
+    for m in range(num_microbatches):
+        ops += [(FORWARD, s, m) for s in range(num_stages)]
+        if training:
+            ops += [(BACKWARD, s, m) for s in reversed(range(num_stages))]
+    return ops

@@ -1,0 +1,194 @@
+"""Graph capture of an annotated model: the model's forward pass as a ``torch.fx`` graph
+whose nodes carry the block they belong to.
+
+``torch.fx`` symbolic tracing runs ``forward`` once with proxies, so the block
+annotations that only show while the model runs (``poptorch.Block``,
+``BlockFunction``, ``IPU`` as a context manager, ``BeginBlock`` hooks on non-leaf
+modules) report to a listener that tags every node created afterwards with the current
+block, the way ``torch.distributed.pipelining.pipe_split`` marks split points. A
+``BeginBlock`` on a leaf module (``torch.nn.Linear``: traced as one ``call_module``
+node, its hooks do not run) is reported by the tracer itself.
+
+The same pass yields the :class:`~.partition.BlockTrace` the partition rules need (the
+blocks in order, their IPUs, which block uses which weight) without running a single
+kernel. Capture is impossible for some models (data-dependent control flow, ``*args``
+signatures, recomputation checkpoints, which the engine does not split):
+:func:`capture` then returns None and the runtime falls back to its tracing runner.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+
+from .. import context
+from . import markers, recompute
+from .partition import IMPLICIT_BLOCK, BlockTrace, _Tracer
+
+logger = logging.getLogger("poptorch")
+BLOCK_META = "poptorch_block"
+
+
+class CaptureUnsupported(Exception):
+    """The model cannot be captured (the message says why)."""
+
+
+@dataclass
+class CapturedModel:
+    """A model's forward pass as a block-tagged graph."""
+    graph_module: torch.fx.GraphModule
+    trace: BlockTrace
+    signature: inspect.Signature
+    placeholders: list[str]  # forward parameter name of each placeholder, in order
+    concrete: dict[str, Any]  # non-tensor arguments baked into the graph
+    loss_nodes: list[torch.fx.Node] = field(default_factory=list)  # identity_loss marks
+    checkpoints: int = 0  # recomputation checkpoints in the graph
+
+    def inputs_of(self, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+        """The placeholder values of one micro-batch, or None when the micro-batch's
+        non-tensor arguments differ from those the graph was captured with."""
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        values = bound.arguments
+        for name, value in self.concrete.items():
+            if not _same_constant(values.get(name), value):
+                return None
+        return {name: values[name] for name in self.placeholders}
+
+
+class _BlockTracer(torch.fx.Tracer):
+    """fx tracer + block listener: tags nodes with the block they were made in."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.blocks = _Tracer(model)  # the block bookkeeping (sequence, IPUs, rules)
+        self.checkpoints = 0
+
+    # block listener ------------------------------------------------------------------
+    def reset_auto_id(self) -> None:
+        self.blocks.reset_auto_id()
+
+    def begin_block(self, user_id, ipu_id, layer=None) -> None:
+        self.blocks.begin_block(user_id, ipu_id, layer=layer)
+
+    def checkpoint(self, tensors: list) -> list:
+        """A recomputation checkpoint becomes a node (``recompute.checkpoint_values``)
+        that cuts its stage's recording into segments when the stage runs."""
+        if not all(isinstance(t, torch.fx.Proxy) for t in tensors):
+            raise CaptureUnsupported("a recomputation checkpoint of untraced values")
+        self.checkpoints += 1
+        node = self.create_proxy("call_function", recompute.checkpoint_values,
+                                 tuple(tensors), {})
+        return [node[i] for i in range(len(tensors))]
+
+    # fx tracer -----------------------------------------------------------------------
+    def call_module(self, m, forward, args, kwargs):
+        if self.is_leaf_module(m, self.path_of_module(m)):
+            hook = markers.begin_block_of(m)
+            if hook is not None:  # leaf: fx emits one node and runs no hook
+                hook(m, args)
+        return super().call_module(m, forward, args, kwargs)
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if kind not in ("placeholder", "get_attr", "output"):
+            if self.blocks.current is None:
+                self.blocks._enter_implicit()
+            node.meta[BLOCK_META] = self.blocks.current
+        return node
+
+
+def capture(model: torch.nn.Module, args: tuple, kwargs: dict,
+            strategy: Any) -> CapturedModel | None:
+    """Capture ``model`` for arguments like ``(args, kwargs)`` (only whether each one is a
+    tensor, and the non-tensor values, matter); None when it cannot be captured."""
+    try:
+        return _capture(model, args, kwargs, strategy)
+    except Exception as exc:  # pylint: disable=broad-except
+        logger.info("Model parallelism: %s is run by the tracing runner (graph capture "
+                    "failed: %s: %s)", type(model).__name__, type(exc).__name__, exc)
+        return None
+
+
+def _capture(model, args, kwargs, strategy) -> CapturedModel:
+    signature = inspect.signature(model.forward)
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values()):
+        raise CaptureUnsupported("forward takes *args or **kwargs")
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    concrete = {name: value for name, value in bound.arguments.items()
+                if not _is_traced_input(value)}
+    tracer = _BlockTracer(model)
+    strategy.onStartTracing()
+    previous = markers.set_listener(tracer)
+    losses_before = len(context.marked_losses())
+    try:
+        with context.running_on_ipu(), recompute.recording(None):
+            graph = tracer.trace(model, concrete_args=dict(concrete) or None)
+    finally:
+        markers.set_listener(previous)
+        strategy.onEndTracing()
+        marked = context.marked_losses()
+        loss_proxies = marked[losses_before:]
+        del marked[losses_before:]
+    loss_nodes = [p.node for p in loss_proxies if isinstance(p, torch.fx.Proxy)]
+    if len(loss_nodes) != len(loss_proxies):
+        raise CaptureUnsupported("a loss was marked with a value that is not traced")
+    gm = torch.fx.GraphModule(model, graph, class_name=type(model).__name__ + "Captured")
+    trace = tracer.blocks.trace
+    _record_weight_users(gm, trace, model)
+    placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"
+                    and n.target in bound.arguments and n.target not in concrete]
+    return CapturedModel(gm, trace, signature, placeholders, concrete, loss_nodes,
+                         tracer.checkpoints)
+
+
+def _is_traced_input(value: Any) -> bool:
+    """Tensors (and containers of tensors) become graph inputs; the rest is baked in."""
+    leaves = torch.utils._pytree.tree_leaves(value)
+    return bool(leaves) and all(isinstance(v, torch.Tensor) for v in leaves)
+
+
+def _same_constant(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # pylint: disable=broad-except
+        return False
+
+
+def _record_weight_users(gm: torch.fx.GraphModule, trace: BlockTrace,
+                         model: torch.nn.Module) -> None:
+    """Which block uses which parameter / buffer (as the tracing runner records them)."""
+    users = trace.users
+    for node in gm.graph.nodes:
+        block = node.meta.get(BLOCK_META)
+        if block is None:
+            continue
+        tensors: list[torch.Tensor] = []
+        if node.op == "call_module":
+            sub = gm.get_submodule(node.target)
+            tensors += list(sub.parameters()) + list(sub.buffers())
+        for arg in node.all_input_nodes:
+            if arg.op == "get_attr":
+                value = _fetch_attr(gm, arg.target)
+                if isinstance(value, torch.Tensor):
+                    tensors.append(value)
+        for t in tensors:
+            if id(t) in trace.tensor_names:
+                blocks = users.setdefault(id(t), [])
+                if block not in blocks:
+                    blocks.append(block)
+    if not trace.sequence:  # a forward with no operation at all
+        trace.sequence.append(IMPLICIT_BLOCK)
+        trace.ipu_of[IMPLICIT_BLOCK] = 0
+
+
+def _fetch_attr(gm: torch.nn.Module, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value

@@ -1,0 +1,384 @@
+"""The in-process execution engine: stage modules run by one worker per device.
+
+``torch.distributed.pipelining`` runs one stage per process and moves activations with
+send / recv. Here all stages live in one process: each device (an IPU played by a GPU,
+or a "virtual IPU" on the CPU) gets one long-lived :class:`DeviceWorker` thread that
+executes its action list (:mod:`.actions`) in order, and activations cross from stage
+to stage through a mailbox (:class:`_Step`), as ``PipelineStage.forward_one_chunk`` /
+``backward_one_chunk`` do:
+
+* forward of stage ``s`` on micro-batch ``m``: its inputs from earlier stages are
+  *detached* copies on its device with ``requires_grad`` (the boundary); the stage
+  module runs; the last stage also rebuilds the model's output and computes the loss;
+* backward: from the loss (last stage) and from the gradients that later stages left
+  on their boundary copies of this stage's outputs, ``torch.autograd.backward`` of the
+  stage's own graph; parameters accumulate their gradients across micro-batches.
+
+CPU workers each take ``cores / devices`` intra-op threads (``torch.set_num_threads``
+inside a thread sets that thread's OpenMP team size only; measured), so a 2-stage
+pipeline on 2 cores runs its stages on both cores at once: the kernels release the GIL.
+CUDA workers run on one stream per device and order cross-device reads with events
+(written with care, not verified on a GPU here).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .. import context
+from . import recompute
+from .pipeline import (
+    BACKWARD,
+    FORWARD,
+    WAIT_TIMEOUT_S,
+    Op,
+    ScheduleEvent,
+    ScheduleRecord,
+)
+from .stages import StagedModel
+
+
+class _Aborted(Exception):
+    """Raised in a worker once another worker of the step failed."""
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class DeviceWorker:
+    """One long-lived thread running the work of one device, in order."""
+
+    def __init__(self, index: int, device: torch.device, threads: int) -> None:
+        self.index = index
+        self.device = device
+        self.threads = threads
+        self.stream = (torch.cuda.Stream(device) if device.type == "cuda" else None)
+        self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=f"poptorch-device-{index}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        if self.device.type == "cpu":
+            torch.set_num_threads(self.threads)  # this thread's team only
+        elif self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                return
+            task()
+
+    def submit(self, task: Callable[[], None]) -> None:
+        self._tasks.put(task)
+
+    def stop(self) -> None:
+        self._tasks.put(None)
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+
+def _stop_all(workers: list[DeviceWorker]) -> None:
+    """Stop the workers and wait for them (also at interpreter exit: a thread still in
+    torch when the interpreter finalizes aborts the process)."""
+    for worker in workers:
+        worker.stop()
+    for worker in workers:
+        worker.join(5.0)
+
+
+class Engine:
+    """Runs a :class:`~.stages.StagedModel` over its devices (module docstring)."""
+
+    def __init__(self, staged: StagedModel, stage_device: list[int],
+                 devices: list[torch.device]) -> None:
+        self.staged = staged
+        self.stage_device = stage_device
+        self.devices = devices
+        self.producers = [s.producers for s in staged.stages]
+        self.consumers = [s.consumers for s in staged.stages]
+        used = sorted(set(stage_device))
+        cpu_lanes = sum(1 for d in used if devices[d].type == "cpu")
+        threads = max(1, cpu_cores() // max(1, cpu_lanes))
+        self.workers: dict[int, DeviceWorker] = {}
+        self._threads = threads
+        self._used = used
+        self._finalizer: weakref.finalize | None = None
+        self.worker_contexts: list = []
+
+    def _ensure_workers(self) -> None:
+        if self.workers:
+            return
+        for d in self._used:
+            self.workers[d] = DeviceWorker(d, self.devices[d], self._threads)
+        self._finalizer = weakref.finalize(self, _stop_all, list(self.workers.values()))
+
+    def close(self) -> None:
+        """Stop the workers (they also stop when the engine is garbage collected)."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self.workers = {}
+
+    # ---------------------------------------------------------------- pipelined
+    def run_lanes(self, lanes: list[list[Op]], inputs: list[dict[str, Any]],
+                  loss_of: Callable[[Any], torch.Tensor] | None,
+                  record: ScheduleRecord, before: Callable | None = None,
+                  contexts: tuple = ()) -> list[Any]:
+        """Run ``lanes`` (one action list per device, ``lanes[d]`` on device ``d``),
+        each on its device's worker; returns the model's outputs per micro-batch.
+        ``before(lane, op)`` runs before each action (phased streaming); ``contexts``
+        are extra context factories entered by each worker for the call."""
+        self._ensure_workers()
+        step = _Step(self, inputs, loss_of, cut=True, record=record)
+        step.before, step.contexts = before, list(contexts)
+        grad = torch.is_grad_enabled()
+        busy = [(d, lane) for d, lane in enumerate(lanes) if lane]
+        step.lanes = len(busy)
+        for d, lane in busy:
+            self.workers[d].submit(lambda d=d, lane=lane: step.run_lane(d, lane, grad))
+        step.wait()
+        return step.results
+
+    # ---------------------------------------------------------------- sharded
+    def run_in_order(self, ops: list[Op], inputs: list[dict[str, Any]],
+                     loss_of: Callable[[Any], torch.Tensor] | None,
+                     record: ScheduleRecord, cut: bool = False,
+                     before: Callable | None = None) -> list[Any]:
+        """Run ``ops`` in this thread, one device busy at a time. Uncut (sharded), the
+        stages of a micro-batch form one autograd graph and its backward is one call
+        from the loss; cut (serial phases), each backward action runs its stage's."""
+        step = _Step(self, inputs, loss_of, cut=cut, record=record)
+        step.before = before
+        for op in ops:
+            step.run_op(0, op)
+        return step.results
+
+
+class _Step:
+    """The mailbox and the bookkeeping of one runner call."""
+
+    def __init__(self, engine: Engine, inputs: list[dict[str, Any]],
+                 loss_of: Callable[[Any], torch.Tensor] | None, cut: bool,
+                 record: ScheduleRecord) -> None:
+        self.engine = engine
+        self.staged = engine.staged
+        self.inputs = inputs
+        self.loss_of = loss_of
+        self.cut = cut
+        self.record = record
+        self.last = len(self.staged.stages) - 1
+        self.results: list[Any] = [None] * len(inputs)
+        self.outputs: dict[tuple[int, int], tuple] = {}
+        self.crossed: dict[tuple[int, int], dict[int, list]] = {}  # (s, m) -> producer -> pairs
+        self.losses: dict[int, torch.Tensor] = {}
+        self.events: dict[Op, Any] = {}  # CUDA events of finished actions
+        self.done: set = set()
+        self.cond = threading.Condition()
+        self.error: BaseException | None = None
+        self.finished = 0
+        self.lanes = 0
+        self.before: Callable | None = None
+        self.contexts: list = []
+        self.all_finished = threading.Event()  # the driver waits on this alone
+
+    # ------------------------------------------------------------ worker side
+    def run_lane(self, d: int, lane: list[Op], grad: bool) -> None:
+        worker = self.engine.workers[d]
+        try:
+            with torch.set_grad_enabled(grad), context.running_on_ipu(), \
+                    context.worker_scope(self.engine.worker_contexts + self.contexts), \
+                    _on_stream(worker):
+                for op in lane:
+                    self._wait_for(op)
+                    self.run_op(d, op)
+                    with self.cond:
+                        self.done.add(op)
+                        self.cond.notify_all()
+                if worker.stream is not None:
+                    worker.stream.synchronize()
+                context.take_marked_losses()
+        except _Aborted:
+            pass
+        except BaseException as exc:  # pylint: disable=broad-except
+            with self.cond:
+                if self.error is None:
+                    self.error = exc
+        finally:
+            with self.cond:
+                self.finished += 1
+                self.cond.notify_all()
+                if self.finished == self.lanes:
+                    self.all_finished.set()
+
+    def _wait_for(self, op: Op) -> None:
+        kind, s, m = op
+        deps = ([(FORWARD, p, m) for p in self.engine.producers[s]] if kind == FORWARD else
+                [(BACKWARD, c, m) for c in self.engine.consumers[s]])
+        if not deps:
+            return
+        deadline = time.monotonic() + WAIT_TIMEOUT_S
+        with self.cond:
+            while True:
+                if self.error is not None:
+                    raise _Aborted()
+                if all(dep in self.done for dep in deps):
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    from ...errors import Error  # pylint: disable=import-outside-toplevel
+                    raise Error(f"Pipeline schedule stalled: {kind}{m} of stage {s} waited "
+                                f"{WAIT_TIMEOUT_S:.0f}s for {deps}.")
+                self.cond.wait(min(remaining, 1.0))
+
+    def wait(self) -> None:
+        """Driver side: wait until every lane has finished; re-raise the first error."""
+        self.all_finished.wait()
+        if self.error is not None:
+            raise self.error
+
+    # ------------------------------------------------------------ actions
+    def run_op(self, lane: int, op: Op) -> None:
+        kind, s, m = op
+        if self.before is not None:
+            self.before(lane, op)
+        event = ScheduleEvent(lane, kind, s, m, time.perf_counter())
+        if kind == FORWARD:
+            self._forward(s, m)
+        else:
+            self._backward(s, m)
+        event.end = time.perf_counter()
+        with self.cond:
+            self.record.events.append(event)
+
+    def _forward(self, s: int, m: int) -> None:
+        stage = self.staged.stages[s]
+        device = self.engine.devices[self.engine.stage_device[s]]
+        crossed: dict[int, list] = {}
+        args = []
+        for source in stage.sources:
+            if source[0] == "input":
+                args.append(_to(self.inputs[m][source[1]], device))
+            else:
+                _, p, pos = source
+                self._wait_event((FORWARD, p, m))
+                value = self.outputs[(p, m)][pos]
+                args.append(self._cross(value, device, crossed.setdefault(p, [])))
+        if stage.checkpoints and self.loss_of is not None and torch.is_grad_enabled():
+            with recompute.recording(stage.module):  # segments recomputed in backward
+                out = stage.module(*args)
+        else:
+            out = stage.module(*args)
+        self.outputs[(s, m)] = out
+        if self.cut:
+            self.crossed[(s, m)] = crossed
+        self._record_event((FORWARD, s, m))
+        if s == self.last:
+            self._finish_microbatch(m, args, out)
+
+    def _finish_microbatch(self, m: int, args: list, out: tuple) -> None:
+        staged = self.staged
+
+        def value(source):
+            if source[0] == "import":
+                return args[source[1]]
+            if source[0] == "stage":
+                return out[source[2]]
+            return source[1]
+
+        output = pytree.tree_unflatten([value(src) for src in staged.output_sources],
+                                       staged.output_spec)
+        for src in staged.loss_sources:
+            context.mark_loss(value(src))
+        self.results[m] = output
+        if self.loss_of is not None:
+            loss = self.loss_of(output)
+            if self.cut:
+                self.losses[m] = loss
+            else:  # sharded: one graph through every stage, backward from the loss
+                loss.backward()
+
+    def _backward(self, s: int, m: int) -> None:
+        if not self.cut:  # the loss's backward already ran through every stage
+            return
+        roots: dict[int, list] = {}
+        if s == self.last:
+            loss = self.losses.pop(m)
+            roots[id(loss)] = [loss, None]
+        for c in self.engine.consumers[s]:
+            self._wait_event((BACKWARD, c, m))
+            for original, copy in self.crossed.get((c, m), {}).pop(s, []):
+                if copy.grad is None:
+                    continue
+                grad = copy.grad.to(original.device)
+                entry = roots.get(id(original))
+                if entry is None:
+                    roots[id(original)] = [original, grad]
+                else:
+                    entry[1] = grad if entry[1] is None else entry[1] + grad
+        if roots:
+            tensors = [r[0] for r in roots.values()]
+            grads = [r[1] for r in roots.values()]
+            torch.autograd.backward(tensors, grads)
+        self._record_event((BACKWARD, s, m))
+        self.outputs.pop((s, m), None)
+
+    def _cross(self, value: Any, device: torch.device, pairs: list) -> Any:
+        """A producer's value as the consumer sees it: on its device and, in a cut
+        pipeline, detached with ``requires_grad`` (the stage boundary)."""
+        def cross(t: torch.Tensor) -> torch.Tensor:
+            if not self.cut:
+                return t.to(device)
+            copy = t.detach().to(device)
+            if t.requires_grad and torch.is_grad_enabled():
+                copy.requires_grad_(True)
+                pairs.append((t, copy))
+            return copy
+        return pytree.tree_map_only(torch.Tensor, cross, value)
+
+    # ------------------------------------------------------------ CUDA ordering
+    def _record_event(self, op: Op) -> None:
+        worker = self.engine.workers.get(self.engine.stage_device[op[1]])
+        if worker is not None and worker.stream is not None:
+            event = torch.cuda.Event()
+            event.record(worker.stream)
+            self.events[op] = event
+
+    def _wait_event(self, op: Op) -> None:
+        event = self.events.get(op)
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), value)
+
+
+class _on_stream:
+    """Make a CUDA worker's stream current while it runs its lane."""
+
+    def __init__(self, worker: DeviceWorker) -> None:
+        self.context = (torch.cuda.stream(worker.stream) if worker.stream is not None
+                        else None)
+
+    def __enter__(self) -> None:
+        if self.context is not None:
+            self.context.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        if self.context is not None:
+            self.context.__exit__(*exc)
