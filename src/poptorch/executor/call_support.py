@@ -3,12 +3,12 @@ inference options, choosing the backend, moving inputs and outputs between host 
 device, and the snapshot that undoes a failed first call."""
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
+from .._runtime.program.backend_choice import automatic_backend
 from ..annotations.strategies import PipelinedExecution, ShardedExecution
 from ..errors import Error
 from ..options.options import Options
@@ -32,12 +32,13 @@ def check_inference_accumulation(options: Options) -> None:
 
 
 def backend_name(options: Options, device: torch.device) -> str:
-    """The backend that runs the model: Options.Jit.backend, POPTORCH_BACKEND, else
-    inductor on CUDA and eager on the CPU. ``fastest``: inductor, kept for an inference
-    model only where it beats the eager loop (``compiled_step.BackendTrial``)."""
-    name = options.Jit.backend or os.environ.get("POPTORCH_BACKEND")
+    """The backend that runs the model: Options.Jit.backend, POPTORCH_BACKEND, else the
+    automatic choice (``_runtime/program/backend_choice.py``): ``fastest``, the
+    compiled program kept only where its first calls show it beats the eager loop
+    (``compiled_step.BackendTrial``), or eager where no compiler is present."""
+    name = options.Jit.backend_name
     if name is None:
-        name = "inductor" if device.type == "cuda" else "eager"
+        return automatic_backend(device)
     if name not in ("eager", "inductor", "fastest"):
         raise Error(f"Unknown backend {name!r}: use 'eager', 'inductor' or 'fastest' "
                     "(Options.Jit.backend or POPTORCH_BACKEND).")
