@@ -57,11 +57,11 @@ def capture_blocker(program: Any, runner: Any) -> str | None:
 
     Only reasons fixed at compile time; :py:meth:`CompiledCall.blocker` adds those that
     can change between calls (loss scaling, optimizer hooks)."""
+    if getattr(program, "cross", None) is not None:
+        return "replicas in several processes reduce gradients between processes"
     if not isinstance(runner, SequentialRunner):
         return ("model parallelism or per-replica buffers run micro-batches outside one "
                 "device graph")
-    if getattr(program, "cross", None) is not None:
-        return "replicas in several processes reduce gradients between processes"
     if program.wrappers:
         return "precision casting, strided group norm or profiling wraps every call"
     if program.anchors is not None:
