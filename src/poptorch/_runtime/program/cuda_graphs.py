@@ -159,7 +159,6 @@ class CudaGraphLoop:
         self._key: GraphKey | None = None
         self._static_inputs: list[torch.Tensor] = []
         self._static_output: Any = None
-        self._pool: Any = None
 
     def ready(self) -> bool:
         """Whether this call goes through :py:meth:`__call__` (warm-up calls too)."""
@@ -221,9 +220,8 @@ class CudaGraphLoop:
         static_args, static_kwargs = pytree.tree_unflatten(static, spec)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph):  # a private memory pool per recording
             output = self.loop(static_args, static_kwargs)
-        self._pool = graph.pool()
         self._graph, self._static_output = graph, output
         self._static_inputs = [t for t in static if isinstance(t, torch.Tensor)]
         self._key = GraphKey(self.program, self.model, args, kwargs)
