@@ -169,7 +169,7 @@ def workloads_section(device, names, d, micro, min_seconds, out):
                     f"{rate['pop-graph'] / rate['eager']:.2f} | "
                     f"{runners['pop'][0].path()} / {runners['pop-graph'][0].path()} | "
                     f"{warm['compile']:.1f} / {warm['pop']:.1f} |")
-            except Exception as error:  # one failing row must not lose the report
+            except Exception as error:  # noqa: BLE001  (one failing row must not lose the report)
                 out.append(f"| {name} | {'train' if training else 'infer'} | failed: "
                            f"{type(error).__name__}: {str(error).splitlines()[0][:150]} "
                            "| | | | | | | | |")
@@ -184,10 +184,10 @@ def device_name(device):
 def gpt2_section(device, smoke, out):
     """GPT-2 small in bfloat16: tokens/s and MFU, eager loop vs poptorch default."""
     if smoke:
-        cfg = dict(vocab=128, width=32, heads=2, layers=1, context=16)
+        cfg = {"vocab": 128, "width": 32, "heads": 2, "layers": 1, "context": 16}
         batch, d, steps = 2, 2, 2
     else:
-        cfg = dict(vocab=50257, width=768, heads=12, layers=12, context=1024)
+        cfg = {"vocab": 50257, "width": 768, "heads": 12, "layers": 12, "context": 1024}
         batch, d, steps = 8, 4, 8
     out.append(f"## GPT-2 small, bfloat16 training ({cfg['layers']} layers, width "
                f"{cfg['width']}, context {cfg['context']}, micro-batch {batch})\n")
@@ -232,7 +232,7 @@ def gpt2_section(device, smoke, out):
             tokens = n * t / seconds
             mfu = "n/a" if peak is None else f"{tokens * flops_per_token / peak:.1%}"
             out.append(f"| {name} | {tokens:,.0f} | {mfu} | {warm:.1f} |")
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001  (a failing section must not lose the report)
         out.append(f"failed: {type(error).__name__}: {str(error).splitlines()[0][:300]}")
         traceback.print_exc()
     out.append("")
@@ -243,12 +243,14 @@ def gpt2_section(device, smoke, out):
 def ddp_worker(result_path: str, smoke: bool) -> None:
     """Under torchrun: poptorch's trainingModel vs DDP + a plain loop, NCCL on GPUs."""
     import statistics
+
     import torch.distributed as dist
+
     import poptorch
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    local = int(os.environ.get("LOCAL_RANK", 0))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -308,10 +310,11 @@ def ddp_section(processes: int, smoke: bool, out) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={processes}", os.path.abspath(__file__),
                "--ddp-worker", path] + (["--smoke"] if smoke else [])
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+        run = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900,
                              env=dict(os.environ, OMP_NUM_THREADS="1"))
         if run.returncode == 0 and os.path.exists(path):
-            out.append(open(path).read().rstrip())
+            with open(path) as f:
+                out.append(f.read().rstrip())
         else:
             tail = (run.stdout + run.stderr).strip().splitlines()[-5:]
             out.append(f"| {processes} | failed (exit {run.returncode}) | "

@@ -187,7 +187,7 @@ def test_cuda_graph_training_matches_plain_pytorch(d, g):
     n = 4
     for _ in range(cuda_graphs.WARMUP_CALLS + 4):
         x, y = torch.randn(d * g * n, 6), torch.randint(0, 3, (d * g * n,))
-        out, loss = pop(x, y)
+        out, _loss = pop(x, y)
         xc, yc = x.cuda(), y.cuda()
         for i in range(d):
             ref_opt.zero_grad()

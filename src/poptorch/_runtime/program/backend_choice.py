@@ -31,14 +31,14 @@ def _torch_compile_backend() -> str:
     return os.environ.get("POPTORCH_TORCH_COMPILE_BACKEND", "inductor")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def missing_compiler() -> str | None:
     """Why inductor cannot generate code on this machine (no C++ compiler found), or
     None when it can. Looked up once per process."""
     try:
         from torch._inductor import cpp_builder
         cpp_builder.get_cpp_compiler()
-    except Exception as error:  # InvalidCxxCompiler, or a broken toolchain probe
+    except Exception as error:  # noqa: BLE001  (InvalidCxxCompiler, a broken toolchain probe)
         first = str(error).strip().splitlines()
         return f"no C++ compiler was found ({first[0] if first else type(error).__name__})"
     return None

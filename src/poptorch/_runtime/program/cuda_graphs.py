@@ -29,7 +29,8 @@ CUDA graphs itself (``compiled_step.py``).
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
