@@ -12,9 +12,10 @@ deviceIterations 1 and 16, the same micro-batches go through:
 * with ``--detail``: ``pop-eager``: poptorch with ``Options.Jit.backend("eager")``, and
   ``pop-inductor``: poptorch with the ``inductor`` backend (the whole call compiled,
   ``_runtime/program/compiled_step.py``), forced on;
-* ``pop``: poptorch with the ``fastest`` backend: compiled like ``inductor``; an
-  inference model keeps the compiled program only where it beats the eager loop (timed
-  over its first calls after tracing, counted in its compile time).
+* ``pop``: poptorch with **no backend option** (the default a user gets,
+  ``_runtime/program/backend_choice.py``): compiled like ``inductor``, and the model keeps
+  the compiled program only where it beats the eager loop (timed over its first calls
+  after tracing, counted in its compile time), in inference and in training.
 
 Throughput is micro-batches per second, the median of interleaved rounds (noise hits
 every side alike); a round repeats passes over the micro-batches for at least 0.1 s
@@ -22,8 +23,9 @@ every side alike); a round repeats passes over the micro-batches for at least 0.
 reported apart and never counted in throughput. Each workload runs in a process of its
 own, so compiled-code caches and thread pools do not leak between workloads.
 
-Targets (issue 14): ``pop`` >= 0.95 x eager at deviceIterations 1 and
->= max(eager, compile) at deviceIterations 16. The tiny MLP's per-call host overhead is
+Targets (issue 26, printed with the table): ``pop`` >= max(eager, compile) at
+deviceIterations 16, and >= 0.95 x eager at deviceIterations 1 where the eager loop's
+micro-batch takes >= 50 us (0.85 x below that: the tiny MLP's 25 us call). The tiny MLP's per-call host overhead is
 printed in microseconds: poptorch's time per call minus the eager loop's time for the
 same micro-batches.
 
@@ -124,7 +126,8 @@ class PopLoop(Contender):
         super().__init__(name, model, training, d)
         opts = poptorch.Options().deviceIterations(d)
         opts.showCompilationProgressBar(False)
-        opts.Jit.backend(backend)
+        if backend is not None:  # None: the automatic choice, as a user gets it
+            opts.Jit.backend(backend)
         if training:
             self.pop = poptorch.trainingModel(
                 model, opts, torch.optim.SGD(model.parameters(), lr=0.01))
@@ -171,7 +174,7 @@ def contenders(kind, training, d, peers, detail=False):
     if detail:
         made.append(PopLoop("pop-eager", copy.deepcopy(base), training, d, "eager"))
         made.append(PopLoop("pop-inductor", copy.deepcopy(base), training, d, "inductor"))
-    made.append(PopLoop("pop", copy.deepcopy(base), training, d, "fastest"))
+    made.append(PopLoop("pop", copy.deepcopy(base), training, d, None))
     return made
 
 
@@ -229,6 +232,19 @@ def run_workload(name, quick, detail=False):
     return rows
 
 
+SHORT_CALL_US = 50.0
+"""At deviceIterations 1, a workload whose eager micro-batch takes less than this many
+microseconds is held to 0.85 x eager instead of 0.95 x (per-call checks dominate)."""
+
+
+def _target(row):
+    """(ratio needed, label): vs eager at d=1, vs the best loop at d=16."""
+    if row["d"] != 1:
+        return 1.0, "1.0xB"
+    short = row["us_per_call"]["eager"] < SHORT_CALL_US
+    return (0.85, "0.85xE") if short else (0.95, "0.95xE")
+
+
 def report(rows, peers):
     print(f"\nThroughput (micro-batches/s, median of interleaved rounds), torch "
           f"{torch.__version__}, {torch.get_num_threads()} threads")
@@ -246,14 +262,18 @@ def report(rows, peers):
         t = row["mb_per_s"]
         best = max(t["eager"], t["compile"])
         vs_eager, vs_best = t["pop"] / t["eager"], t["pop"] / best
-        ok = vs_eager >= 0.95 if row["d"] == 1 else vs_best >= 1.0
-        target = "0.95xE" if row["d"] == 1 else "1.0xB"
+        need, target = _target(row)
+        ok = (vs_eager if row["d"] == 1 else vs_best) >= need
         failures += not ok
         print(f"{row['workload']:<9}{row['mode']:<6}{row['d']:>3}"
               + "".join(f"{t[n]:>13.1f}" for n in names)
               + (f"{t['pop-inductor'] / t['eager']:>10.2f}" if detail else "")
               + f"{vs_eager:>10.2f}{vs_best:>9.2f}"
               + f"{target:>8}  {'yes' if ok else 'NO ':<3} {row.get('pop_ran', '')}")
+    print(f"\nTargets: pop >= max(eager, compile) at d=16 ('1.0xB'); at d=1 pop >= "
+          f"0.95 x eager ('0.95xE'), 0.85 x eager where the eager micro-batch takes "
+          f"< {SHORT_CALL_US:.0f} us ('0.85xE'). {len(rows) - failures} of {len(rows)} met"
+          f"{'' if not failures else f', {failures} NOT met'}.")
     print("\nCompile time (s: the warm-up until compiled, one pass included; training: "
           "poptorch's first call is eager, the second compiles; pop: until the fastest "
           "backend has chosen; inductor's on-disk cache may hold earlier runs' kernels: "
@@ -290,6 +310,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: on a shared machine, more threads "
                         "than idle cores make every side spin on its thread pool)")
+    parser.add_argument("--strict", action="store_true",
+                        help="exit with status 1 when a target is not met")
     parser.add_argument("--json", help=argparse.SUPPRESS)  # child process output
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -311,6 +333,7 @@ def main(argv=None) -> int:
             cmd.append("--detail")
         t0 = time.perf_counter()
         env = dict(os.environ, POPTORCH_LOG_LEVEL="WARN")
+        env.pop("POPTORCH_BACKEND", None)  # pop runs the default, as a user gets it
         if args.cold:
             env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_compiled_")
         subprocess.run(cmd, check=True, env=env)
@@ -318,8 +341,8 @@ def main(argv=None) -> int:
             rows.extend(json.load(f))
         os.unlink(out)
         print(f"[{name}: measured in {time.perf_counter() - t0:.0f} s]", flush=True)
-    report(rows, available_peers())
-    return 0
+    failures = report(rows, available_peers())
+    return 1 if failures and args.strict else 0
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from .._runtime.torch_internals import pytree
 
+from .._runtime.program.backend_choice import automatic_backend
 from ..annotations.strategies import PipelinedExecution, ShardedExecution
 from ..errors import Error
 from ..options.options import Options
@@ -31,12 +32,13 @@ def check_inference_accumulation(options: Options) -> None:
 
 
 def backend_name(options: Options, device: torch.device) -> str:
-    """The backend that runs the model: Options.Jit.backend, POPTORCH_BACKEND, else
-    inductor on CUDA and eager on the CPU. ``fastest``: inductor, kept for an inference
-    model only where it beats the eager loop (``compiled_step.BackendTrial``)."""
+    """The backend that runs the model: Options.Jit.backend, POPTORCH_BACKEND, else the
+    automatic choice (``_runtime/program/backend_choice.py``): ``fastest``, the
+    compiled program kept only where its first calls show it beats the eager loop
+    (``compiled_step.BackendTrial``), or eager where no compiler is present."""
     name = options.Jit.backend_name  # (POPTORCH_BACKEND is parsed there, only there)
     if name is None:
-        name = "inductor" if device.type == "cuda" else "eager"
+        return automatic_backend(device)
     return name
 
 

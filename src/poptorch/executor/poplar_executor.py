@@ -205,6 +205,10 @@ class PoplarExecutor(ExecutorInspection):
                                        self._model_name(),
                                        bool(opts.show_compilation_progress_bar),
                                        measure=backend == "fastest")
+            if device.type == "cuda":  # the eager loop as one CUDA graph where it can be
+                from .._runtime.program.cuda_graphs import install_cuda_graphs
+                install_cuda_graphs(self._program, runner, self._model, device,
+                                    self._model_name())
             from .program_setup import program_source
             self._source = program_source(self, args, kwargs)
             if opts.synthetic_data:

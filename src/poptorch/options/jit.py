@@ -32,15 +32,15 @@ class _JitOptions(OptionsDict):
     def backend(self) -> "_BackendName | _AutoBackend":
         """The compiler backend: ``"eager"``, ``"inductor"``, ``"fastest"`` or automatic.
 
-        ``"fastest"`` compiles like ``"inductor"``; an inference model then times its
-        compiled program against the eager loop over its first calls and keeps the
-        faster one.
+        ``"fastest"`` compiles like ``"inductor"``; the model then times its compiled
+        program against the eager loop over its first calls and keeps the faster one.
 
         Reads as the chosen backend name (a ``str``: ``opts.Jit.backend == "eager"``);
         call it to choose one (``opts.Jit.backend("inductor")``, ``None`` for
         automatic). When not chosen explicitly, the ``POPTORCH_BACKEND`` environment
         variable decides; otherwise it is automatic: falsy and ``== None`` (but not
-        ``is None``), and the executor picks inductor on GPUs and eager on the CPU. Use
+        ``is None``), and the executor picks ``"fastest"`` (``"eager"`` where no C++
+        compiler is present). Use
         :py:attr:`backend_name` to read a plain ``str`` or ``None``.
         """
         name = self.backend_name

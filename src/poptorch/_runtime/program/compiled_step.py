@@ -59,11 +59,11 @@ def capture_blocker(program: Any, runner: Any) -> str | None:
 
     Only reasons fixed at compile time; :py:meth:`CompiledCall.blocker` adds those that
     can change between calls (loss scaling, optimizer hooks)."""
+    if getattr(program, "cross", None) is not None:
+        return "replicas in several processes reduce gradients between processes"
     if not isinstance(runner, SequentialRunner):
         return ("model parallelism or per-replica buffers run micro-batches outside one "
                 "device graph")
-    if getattr(program, "cross", None) is not None:
-        return "replicas in several processes reduce gradients between processes"
     if program.wrappers:
         return "precision casting, strided group norm or profiling wraps every call"
     if program.anchors is not None:
@@ -211,9 +211,9 @@ class CompiledCall:
         self._grads: list[torch.Tensor] = []
         # Training: one eager call first (optimizer state, which params get gradients).
         self._eager_calls_left = 1 if program.training else 0
-        # Backend "fastest" (inference): the first calls after tracing time this
-        # program against the eager loop; the faster one stays.
-        self.trial = BackendTrial(self) if measure and not program.training else None
+        # Backend "fastest" (the automatic choice, backend_choice.py): the first calls
+        # after tracing time this program against the eager loop; the faster one stays.
+        self.trial = BackendTrial(self) if measure else None
 
     # ------------------------------------------------------------------ per call
     def blocker(self) -> str | None:
@@ -257,8 +257,8 @@ class CompiledCall:
             if self.program.training and all(p.grad is None for p in self.params):
                 return False  # no eager step has completed yet (it raised): run one
             self._build()
-        for p in self._grad_params:
-            if p.grad is None:
+        for p, grad in zip(self._grad_params, self._grads):
+            if p.grad is not grad:  # zero_grad(), or an eager step made new ones
                 self._restore_grads()
                 break
         if self.trial is not None and self._traced:
@@ -351,10 +351,11 @@ class CompiledCall:
         self._traced = False
 
     def _restore_grads(self) -> None:
-        """The user cleared gradients (``zero_grad()``) between calls: give the
-        parameters their gradient tensors back (overwritten by the next step)."""
+        """The user cleared gradients (``zero_grad()``) or an eager step (the backend
+        trial) made new ones: give the parameters the gradient tensors the program
+        writes into back (overwritten by the next step)."""
         for p, grad in zip(self._grad_params, self._grads):
-            if p.grad is None:
+            if p.grad is not grad:
                 p.grad = grad
 
     def _fail(self, error: BaseException) -> None:
@@ -368,7 +369,8 @@ class CompiledCall:
 
 
 class BackendTrial:
-    """The ``fastest`` backend's choice for one inference model (docs/options.md).
+    """The ``fastest`` backend's choice for one model (docs/options.md), in inference
+    and in training (each call runs whole on one path: a step is never half compiled).
 
     Once the compiled program is traced, the next ``2 * (SKIP + CALLS)`` calls alternate
     between it and the eager device loop, each timed whole (inputs to outputs; the first
@@ -448,7 +450,8 @@ def compile_device_program(program: Any, runner: Any, model: torch.nn.Module,
     if reason is not None:
         info_once(("compiled-call-blocked", name, reason),
                   "%s: the call is not compiled as one program (%s); the device loop "
-                  "runs a torch.compile'd forward instead.", name, reason)
+                  "runs %s instead.", name, reason,
+                  "eagerly" if measure else "a torch.compile'd forward")
         if not measure:
             _compile_forward(runner, model)
         return

@@ -1,0 +1,179 @@
+"""The automatic backend (``_runtime/program/backend_choice.py``): with no backend
+chosen, a model's first calls measure the compiled program against the eager loop, in
+training as in inference, and every call matches plain PyTorch.
+
+The tests trace with torch.compile's ``aot_eager`` backend (the same whole-call capture
+as inductor without a C++ build), except where the compiler check itself is tested.
+"""
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import poptorch
+from poptorch._runtime.program import backend_choice
+from poptorch.executor.call_support import backend_name
+
+
+@pytest.fixture
+def automatic(monkeypatch):
+    """No backend chosen (the test suite pins eager in tests/conftest.py)."""
+    monkeypatch.delenv("POPTORCH_BACKEND", raising=False)
+    monkeypatch.setenv("POPTORCH_TORCH_COMPILE_BACKEND", "aot_eager")
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        out = self.fc2(self.bn(F.relu(self.fc1(x))))
+        return out, F.cross_entropy(out, y)
+
+
+def _opts(d=1, g=1):
+    opts = poptorch.Options().deviceIterations(d)
+    opts.Training.gradientAccumulation(g)
+    opts.showCompilationProgressBar(False)
+    return opts
+
+
+def _decisions(caplog):
+    return [r.getMessage() for r in caplog.records
+            if "per call" in r.getMessage() and "eager device loop" in r.getMessage()]
+
+
+def test_automatic_backend_is_measured_where_a_compiler_exists(automatic, monkeypatch):
+    assert backend_name(poptorch.Options(), torch.device("cpu")) == "fastest"
+    monkeypatch.setenv("POPTORCH_BACKEND", "eager")  # a choice is kept as it is
+    assert backend_name(poptorch.Options(), torch.device("cpu")) == "eager"
+    opts = poptorch.Options()
+    opts.Jit.backend("inductor")
+    assert backend_name(opts, torch.device("cpu")) == "inductor"
+
+
+def test_without_a_cpp_compiler_the_automatic_backend_is_eager(automatic, monkeypatch,
+                                                                caplog):
+    monkeypatch.setenv("POPTORCH_TORCH_COMPILE_BACKEND", "inductor")
+    from torch._inductor import cpp_builder
+
+    def no_compiler():
+        raise RuntimeError("No working C++ compiler found in cpp_builder")
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
+    backend_choice.missing_compiler.cache_clear()
+    try:
+        poptorch.setLogLevel("INFO")
+        with caplog.at_level(logging.INFO, logger="poptorch"):
+            torch.manual_seed(0)
+            model = Net().eval()
+            x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
+            pop = poptorch.inferenceModel(model, _opts())
+            out, _ = pop(x, y)
+            with torch.no_grad():
+                torch.testing.assert_close(out, model(x, y)[0], rtol=0, atol=0)
+        assert pop._program.compiled is None  # the eager loop, nothing compiled
+        lines = [r.getMessage() for r in caplog.records if "no C++ compiler" in
+                 r.getMessage()]
+        assert len(lines) <= 1 and all("Backend: eager" in line for line in lines)
+        assert backend_choice.missing_compiler() is not None
+    finally:
+        poptorch.setLogLevel("WARN")
+        backend_choice.missing_compiler.cache_clear()
+
+
+@pytest.mark.parametrize("d,g", [(1, 1), (2, 3)])
+def test_training_trial_matches_eager_and_plain_pytorch_and_decides_once(automatic, caplog,
+                                                                         d, g):
+    """Calls alternate between the compiled step and the eager loop while measured: the
+    outputs, weights and optimizer state stay exactly those of the eager backend (the
+    same kernels under aot_eager) and those of plain PyTorch (within the rounding of
+    the mean over micro-batches, accumulated over 48 steps)."""
+    torch.manual_seed(1)
+    model = Net()
+    ref, eager_model = copy.deepcopy(model), copy.deepcopy(model)
+
+    def make_opt(m):
+        return torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.5, weight_decay=0.01)
+    pop = poptorch.trainingModel(model, _opts(d, g), make_opt(model))
+    eager_opts = _opts(d, g)
+    eager_opts.Jit.backend("eager")
+    eager = poptorch.trainingModel(eager_model, eager_opts, make_opt(eager_model))
+    ref_opt = make_opt(ref)
+    n = 4 * g
+    calls = 24  # 1 eager, 1 compiling, 18 of the trial, 4 after
+    poptorch.setLogLevel("INFO")
+    try:
+        with caplog.at_level(logging.INFO, logger="poptorch"):
+            paths = []
+            for _ in range(calls):
+                x, y = torch.randn(d * n, 6), torch.randint(0, 3, (d * n,))
+                compiled = pop._program.compiled if pop._program is not None else None
+                trial = compiled.trial if compiled is not None else None
+                paths.append(None if trial is None or not compiled._traced
+                             else trial._next)
+                out, loss = pop(x, y)
+                eager_out, eager_loss = eager(x, y)
+                for i in range(d):
+                    ref_opt.zero_grad()
+                    for xs, ys in zip(x[i * n:(i + 1) * n].chunk(g),
+                                      y[i * n:(i + 1) * n].chunk(g)):
+                        ref_out, ref_loss = ref(xs, ys)
+                        (ref_loss / g).backward()
+                    ref_opt.step()
+                assert torch.equal(out, eager_out) and torch.equal(loss, eager_loss)
+                torch.testing.assert_close(out, ref_out.detach(), rtol=1e-3, atol=1e-3)
+                torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-3, atol=1e-3)
+    finally:
+        poptorch.setLogLevel("WARN")
+    lines = _decisions(caplog)
+    assert len(lines) == 1, lines
+    assert pop._program.compiled is None or pop._program.compiled.trial is None
+    assert {True, False} <= set(paths)  # both paths really ran during the trial
+    eager_opt = eager._optimizer
+    for (name, p), e, r in zip(model.named_parameters(), eager_model.parameters(),
+                               ref.parameters()):
+        assert torch.equal(p, e), name
+        torch.testing.assert_close(p, r, rtol=1e-3, atol=1e-3, msg=name)
+        assert torch.equal(pop._optimizer.state[p]["momentum_buffer"],
+                           eager_opt.state[e]["momentum_buffer"]), name
+    assert torch.equal(model.bn.running_mean, eager_model.bn.running_mean)
+    torch.testing.assert_close(model.bn.running_mean, ref.bn.running_mean)
+
+
+@pytest.mark.parametrize("compiled_faster", [True, False])
+def test_training_trial_keeps_the_faster_path(automatic, compiled_faster):
+    torch.manual_seed(2)
+    model = Net()
+    ref = copy.deepcopy(model)
+    pop = poptorch.trainingModel(model, _opts(), torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
+
+    def ref_step():
+        ref_opt.zero_grad()
+        out, loss = ref(x, y)
+        loss.backward()
+        ref_opt.step()
+        return out.detach()
+    for _ in range(2):  # the eager first call, then the compiling one
+        pop(x, y)
+        ref_step()
+    compiled = pop._program.compiled
+    trial = compiled.trial
+    assert compiled._traced and trial is not None
+    fast, slow = (1e-4, 2e-4) if compiled_faster else (2e-4, 1e-4)
+    for _ in range(trial.SKIP + trial.CALLS):
+        for use in (True, False):
+            trial.pending = use
+            trial.record(use, fast if use else slow)
+    assert compiled.trial is None
+    assert (pop._program.compiled is compiled) == compiled_faster
+    for _ in range(3):
+        out, _ = pop(x, y)
+        torch.testing.assert_close(out, ref_step(), rtol=1e-5, atol=1e-5)
