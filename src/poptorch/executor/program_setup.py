@@ -80,7 +80,7 @@ def install_program_extras(executor: Any, program: Any) -> None:
         program.finite_check = policy.check_step
         program.named_params = list(model.named_parameters())
     from .._runtime.memory.locations import install as install_locations
-    install_locations(program, model, opts, d.get("_replica_groupings"), d["_device"])
+    install_locations(program, model, opts, d._replica_groupings, d._device)
     install_profiling(executor, program)
 
 
