@@ -471,10 +471,12 @@ def test_device_optimizer_sync_reads_back_and_sends_loaded_state():
 
 def test_set_optimizer_keeps_the_automatic_loss_scale():
     from poptorch._runtime.numerics.loss_scaling import LossScaler
+    from poptorch._runtime.config import RuntimeConfig
     from poptorch._runtime.program.optimizer import make_loss_scaler
     model = MLP()
-    opts = poptorch.Options()
-    opts.Training.setAutomaticLossScaling(True)
+    options = poptorch.Options()
+    options.Training.setAutomaticLossScaling(True)
+    opts = RuntimeConfig.of(options)  # what the engine reads
     first = poptorch.optim.SGD(model.parameters(), lr=0.1, loss_scaling=8.0)
     previous = make_loss_scaler(first, opts)
     progressed = LossScaler(first, True)

@@ -73,3 +73,29 @@ def test_batch_trees_are_torch_pytrees():
     assert type(rebuilt["r"]) is Record and torch.equal(rebuilt["r"]["v"], t[4])
     assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
                for a, b in zip(pytree.tree_leaves(rebuilt), pytree.tree_leaves(batch)))
+
+
+def test_the_engine_reads_a_frozen_snapshot_of_the_options():
+    """The compiled program reads RuntimeConfig (made once at compile time), not the
+    options object: a changed clone of the options, or a setter forced past the
+    freeze, cannot reach a compiled model; the snapshot itself cannot be changed."""
+    import dataclasses
+
+    from poptorch._runtime.config import RuntimeConfig
+
+    opts = poptorch.Options().deviceIterations(2)
+    opts.Training.gradientAccumulation(2)
+    config = RuntimeConfig.of(opts)
+    assert (config.device_iterations, config.training.gradient_accumulation) == (2, 2)
+    assert config.training.reduction == poptorch.ReductionType.Mean
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.device_iterations = 3  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        config.anchored_tensors["x"] = {}  # type: ignore[index]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    pop = poptorch.inferenceModel(model, poptorch.Options().deviceIterations(2))
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(pop(x), model(x))
+    assert pop._config.device_iterations == 2
+    assert pop._program.plan.device_iterations == 2

@@ -42,10 +42,10 @@ from .environment import ENGINE_OPTIONS, PVTI_OPTIONS, json_options
 _TRUE = ("true", "1", "yes", "on")
 
 
-def profile_directory(options: Any) -> str | None:
+def profile_directory(config: Any) -> str | None:
     """Where this model's run is profiled, or None (module docstring)."""
-    if options.profile_dir is not None:
-        return options.profile_dir
+    if config.profile_dir is not None:  # (a RuntimeConfig)
+        return config.profile_dir
     return env_profile_directory()
 
 

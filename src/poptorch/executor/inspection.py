@@ -20,6 +20,7 @@ class ExecutorInspection:
     _require_compiled: Any
     _compile_seconds: float | None
     _options: Any
+    _config: Any
     _model: torch.nn.Module
     _training: bool
     _io_counts: tuple
@@ -81,7 +82,7 @@ class ExecutorInspection:
 
     def _anchor_recorder(self, plan: BatchPlan):
         from .._runtime.batching.anchors import AnchorRecorder
-        recorder = AnchorRecorder(self._model, self._options, plan, self._training)
+        recorder = AnchorRecorder(self._model, self._config, plan, self._training)
         self._anchors = recorder
         return recorder
 

@@ -25,6 +25,7 @@ from .inspection import ExecutorInspection
 from .replica_grouping import GroupableParameter
 from .._logging import logger
 from .._runtime import context
+from .._runtime.config import RuntimeConfig
 from .._runtime.batching.plan import BatchPlan, resolve_output_mode, split_inputs
 from .._runtime.batching.signature import InputSignature, detach_inputs
 from .._runtime.weights.modelcopy import TrainingMode, shallow_copy_module
@@ -127,6 +128,7 @@ class PoplarExecutor(ExecutorInspection):
         self._pending_precompiled: Any = None  # poptorch.load: compiled at the first call
         self._pending_rng_state: Any = None
         self._replica_groupings: Any = {}
+        self._config: Any = None  # RuntimeConfig of the options, made at compile time
 
     # ------------------------------------------------------------------ properties
     @property
@@ -185,6 +187,7 @@ class PoplarExecutor(ExecutorInspection):
             self._buffers_list = list(self._model.buffers())
             if self._training:
                 optimizer_rules.apply_mean_reduction_rule(opts, self._optimizer, False)
+            self._config = RuntimeConfig.of(opts)  # what the engine reads from here on
             bar.update()
             runner, device = self._build_runner((args, kwargs))
             bar.update()
@@ -284,20 +287,19 @@ class PoplarExecutor(ExecutorInspection):
                               device)
 
     def _build_program(self, plan: BatchPlan, runner, device, cross=None) -> DeviceProgram:
-        opts = self._options
-        seed = opts.random_seed if opts.exists("random_seed") else None
+        config = self._config  # the options as compiled (RuntimeConfig)
         params = [p for p in self._model.parameters() if p.requires_grad]
         program = DeviceProgram(
             plan=plan, runner=runner, training=self._training,
-            output_mode=resolve_output_mode(opts.output_mode, self._training),
-            output_return_period=opts.output_return_period, params=params,
-            optimizer=self._device_optimizer, options=opts,
-            rng=RngScope(seed, device),
+            output_mode=resolve_output_mode(config.output_mode, self._training),
+            output_return_period=config.output_return_period, params=params,
+            optimizer=self._device_optimizer, config=config,
+            rng=RngScope(config.random_seed, device),
             to_host=None if device.type == "cpu" else to_cpu,
-            anchors=self._anchor_recorder(plan) if opts.anchored_tensors else None,
+            anchors=self._anchor_recorder(plan) if config.anchored_tensors else None,
             cross=cross)
         if self._training:
-            program.set_scaler(make_loss_scaler(self._optimizer, opts))
+            program.set_scaler(make_loss_scaler(self._optimizer, config))
             from ..optim.attributes import snapshot_constants
             self._constants = snapshot_constants(self._optimizer)
         return program
@@ -480,7 +482,7 @@ class PoplarExecutor(ExecutorInspection):
             self._precision.prepare_optimizer(attached)
             self._sync_optimizer(optimizer, attached)
             optimizer_rules.mark_compiled(optimizer, self._options)
-            self._program.set_scaler(make_loss_scaler(optimizer, self._options,
+            self._program.set_scaler(make_loss_scaler(optimizer, self._config,
                                                       self._program.scaler))
         self._optimizer = optimizer
 

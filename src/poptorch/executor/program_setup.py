@@ -16,7 +16,7 @@ from .._runtime.tracing import CallProfiler, TracingRunner, profile_directory
 def install_profiling(executor: Any, program: Any) -> None:
     """Profile every call when ``enableProfiling`` / ``POPLAR_ENGINE_OPTIONS`` /
     ``PVTI_OPTIONS`` say so (nothing is installed otherwise)."""
-    directory = profile_directory(executor._options)
+    directory = profile_directory(executor._config)
     if directory is None:
         return
     plan = program.plan

@@ -15,10 +15,11 @@ outputs): ``Final`` keeps the last iteration's value, ``All`` stacks every itera
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
+from ..config import RuntimeConfig
 from ...enums import OutputMode
 from ...errors import Error
 from .plan import BatchPlan, resolve_output_mode
@@ -109,16 +110,16 @@ class _Anchor:
 class AnchorRecorder:
     """Records the anchored tensors of a compiled model (see module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, options: Any, plan: BatchPlan,
+    def __init__(self, model: torch.nn.Module, config: RuntimeConfig, plan: BatchPlan,
                  training: bool) -> None:
         self._anchors: dict[str, _Anchor] = {}
-        for short, spec in options.anchored_tensors.items():
+        for short, spec in config.anchored_tensors.items():
             mode = spec["output_mode"]
-            mode = resolve_output_mode(options.output_mode if mode is None else mode,
+            mode = resolve_output_mode(config.output_mode if mode is None else mode,
                                        training)
             period = spec["output_return_period"]
             if spec["output_mode"] is None and mode == OutputMode.EveryN:
-                period = options.output_return_period
+                period = config.output_return_period
             self._anchors[short] = _Anchor(_reader(model, spec["long_name"], training),
                                            mode, period, plan.device_iterations, short)
 

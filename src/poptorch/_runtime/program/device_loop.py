@@ -18,6 +18,7 @@ from ...errors import Error
 from .. import context
 from ..batching.plan import BatchPlan, OutputCollector, split_inputs
 from ..batching.structures import register_mapping_outputs
+from ..config import RuntimeConfig, TrainingConfig
 from .loss import find_loss
 from .optimizer import fast_step
 from .perf import PerfCounters
@@ -101,7 +102,7 @@ class DeviceProgram:
 
     def __init__(self, *, plan: BatchPlan, runner: StepRunner, training: bool,
                  output_mode: OutputMode, output_return_period: int,
-                 params: list[torch.nn.Parameter], optimizer: Any, options: Any,
+                 params: list[torch.nn.Parameter], optimizer: Any, config: RuntimeConfig,
                  rng: RngScope, to_host: Callable[[Any], Any] | None,
                  anchors: Callable[[int], None] | None, cross: Any = None) -> None:
         self.plan = plan
@@ -133,24 +134,24 @@ class DeviceProgram:
         # The cross-process side (distributed.replicas.CrossProcessReplicas) of a run of
         # several processes, None in one process.
         self.cross = cross
-        self._reduction_options = options
+        self._training_config = config.training
         self._averaged = cross.averaged_over if cross is not None else 1
-        self._configure_reduction(options, cross.world.size if cross is not None else 1,
+        self._configure_reduction(config.training,
+                                  cross.world.size if cross is not None else 1,
                                   self._averaged)
 
-    def _configure_reduction(self, options: Any, processes: int, averaged: int) -> None:
+    def _configure_reduction(self, training: TrainingConfig, processes: int,
+                             averaged: int) -> None:
         """How the summed gradients become PopTorch's Mean / Sum. ``averaged``: the
         cross-process reduction already divided them by that many processes (DDP)."""
-        training = options.Training
-        reduction = ReductionType(training.accumulation_and_replication_reduction_type)
+        reduction = training.reduction
         if reduction == ReductionType.NoReduction:
             raise Error(
                 "Training.accumulationAndReplicationReductionType(NoReduction) is not "
                 "valid for gradients: use ReductionType.Mean (the default) or Sum.")
         n = self.plan.per_step * processes  # micro-batches of a step, all processes
         mean = reduction == ReductionType.Mean and n > 1
-        strategy = MeanReductionStrategy(
-            training.meanAccumulationAndReplicationReductionStrategy)
+        strategy = training.mean_strategy
         # Post: sum the gradients, divide once before the update. Running / PostAndLoss:
         # scale each micro-batch loss by 1/n (the same mean, rounded differently).
         post = mean and strategy == MeanReductionStrategy.Post
@@ -207,7 +208,7 @@ class DeviceProgram:
         if cross is not None:
             if cross.averaged_over != self._averaged:  # DDP took over the reduction
                 self._averaged = cross.averaged_over
-                self._configure_reduction(self._reduction_options, cross.world.size,
+                self._configure_reduction(self._training_config, cross.world.size,
                                           self._averaged)
             cross.begin_step()
         outputs = self.runner(microbatches, self._loss_of)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ...errors import Error
+from ..config import RuntimeConfig
 from ..torch_internals import step_needs_wrapper
 from ..weights.sync import WeightSync
 
@@ -62,10 +63,10 @@ def attach_optimizer(optimizer: Any, device_model: torch.nn.Module,
     return device_opt
 
 
-def make_loss_scaler(optimizer: Any, options: Any, previous: Any = None) -> Any:
+def make_loss_scaler(optimizer: Any, config: RuntimeConfig, previous: Any = None) -> Any:
     """A LossScaler when the optimizer scales the loss or automatic loss scaling is on;
     None otherwise (the common case costs nothing)."""
-    automatic = bool(options.Training.automatic_loss_scaling)
+    automatic = config.training.automatic_loss_scaling
     scale = getattr(optimizer, "loss_scaling", None)
     if not automatic and (scale is None or float(scale) == 1.0):
         return None
