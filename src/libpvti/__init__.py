@@ -95,18 +95,21 @@ class Tracepoint:
     def __init__(self, channel: Channel, label: str) -> None:
         self.channel = _check_channel("Tracepoint", channel)
         self.label = _check_name("Tracepoint", label)
-        self._ranges: list = []
+        self._local = threading.local()  # open ranges per thread (a shared decorator)
 
     def __enter__(self) -> "Tracepoint":
         scope = None
         if _session() is not None:
             scope = torch.profiler.record_function(f"{self.channel.name}::{self.label}")
             scope.__enter__()
-        self._ranges.append(scope)
+        ranges = getattr(self._local, "ranges", None)
+        if ranges is None:
+            ranges = self._local.ranges = []
+        ranges.append(scope)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        scope = self._ranges.pop()
+        scope = self._local.ranges.pop()
         if scope is not None:
             scope.__exit__(*exc)
 

@@ -1,13 +1,14 @@
 """``popdist.poptorch.Options``: a ``poptorch.Options`` set up for this instance."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import poptorch
 import poptorch.options.distributed as _distributed
 
-from . import (PopdistError, getInstanceIndex, getNumInstances, getNumIpusPerReplica,
-               getNumLocalReplicas, isPopdistEnvSet)
+from . import (IPUS_PER_REPLICA_ENV, PopdistError, getInstanceIndex, getNumInstances,
+               getNumIpusPerReplica, getNumLocalReplicas, isPopdistEnvSet)
 
 __all__ = ["Options"]
 
@@ -80,6 +81,4 @@ class Options(poptorch.Options):
 
 
 def _launched_with_ipus_per_replica() -> bool:
-    import os
-    from . import IPUS_PER_REPLICA_ENV
     return IPUS_PER_REPLICA_ENV in os.environ
