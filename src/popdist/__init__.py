@@ -39,7 +39,7 @@ class PopdistError(poptorch.Error, RuntimeError):
     ``RuntimeError`` PopDist raised)."""
 
 
-def _env_int(name: str, default: int | None = None) -> int | None:
+def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default

@@ -174,7 +174,7 @@ def build_plan(argv: list[str]) -> Plan:
     if args.tag_output:
         common += ["--tee", "3"]
     commands = []
-    for rank, host in enumerate(hosts):
+    for rank, _host in enumerate(hosts):
         if len(hosts) == 1:
             head = ["torchrun", "--standalone"]
         else:
