@@ -120,7 +120,6 @@ def plan_layout(params: Sequence[torch.Tensor], *, min_elements: int,
     parameters are shared by every replica.
     """
     total = replicas_per_process * processes
-    everyone = list(range(total))
     slot_members = slot_members or {}
     pieces: List[Piece] = []
     replicated: List[int] = []

@@ -226,7 +226,7 @@ class ManagedStep:
         memory to the device and written back (``offload``)."""
         result = None
         storage = self.storage
-        devices = set()
+        devices: set[torch.device] = set()
         for group, members in zip(groups, self.groups):
             on_chip = [p for p in members if id(p) not in streamed]
             parts = ([on_chip] if on_chip else []) + chunks(
@@ -399,8 +399,9 @@ class ManagedStep:
                 full[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) else v
                            for k, v in self.state[p].items()}
         for i, pieces in self.layout.by_param.items():
-            found = [states.get(self.piece_index[q]) for q in pieces]
-            if any(f is None for f in found):
+            maybe = [states.get(self.piece_index[q]) for q in pieces]
+            found = [f for f in maybe if f is not None]
+            if len(found) != len(maybe):
                 continue
             full[self.params[i]] = _join(found, pieces, self.params[i])
         opt.state = full
@@ -432,6 +433,7 @@ def _join(found: List[Dict[str, Any]], pieces: List[Piece], p: torch.Tensor
             continue
         whole = torch.empty(p.numel(), dtype=first.dtype, device=p.device)
         for v, q in zip(values, pieces):
+            assert isinstance(v, torch.Tensor)  # (elementwise: every piece holds one)
             whole[q.start:q.end].copy_(v.reshape(-1))
         entry[key] = whole.view(p.shape)
     return entry
