@@ -83,7 +83,8 @@ class _BlockTracer(torch.fx.Tracer):
         self.checkpoints += 1
         node = self.create_proxy("call_function", recompute.checkpoint_values,
                                  tuple(tensors), {})
-        return [node[i] for i in range(len(tensors))]
+        # (fx gives Proxy its operators, indexing included, at run time)
+        return [node[i] for i in range(len(tensors))]  # type: ignore[index]
 
     # fx tracer -----------------------------------------------------------------------
     def call_module(self, m, forward, args, kwargs):
