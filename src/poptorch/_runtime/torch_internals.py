@@ -27,7 +27,7 @@ __all__ = ["REQUIRED_ON_INSTANCES", "pytree", "set_grad_enabled", "foreach_copy_
            "dynamo", "dynamo_config_patch", "top_saved_tensors_default_hooks",
            "current_graph_task_id", "DisableAutocast", "disable_current_modes",
            "dispatch_get_all_op_names", "dispatch_has_kernel_for_dispatch_key",
-           "fake_impl_entry", "inductor_cache_dir", "inductor_codecache", "resolve",
+           "fake_impl_entry", "inductor_cache_dir", "inductor_codecache", "inductor_cpp_compiler", "resolve",
            "TorchDispatchMode", "MODULE_CALL_CODE", "NormBase", "REQUIRED"]
 
 # The grad-mode switch itself: ``torch.no_grad()`` builds a context-manager object per
@@ -114,6 +114,12 @@ def inductor_cache_dir() -> str:
     return resolve("torch._inductor.runtime.cache_dir_utils.cache_dir")()
 
 
+def inductor_cpp_compiler() -> Any:
+    """The C++ compiler inductor would build with (raises when there is none): the
+    automatic backend skips compiling on a machine without one."""
+    return resolve("torch._inductor.cpp_builder.get_cpp_compiler")()
+
+
 def inductor_codecache() -> Any:
     """``torch._inductor.codecache``: its header precompilation is replaced while
     precompiled kernels are installed."""
@@ -165,12 +171,12 @@ REQUIRED: dict[str, str] = {
     "torch.utils._pytree.SUPPORTED_NODES": "which output classes pytree knows",
     "torch.utils._pytree.TreeSpec": "signatures of compiled inputs",
     "torch._C._set_grad_enabled": "fast-path grad mode switch",
-    "torch._foreach_copy_": "replica weight copies",
+    "torch._foreach_copy_": "replica weight copies, sharded weights' gathers",
     "torch._foreach_div_": "gradient reduction",
     "torch._foreach_mul_": "gradient reduction",
     "torch._C.DisableTorchFunction": "overlap markers, recomputation replay",
     "torch._disable_dynamo": "host ops and print_tensor outside compiled graphs",
-    "torch._C._len_torch_function_stack": "compiled call refused inside a function mode",
+    "torch._C._len_torch_function_stack": "compiled call / CUDA graph refused inside a function mode",
     "torch.optim.optimizer._global_optimizer_pre_hooks": "fast optimizer step",
     "torch.optim.optimizer._global_optimizer_post_hooks": "fast optimizer step",
     "torch.autograd.profiler._is_profiler_enabled": "fast optimizer step",
@@ -187,6 +193,7 @@ REQUIRED: dict[str, str] = {
     "torch.nn.modules.batchnorm._NormBase": "float16 rules: norm layers in float32",
     "torch._inductor.runtime.cache_dir_utils.cache_dir": "precompiled kernels",
     "torch._inductor.codecache": "precompiled kernels (header precompilation)",
+    "torch._inductor.cpp_builder.get_cpp_compiler": "automatic backend: is there a compiler",
     "torch._C._dispatch_get_all_op_names": "custom_op: listing a namespace's ops",
     "torch._C._dispatch_has_kernel_for_dispatch_key": "custom_op: shape functions",
     "torch._library.simple_registry.singleton": "custom_op: fake implementations",

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ..distributed.collectives import failures_as_errors
 from ..distributed.world import World
 from ..numerics.loss_scaling import PENDING_UNSCALE_ATTR
+from ..torch_internals import foreach_copy_
 from .layout import Piece, ShardLayout
 from .offload import StateStorage, chunks
 
@@ -348,7 +349,7 @@ class ManagedStep:
                     sources.append(received[process][offset:offset + q.numel])
                     offset += q.numel
             if targets:
-                torch._foreach_copy_(targets, sources)
+                foreach_copy_(targets, sources)
 
     # --- the state dictionary ------------------------------------------------------
     def _split(self, full: Dict[Any, Dict[str, Any]]) -> None:

@@ -20,7 +20,6 @@ The schedule a step executed is kept in ``runner.last_schedule`` and in
 from __future__ import annotations
 
 import inspect
-import logging
 import re
 import threading
 from contextlib import nullcontext
@@ -31,6 +30,7 @@ import torch
 from .strategy import (PARALLEL_PHASED, PIPELINED, SHARDED, ExecutionStrategy, is_phased,
                        kind_of)
 from .. import context
+from ..._logging import logger
 from .actions import device_lanes, sharded_actions
 from .capture import CapturedModel, capture
 from .engine import Engine
@@ -44,7 +44,6 @@ from . import recompute
 from .stagerun import StageRun, listening
 from .stages import split_stages
 
-logger = logging.getLogger("poptorch")
 
 LossOf = Callable[[Any], torch.Tensor]
 # Whole words only: ``poptorch.Block(``, ``Block.start``, ``BlockFunction``, ``ipu.IPU(``,

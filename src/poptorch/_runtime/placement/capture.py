@@ -18,7 +18,6 @@ signatures, recomputation checkpoints, which the engine does not split):
 from __future__ import annotations
 
 import inspect
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,10 +25,11 @@ import torch
 import torch.fx
 
 from .. import context
+from ..._logging import logger
+from ..torch_internals import pytree
 from . import markers, recompute
 from .partition import IMPLICIT_BLOCK, BlockTrace, _Tracer
 
-logger = logging.getLogger("poptorch")
 BLOCK_META = "poptorch_block"
 
 
@@ -150,7 +150,7 @@ def _capture(model, args, kwargs, strategy) -> CapturedModel:
 
 def _is_traced_input(value: Any) -> bool:
     """Tensors (and containers of tensors) become graph inputs; the rest is baked in."""
-    leaves = torch.utils._pytree.tree_leaves(value)
+    leaves = pytree.tree_leaves(value)
     return bool(leaves) and all(isinstance(v, torch.Tensor) for v in leaves)
 
 

@@ -32,9 +32,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from .. import context
+from ..torch_internals import pytree
 from . import recompute
 from .pipeline import (
     BACKWARD,
