@@ -256,3 +256,51 @@ def test_retrace_that_would_differ_from_eager_falls_back_and_matches():
     assert pop._program.compiled.failed
     for p, r in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+
+
+class _Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.value = 1.0
+
+    def forward(self, x):
+        return x * self.value
+
+
+class Scaled(nn.Module):
+    """A model whose forward reads a Python number (on a submodule, which the wrapper
+    shares with the user's model): changing it makes dynamo trace the step again (a
+    guard on the value fails)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.scale = _Scale()
+
+    def forward(self, x, y):
+        out = self.scale(self.fc(x))
+        return out, F.cross_entropy(out, y)
+
+
+def test_retrace_after_a_guard_fails_stays_compiled_and_matches():
+    """The settings of our capture are scoped to the trace; a later retrace (here: a
+    number the forward reads changed) must get them too instead of giving up on the
+    compiled program, and the weights still follow plain PyTorch."""
+    torch.manual_seed(7)
+    model = Scaled()
+    ref = copy.deepcopy(model)
+    pop = poptorch.trainingModel(model, _opts(d=2), torch.optim.SGD(
+        model.parameters(), lr=0.1, momentum=0.9))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    for call in range(5):
+        if call == 3:
+            model.scale.value = ref.scale.value = 0.5
+        pop(x, y)
+        for rows in (slice(0, 4), slice(4, 8)):
+            ref_opt.zero_grad()
+            ref(x[rows], y[rows])[1].backward()
+            ref_opt.step()
+    assert _compiled(pop)
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)

@@ -301,6 +301,14 @@ class CompiledCall:
         if self._traced:
             try:
                 return fn(*inputs)
+            except (dynamo().exc.TorchDynamoException, Uncapturable):
+                pass
+            # A guard failed and dynamo traced again, without the settings of our
+            # capture (scoped to the trace, not set process-wide): a failed trace ran
+            # nothing, so trace once more with them before giving up on the program.
+            try:
+                with _dynamo_settings():
+                    return fn(*inputs)
             except (dynamo().exc.TorchDynamoException, Uncapturable) as error:
                 self._fail(error)
                 if first:
@@ -312,8 +320,8 @@ class CompiledCall:
                    leave=False, unit="program", disable=not self.progress)
         try:
             # the dynamo settings of our capture, for this trace only (dynamo reads
-            # them while tracing; a later retrace without them fails to capture
-            # whole and falls back to the eager loop, with the same results)
+            # them while tracing; a later retrace that fails without them is tried
+            # again with them, above)
             with _dynamo_settings():
                 result = fn(*inputs)
         except (dynamo().exc.TorchDynamoException, Uncapturable) as error:
