@@ -20,7 +20,6 @@ The schedule a step executed is kept in ``runner.last_schedule`` and in
 from __future__ import annotations
 
 import inspect
-import logging
 import re
 import threading
 from contextlib import nullcontext
@@ -43,8 +42,9 @@ from .pipeline import (BACKWARD, FORWARD, LaneScheduler, ScheduleEvent, Schedule
 from . import recompute
 from .stagerun import StageRun, listening
 from .stages import split_stages
+from ..program.runner import SequentialRunner
 
-logger = logging.getLogger("poptorch")
+from ..._logging import logger
 
 LossOf = Callable[[Any], torch.Tensor]
 # Whole words only: ``poptorch.Block(``, ``Block.start``, ``BlockFunction``, ``ipu.IPU(``,
@@ -196,7 +196,8 @@ class ModelParallelRunner:
         if self.partition is None:
             self.compile(microbatches[0])
         if self._plain:
-            return self._run_plain(microbatches, loss_of)
+            # no stage to place: the default runner's sequence on the one device
+            return SequentialRunner(self.model)(microbatches, loss_of)
         if self.engine is not None:
             if self._engine_call(microbatches):
                 inputs = [self.captured.inputs_of(args, kwargs)
@@ -273,15 +274,6 @@ class ModelParallelRunner:
                                            before=before)
         finally:
             streaming.offload_all()
-
-    def _run_plain(self, microbatches, loss_of):
-        outputs = []
-        for args, kwargs in microbatches:
-            out = self.model(*args, **kwargs)
-            if loss_of is not None:
-                loss_of(out).backward()
-            outputs.append(out)
-        return outputs
 
     def _run_sharded(self, microbatches, loss_of):
         part = self.partition

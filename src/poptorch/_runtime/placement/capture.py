@@ -18,7 +18,6 @@ signatures, recomputation checkpoints, which the engine does not split):
 from __future__ import annotations
 
 import inspect
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +28,8 @@ from .. import context
 from . import markers, recompute
 from .partition import IMPLICIT_BLOCK, BlockTrace, _Tracer
 
-logger = logging.getLogger("poptorch")
+from ..._logging import logger
+
 BLOCK_META = "poptorch_block"
 
 
