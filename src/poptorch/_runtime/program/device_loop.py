@@ -23,8 +23,7 @@ from .loss import find_loss
 from .optimizer import fast_step
 from .perf import PerfCounters
 from .runner import SequentialRunner, StepRunner
-from .step import train_step
-from ..torch_internals import set_grad_enabled
+from .step import infer_step, train_step
 
 
 def detach(output: Any) -> Any:
@@ -313,13 +312,8 @@ class DeviceProgram:
             if self.training:
                 output = detach(self._train_step([(args, kwargs)])[0])
             else:
-                grad = torch.is_grad_enabled()
-                set_grad_enabled(False)
-                try:
-                    runner: Any = self.runner  # a SequentialRunner (single_ready)
-                    output = runner.forward(*args, **kwargs)
-                finally:
-                    set_grad_enabled(grad)
+                runner: Any = self.runner  # a SequentialRunner (single_ready)
+                output = infer_step(runner.forward, args, kwargs)
                 if marked:
                     marked.clear()
                 output = detach_needed(output)

@@ -15,7 +15,10 @@ pass: the eager device loop (``DeviceProgram._train_step``: the program's runner
 loss with scaling, the optimizer's fast step) and the compiled program
 (``compiled_step.py``: ``torch.compile`` of this same function with a backward that
 traces ``torch.autograd.grad`` and the optimizer's unwrapped ``step``). The per-call
-fast path (``executor/fast_call.py``) calls the eager driver.
+fast path (``executor/fast_call.py``) is a decision cached once, not another step: a
+training call goes through the eager driver (``DeviceProgram.run_single``), an
+inference call through :py:func:`infer_step`, the forward of one micro-batch that
+``run_single`` runs too.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from .runner import LossOf
-from ..torch_internals import foreach_div_, foreach_mul_
+from ..torch_internals import foreach_div_, foreach_mul_, set_grad_enabled
 
 Backward = Callable[[list, LossOf], list]
 
@@ -59,3 +62,16 @@ def train_step(program: Any, microbatches: list, backward: Backward, loss_of: Lo
     if cross is not None:
         cross.sync_buffers()
     return outputs
+
+
+def infer_step(forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """The forward of one inference micro-batch, without gradients whatever the host's
+    grad mode: what the single-micro-batch drivers run (``DeviceProgram.run_single``
+    and the fast path's inference, ``executor/fast_call.py``); the device loop's
+    bulk inference runs the runner under ``no_grad`` instead."""
+    grad = torch.is_grad_enabled()
+    set_grad_enabled(False)
+    try:
+        return forward(*args, **kwargs)
+    finally:
+        set_grad_enabled(grad)
