@@ -142,7 +142,8 @@ def _eager_inference(executor: Any, args: tuple) -> Callable[[tuple, dict], Any]
     thread_state = context.thread_state()
     buffers = state._buffers_list or None
     perf_counter = time.perf_counter
-    infer, no_kwargs = infer_step, {}  # (the call has no keyword arguments)
+    infer = infer_step
+    no_kwargs: dict = {}  # (a fast call has no keyword arguments)
     tensor = _Tensor
 
     def fast_inference(args: tuple, kwargs: dict) -> Any:

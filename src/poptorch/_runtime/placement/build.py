@@ -199,12 +199,14 @@ class ModelParallelRunner:
             # no stage to place: the default runner's sequence on the one device
             return SequentialRunner(self.model)(microbatches, loss_of)
         if self.engine is not None:
+            captured = self.captured
+            assert captured is not None  # (captured with the engine)
             if self._engine_call(microbatches):
-                inputs = [self.captured.inputs_of(args, kwargs)
-                          for args, kwargs in microbatches]
+                inputs: List[Any] = [captured.inputs_of(args, kwargs)
+                                     for args, kwargs in microbatches]
                 if all(i is not None for i in inputs):
                     return self._run_engine(inputs, loss_of)
-            if self.captured.checkpoints:  # the tracing runner records whole forwards
+            if captured.checkpoints:  # the tracing runner records whole forwards
                 recompute.hook_model(self.model)
         if is_phased(self.strategy):
             return self._run_phased(microbatches, loss_of)
@@ -221,6 +223,7 @@ class ModelParallelRunner:
 
     def _run_engine(self, inputs: List[dict], loss_of: Optional[LossOf]) -> List[Any]:
         part, engine = self.partition, self.engine
+        assert part is not None and engine is not None  # (compiled)
         engine.worker_contexts = self.worker_contexts
         n, count, training = part.num_stages, len(inputs), loss_of is not None
         record = ScheduleRecord(n)
@@ -250,6 +253,7 @@ class ModelParallelRunner:
         phases on the even / odd devices' workers; a phase's weights are streamed in
         before its first action and out when its lane moves on."""
         part, engine, streaming = self.partition, self.engine, self.streaming
+        assert part is not None and engine is not None and streaming is not None
         count, training = len(inputs), loss_of is not None
         lane_phase: dict = {}
         lock = threading.Lock()

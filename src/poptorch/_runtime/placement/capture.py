@@ -81,7 +81,7 @@ class _BlockTracer(torch.fx.Tracer):
         if not all(isinstance(t, torch.fx.Proxy) for t in tensors):
             raise CaptureUnsupported("a recomputation checkpoint of untraced values")
         self.checkpoints += 1
-        node = self.create_proxy("call_function", recompute.checkpoint_values,
+        node: Any = self.create_proxy("call_function", recompute.checkpoint_values,
                                  tuple(tensors), {})
         return [node[i] for i in range(len(tensors))]
 

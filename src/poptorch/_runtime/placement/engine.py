@@ -22,6 +22,7 @@ CUDA workers run on one stream per device and order cross-device reads with even
 """
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import threading
@@ -150,7 +151,7 @@ class Engine:
         busy = [(d, lane) for d, lane in enumerate(lanes) if lane]
         step.lanes = len(busy)
         for d, lane in busy:
-            self.workers[d].submit(lambda d=d, lane=lane: step.run_lane(d, lane, grad))
+            self.workers[d].submit(functools.partial(step.run_lane, d, lane, grad))
         step.wait()
         return step.results
 

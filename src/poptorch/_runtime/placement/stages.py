@@ -97,7 +97,7 @@ def split_stages(captured: CapturedModel, part: Partition) -> StagedModel:
         # the last stage exposes the values it needs for the output as its own inputs
         # (imported) or outputs (made there)
         if node.op == "get_attr":
-            return ("const", _fetch(gm, node.target))
+            return ("const", _fetch(gm, str(node.target)))  # (get_attr: a name)
         if node.op == "placeholder" or stage_of[node] != last:
             return ("import", imports[last].index(node))
         return ("stage", last, exports[last][node])
