@@ -27,7 +27,8 @@ __all__ = ["REQUIRED_ON_INSTANCES", "pytree", "set_grad_enabled", "foreach_copy_
            "dynamo", "dynamo_config_patch", "top_saved_tensors_default_hooks",
            "current_graph_task_id", "DisableAutocast", "disable_current_modes",
            "dispatch_get_all_op_names", "dispatch_has_kernel_for_dispatch_key",
-           "fake_impl_entry", "inductor_cache_dir", "inductor_codecache", "resolve",
+           "fake_impl_entry", "inductor_cache_dir", "inductor_codecache",
+           "inductor_cpp_compiler", "resolve",
            "TorchDispatchMode", "MODULE_CALL_CODE", "NormBase", "REQUIRED"]
 
 # The grad-mode switch itself: ``torch.no_grad()`` builds a context-manager object per
@@ -112,6 +113,12 @@ def fake_impl_entry(qualname: str) -> Any:
 def inductor_cache_dir() -> str:
     """Where inductor keeps its compiled kernels (the precompiled files carry them)."""
     return resolve("torch._inductor.runtime.cache_dir_utils.cache_dir")()
+
+
+def inductor_cpp_compiler() -> Any:
+    """Inductor's C++ compiler probe (raises when no usable compiler is found): whether
+    inductor can generate code on this machine."""
+    return resolve("torch._inductor.cpp_builder.get_cpp_compiler")()
 
 
 def inductor_codecache() -> Any:

@@ -31,6 +31,7 @@ from ..distributed.world import World
 from ..numerics.loss_scaling import PENDING_UNSCALE_ATTR
 from .layout import Piece, ShardLayout
 from .offload import StateStorage, chunks
+from ..torch_internals import foreach_copy_
 
 # Parameters whose off-chip state moves to the device together, in elements.
 OFFLOAD_CHUNK_ELEMENTS = 16 * 1024 * 1024
@@ -348,7 +349,7 @@ class ManagedStep:
                     sources.append(received[process][offset:offset + q.numel])
                     offset += q.numel
             if targets:
-                torch._foreach_copy_(targets, sources)
+                foreach_copy_(targets, sources)
 
     # --- the state dictionary ------------------------------------------------------
     def _split(self, full: Dict[Any, Dict[str, Any]]) -> None:

@@ -27,6 +27,7 @@ import torch.fx
 from .. import context
 from . import markers, recompute
 from .partition import IMPLICIT_BLOCK, BlockTrace, _Tracer
+from ..torch_internals import pytree
 
 from ..._logging import logger
 
@@ -149,7 +150,7 @@ def _capture(model, args, kwargs, strategy) -> CapturedModel:
 
 def _is_traced_input(value: Any) -> bool:
     """Tensors (and containers of tensors) become graph inputs; the rest is baked in."""
-    leaves = torch.utils._pytree.tree_leaves(value)
+    leaves = pytree.tree_leaves(value)
     return bool(leaves) and all(isinstance(v, torch.Tensor) for v in leaves)
 
 

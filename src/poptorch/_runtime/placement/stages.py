@@ -22,6 +22,7 @@ import torch.fx
 from .capture import BLOCK_META, CapturedModel
 from .partition import Partition
 from .recompute import checkpoint_values
+from ..torch_internals import pytree
 
 
 @dataclass
@@ -103,7 +104,7 @@ def split_stages(captured: CapturedModel, part: Partition) -> StagedModel:
         return ("stage", last, exports[last][node])
 
     # the last stage also outputs the values the model's output reads from it
-    out_leaves, out_spec = torch.utils._pytree.tree_flatten(output_node.args[0])
+    out_leaves, out_spec = pytree.tree_flatten(output_node.args[0])
     output_sources = [source(v) if isinstance(v, torch.fx.Node) else ("const", v)
                       for v in out_leaves]
     loss_sources = [source(n) for n in captured.loss_nodes]

@@ -22,6 +22,7 @@ import os
 import torch
 
 from ..._logging import info_once
+from ..torch_internals import inductor_cpp_compiler
 
 __all__ = ["automatic_backend", "missing_compiler"]
 
@@ -36,8 +37,7 @@ def missing_compiler() -> str | None:
     """Why inductor cannot generate code on this machine (no C++ compiler found), or
     None when it can. Looked up once per process."""
     try:
-        from torch._inductor import cpp_builder
-        cpp_builder.get_cpp_compiler()
+        inductor_cpp_compiler()
     except Exception as error:  # noqa: BLE001  (InvalidCxxCompiler, a broken toolchain probe)
         first = str(error).strip().splitlines()
         return f"no C++ compiler was found ({first[0] if first else type(error).__name__})"

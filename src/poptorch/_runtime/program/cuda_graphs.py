@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 from ..._logging import info_once, logger
 from ..batching.plan import OutputCollector, split_inputs
 from .runner import SequentialRunner
+from ..torch_internals import torch_function_stack_depth
 
 __all__ = ["CudaGraphLoop", "GraphKey", "capture_blocker", "install_cuda_graphs"]
 
@@ -165,7 +166,7 @@ class CudaGraphLoop:
         """Whether this call goes through :py:meth:`__call__` (warm-up calls too)."""
         if self.failed:
             return False
-        if torch._C._len_torch_function_stack():
+        if torch_function_stack_depth():
             # The precision rules' casting mode of a call with new input dtypes (as in
             # compiled_step): this call runs eagerly, the next ones are captured.
             return False
