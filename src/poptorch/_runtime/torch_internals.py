@@ -27,7 +27,8 @@ __all__ = ["REQUIRED_ON_INSTANCES", "pytree", "set_grad_enabled", "foreach_copy_
            "dynamo", "dynamo_config_patch", "top_saved_tensors_default_hooks",
            "current_graph_task_id", "DisableAutocast", "disable_current_modes",
            "dispatch_get_all_op_names", "dispatch_has_kernel_for_dispatch_key",
-           "fake_impl_entry", "inductor_cache_dir", "inductor_codecache", "inductor_cpp_compiler", "resolve",
+           "fake_impl_entry", "inductor_cache_dir", "inductor_codecache",
+           "inductor_cpp_compiler", "resolve",
            "TorchDispatchMode", "MODULE_CALL_CODE", "NormBase", "REQUIRED"]
 
 # The grad-mode switch itself: ``torch.no_grad()`` builds a context-manager object per

@@ -31,7 +31,7 @@ import torch
 from .._runtime import context
 from .._runtime.numerics.autocast import NOT_TOP
 from .._runtime.program.device_loop import detach_needed
-from .._runtime.torch_internals import set_grad_enabled
+from .._runtime.program.step import infer_step
 
 MISS = object()  # FastCall's answer when the call must take the general path
 
@@ -116,7 +116,7 @@ def _put_back(buffers: Any, saved: list) -> None:
 
 def _eager_inference(executor: Any, args: tuple) -> Callable[[tuple, dict], Any]:
     """:py:class:`FastCall` of an inference model on the eager backend, with the one
-    micro-batch of ``DeviceProgram.run_single`` inlined: this is the call whose host
+    micro-batch of ``DeviceProgram.run_single`` (``step.infer_step``) called directly: this is the call whose host
     overhead shows most (a small model's forward takes tens of microseconds).
 
     Every line below runs on each call; what can be looked up once is (closure
@@ -142,7 +142,8 @@ def _eager_inference(executor: Any, args: tuple) -> Callable[[tuple, dict], Any]
     thread_state = context.thread_state()
     buffers = state._buffers_list or None
     perf_counter = time.perf_counter
-    grad_enabled, set_grad = torch.is_grad_enabled, set_grad_enabled
+    infer = infer_step
+    no_kwargs: dict = {}  # (a fast call has no keyword arguments)
     tensor = _Tensor
 
     def fast_inference(args: tuple, kwargs: dict) -> Any:
@@ -169,18 +170,15 @@ def _eager_inference(executor: Any, args: tuple) -> Callable[[tuple, dict], Any]
             if losses:
                 losses.clear()  # marks left by runs outside the executor
             thread_state.depth += 1
-            grad = grad_enabled()
-            set_grad(False)
             saved = None if buffers is None else [b.clone() for b in buffers]
             t_start = perf_counter()
             try:
-                output = forward(*args)
+                output = infer(forward, args, no_kwargs)
             except BaseException:
                 if saved is not None:  # a failed call changes nothing
                     _put_back(buffers, saved)
                 raise
             finally:
-                set_grad(grad)
                 thread_state.depth -= 1
                 if flags is None:
                     mode.__exit__(None, None, None)

@@ -43,6 +43,7 @@ from .pipeline import (BACKWARD, FORWARD, LaneScheduler, ScheduleEvent, Schedule
 from . import recompute
 from .stagerun import StageRun, listening
 from .stages import split_stages
+from ..program.runner import SequentialRunner
 
 
 LossOf = Callable[[Any], torch.Tensor]
@@ -195,7 +196,8 @@ class ModelParallelRunner:
         if self.partition is None:
             self.compile(microbatches[0])
         if self._plain:
-            return self._run_plain(microbatches, loss_of)
+            # no stage to place: the default runner's sequence on the one device
+            return SequentialRunner(self.model)(microbatches, loss_of)
         if self.engine is not None:
             captured = self.captured
             assert captured is not None  # (set together with the engine)
@@ -276,15 +278,6 @@ class ModelParallelRunner:
                                            before=before)
         finally:
             streaming.offload_all()
-
-    def _run_plain(self, microbatches, loss_of):
-        outputs = []
-        for args, kwargs in microbatches:
-            out = self.model(*args, **kwargs)
-            if loss_of is not None:
-                loss_of(out).backward()
-            outputs.append(out)
-        return outputs
 
     def _run_sharded(self, microbatches, loss_of):
         part = self.partition

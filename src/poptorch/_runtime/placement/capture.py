@@ -30,6 +30,7 @@ from ..torch_internals import pytree
 from . import markers, recompute
 from .partition import IMPLICIT_BLOCK, BlockTrace, _Tracer
 
+
 BLOCK_META = "poptorch_block"
 
 
@@ -81,10 +82,10 @@ class _BlockTracer(torch.fx.Tracer):
         if not all(isinstance(t, torch.fx.Proxy) for t in tensors):
             raise CaptureUnsupported("a recomputation checkpoint of untraced values")
         self.checkpoints += 1
-        node = self.create_proxy("call_function", recompute.checkpoint_values,
-                                 tuple(tensors), {})
-        # (fx gives Proxy its operators, indexing included, at run time)
-        return [node[i] for i in range(len(tensors))]  # type: ignore[index]
+        # (Any: fx gives Proxy its operators, indexing included, at run time)
+        node: Any = self.create_proxy("call_function", recompute.checkpoint_values,
+                                      tuple(tensors), {})
+        return [node[i] for i in range(len(tensors))]
 
     # fx tracer -----------------------------------------------------------------------
     def call_module(self, m, forward, args, kwargs):

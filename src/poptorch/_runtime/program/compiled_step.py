@@ -46,6 +46,7 @@ from .. import context
 from ..batching.plan import OutputCollector, split_inputs
 from .loss import LossNeedsEager, find_loss
 from .runner import SequentialRunner
+from .step import train_step
 from ..torch_internals import (dynamo, dynamo_config_patch, optimizer_hooks_registered,
                                torch_function_stack_depth)
 
@@ -132,33 +133,45 @@ def _device_function(program: Any, model: torch.nn.Module,
     ``call(args, kwargs) -> result``."""
     plan, training = program.plan, program.training
     mode, period = program.output_mode, program.output_return_period
-    multiplier, divide = program.loss_multiplier, float(program.divide_grads_by)
+    multiplier = program.loss_multiplier
     optimizer = program.optimizer
     raw_step: Any = _unwrapped_step(optimizer) if training else None
 
-    def device_step(microbatches: list) -> list:
+    def traced_loss(out: Any) -> torch.Tensor:
+        try:
+            loss = find_loss(out, context.take_marked_losses(), traced=True)
+        except LossNeedsEager as error:
+            raise Uncapturable(str(error)) from None
+        return loss * multiplier if multiplier != 1.0 else loss
+
+    def traced_backward(microbatches: list, loss_of: Any) -> list:
+        # torch.autograd.grad (traced) per micro-batch, summed in micro-batch order and
+        # written into the .grad tensors the eager call made (the same sums as eager
+        # accumulation; assigning .grad would split the graph)
         total: Any = None
         outputs = []
         for args, kwargs in microbatches:
             with torch.enable_grad():
                 out = model(*args, **kwargs)
-                try:
-                    loss = find_loss(out, context.take_marked_losses(), traced=True)
-                except LossNeedsEager as error:
-                    raise Uncapturable(str(error)) from None
-                if multiplier != 1.0:
-                    loss = loss * multiplier
-                grads = torch.autograd.grad(loss, params, allow_unused=True)
+                grads = torch.autograd.grad(loss_of(out), params, allow_unused=True)
             total = _sum_grads(total, grads)
-            outputs.append(_detach(out))
+            outputs.append(out)
         with torch.no_grad():
             for p, g in zip(params, total):
                 if g is not None:
-                    p.grad.copy_(g / divide if divide != 1.0 else g)  # type: ignore[union-attr]  # the eager call made it
+                    p.grad.copy_(g)  # type: ignore[union-attr]  # the eager call made it
                 elif p.grad is not None:  # eager would skip it with grad=None
                     raise Uncapturable("a parameter that had a gradient gets none")
-            raw_step(optimizer)
         return outputs
+
+    def update() -> None:
+        with torch.no_grad():
+            raw_step(optimizer)
+
+    def device_step(microbatches: list) -> list:
+        # the same step function as the eager loop (step.train_step)
+        outputs = train_step(program, microbatches, traced_backward, traced_loss, update)
+        return [_detach(out) for out in outputs]
 
     def device_call(args: tuple, kwargs: dict) -> Any:
         with torch.no_grad():

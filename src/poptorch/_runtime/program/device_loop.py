@@ -23,7 +23,7 @@ from .loss import find_loss
 from .optimizer import fast_step
 from .perf import PerfCounters
 from .runner import SequentialRunner, StepRunner
-from ..torch_internals import foreach_div_, foreach_mul_, set_grad_enabled
+from .step import infer_step, train_step
 
 
 def detach(output: Any) -> Any:
@@ -200,31 +200,24 @@ class DeviceProgram:
                      torch.zeros((), device=loss.device))
         return loss.detach() + anchor
 
-    def _train_step(self, microbatches: list) -> list:
-        params = self.params
-        for p in params:
-            p.grad = None
+    def follow_cross_reduction(self) -> None:
+        """Reconfigure the Mean / Sum when DDP took over the cross-process reduction
+        (it averages over the processes)."""
         cross = self.cross
-        if cross is not None:
-            if cross.averaged_over != self._averaged:  # DDP took over the reduction
-                self._averaged = cross.averaged_over
-                self._configure_reduction(self._training_config, cross.world.size,
-                                          self._averaged)
-            cross.begin_step()
-        outputs = self.runner(microbatches, self._loss_of)
-        if cross is not None:
-            cross.reduce_gradients()
-        if self.divide_grads_by != 1 or self.multiply_grads_by != 1:
-            grads = [p.grad for p in params if p.grad is not None]
-            if grads and self.divide_grads_by != 1:
-                foreach_div_(grads, float(self.divide_grads_by))
-            if grads and self.multiply_grads_by != 1:
-                foreach_mul_(grads, float(self.multiply_grads_by))
-        if self.scaler is None or self.scaler.unscale_(params):
-            (self.step_override or self._step)()
-        if self.cross is not None:
-            self.cross.sync_buffers()
-        return outputs
+        if cross is not None and cross.averaged_over != self._averaged:
+            self._averaged = cross.averaged_over
+            self._configure_reduction(self._training_config, cross.world.size,
+                                      self._averaged)
+
+    def _update(self) -> None:
+        (self.step_override or self._step)()
+
+    def _train_step(self, microbatches: list) -> list:
+        """The eager driver of :py:func:`step.train_step`: gradients accumulate into
+        fresh ``.grad`` tensors through the program's runner."""
+        for p in self.params:
+            p.grad = None
+        return train_step(self, microbatches, self.runner, self._loss_of, self._update)
 
     def _collect(self, collector: OutputCollector, i: int, outputs: list) -> None:
         strip = detach if self.training else detach_needed  # inference ran in no_grad
@@ -319,13 +312,8 @@ class DeviceProgram:
             if self.training:
                 output = detach(self._train_step([(args, kwargs)])[0])
             else:
-                grad = torch.is_grad_enabled()
-                set_grad_enabled(False)
-                try:
-                    runner: Any = self.runner  # a SequentialRunner (single_ready)
-                    output = runner.forward(*args, **kwargs)
-                finally:
-                    set_grad_enabled(grad)
+                runner: Any = self.runner  # a SequentialRunner (single_ready)
+                output = infer_step(runner.forward, args, kwargs)
                 if marked:
                     marked.clear()
                 output = detach_needed(output)
