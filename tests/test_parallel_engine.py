@@ -270,3 +270,38 @@ def test_recomputation_per_stage_on_the_engine(name):
     runner = _runner_of(training)
     assert runner.engine is not None
     assert all(s.checkpoints for s in runner.engine.staged.stages)
+
+
+class _ThreeBlocks(torch.nn.Module):
+    def forward(self, x, y):
+        with poptorch.Block("A"):
+            c = x + x
+        with poptorch.Block("B"):
+            d = y + y
+        with poptorch.Block("C"):
+            e = x * 3
+        return c, d, e
+
+
+def test_phases_of_different_widths_with_explicit_ipus_match_plain_pytorch():
+    """Upstream's user guide: phase 0 has one stage, phase 1 two, every stage placed with
+    .ipu(n); accepted, and the outputs are plain PyTorch's."""
+    x, y = torch.rand(4, 1), torch.rand(4, 1)
+    first = poptorch.Phase(poptorch.Stage("A").ipu(0))
+    second = poptorch.Phase(poptorch.Stage("B").ipu(1), poptorch.Stage("C").ipu(3))
+    opts = poptorch.Options().autoRoundNumIPUs(True)
+    opts.setExecutionStrategy(poptorch.ParallelPhasedExecution(first, second))
+    model = _ThreeBlocks()
+    outs = poptorch.inferenceModel(model, opts)(x, y)
+    for out, ref in zip(outs, model(x, y)):
+        torch.testing.assert_close(out, ref)
+
+
+def test_phases_of_different_widths_with_automatic_ipus_are_refused():
+    first = poptorch.Phase(poptorch.Stage("A"))
+    second = poptorch.Phase(poptorch.Stage("B"), poptorch.Stage("C"))
+    opts = poptorch.Options().autoRoundNumIPUs(True)
+    opts.setExecutionStrategy(poptorch.ParallelPhasedExecution(first, second))
+    x = torch.rand(4, 1)
+    with pytest.raises(poptorch.Error, match="has 2 stage.s. but phase 0 has 1"):
+        poptorch.inferenceModel(_ThreeBlocks(), opts)(x, x)

@@ -280,8 +280,11 @@ def _phased_stages(trace: BlockTrace, strategy: ExecutionStrategy):
     stages: List[StagePlan] = []
     block_stage: Dict[str, int] = {}
     group = len(phases[0].stages)
+    # Automatic IPUs (stage j of phase p on IPU 2j + p % 2, or j) need phases of equal
+    # width; stages placed explicitly with .ipu(n) may differ per phase, as upstream.
+    automatic = any(stage._ipu is None for phase in phases for stage in phase.stages)
     for p, phase in enumerate(phases):
-        if len(phase.stages) != group:
+        if automatic and len(phase.stages) != group:
             raise Error(f"Phase {p} of {name} has {len(phase.stages)} stage(s) but phase 0 has "
                         f"{group}: the number of stages in each phase must match the number "
                         "of IPUs in each group of IPUs.")
