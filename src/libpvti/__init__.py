@@ -211,13 +211,13 @@ class _Heatmap:
     def __init__(self, name: str, edges: Iterable[Any], unit: str = "") -> None:
         self.name = _check_name(type(self).__name__, name)
         self.edges = [self._kind(e) for e in edges]
-        if not self.edges or any(a >= b for a, b in zip(self.edges, self.edges[1:])):
+        if not self.edges or any(a >= b for a, b in zip(self.edges, self.edges[1:], strict=False)):
             raise Error(f"libpvti.{type(self).__name__}: bucket edges must be a non-empty, "
                         f"strictly increasing list, got {self.edges!r}.")
         self.unit = unit
         self.track = f"{name} [{unit}]" if unit else name
         bounds = ["-inf"] + [str(e) for e in self.edges] + ["inf"]
-        self.buckets = [f"[{lo}, {hi})" for lo, hi in zip(bounds, bounds[1:])]
+        self.buckets = [f"[{lo}, {hi})" for lo, hi in zip(bounds, bounds[1:], strict=False)]
 
     def _convert(self, value: Any) -> Any:
         return self._kind(value)
@@ -234,7 +234,7 @@ class _Heatmap:
             counts[bisect.bisect_right(self.edges, self._convert(value))] += 1
         session.add_events([{"ph": "C", "cat": "pvti", "name": self.track,
                              "ts_ns": time.perf_counter_ns(),
-                             "args": dict(zip(self.buckets, counts))}])
+                             "args": dict(zip(self.buckets, counts, strict=False))}])
 
 
 class HeatmapDouble(_Heatmap):

@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"poprun: {len(plan.hosts)} hosts: run on each host the command below "
                   "(torchrun starts that host's instances and meets the others at the "
                   "rendezvous).", file=sys.stderr)
-        for host, command in zip(plan.hosts, plan.commands):
+        for host, command in zip(plan.hosts, plan.commands, strict=False):
             prefix = "" if plan.runs_here else f"# on {host}\n"
             print(prefix + _shell(command, plan.env))
         return 0

@@ -129,7 +129,7 @@ class Policy:
     def __init__(self, fp16: Iterable[Any] | None = None, fp32: Iterable[Any] | None = None,
                  promote: Iterable[Any] | None = None,
                  demote: Iterable[Any] | None = None) -> None:
-        given = dict(zip(_LISTS, (fp16, fp32, promote, demote)))
+        given = dict(zip(_LISTS, (fp16, fp32, promote, demote), strict=False))
         explicit = {name: _keys(value, name) for name, value in given.items()
                     if value is not None}
         seen: dict = {}

@@ -46,7 +46,7 @@ def allclose(ref: Any, other: Any) -> bool:
     if isinstance(ref, (list, tuple)):
         return isinstance(other, (list, tuple)) and isinstance(other, tuple) == \
             isinstance(ref, tuple) and len(ref) == len(other) and \
-            all(allclose(r, o) for r, o in zip(ref, other))
+            all(allclose(r, o) for r, o in zip(ref, other, strict=False))
     if isinstance(ref, dict):
         return isinstance(other, dict) and ref.keys() == other.keys() and \
             all(allclose(ref[k], other[k]) for k in ref)

@@ -62,7 +62,7 @@ def compile_by_running(executor: Any, args: tuple, kwargs: dict) -> None:
         if optimizer is not None:
             optimizer.state.clear()
             optimizer.state.update(opt_state)
-            for group, saved in zip(optimizer.param_groups, opt_groups):
+            for group, saved in zip(optimizer.param_groups, opt_groups, strict=False):
                 group.update(saved)
         if scaler is not None:
             scaler.load_state_dict(scaler_state)

@@ -91,7 +91,7 @@ class Phase:
         if len(ipus) != len(self.stages):
             raise Error(f"Phase contains {len(self.stages)} stage(s) but {len(ipus)} IPU(s) "
                         "were given to Phase.ipus(): give exactly one IPU per stage.")
-        for stage, ipu in zip(self.stages, ipus):
+        for stage, ipu in zip(self.stages, ipus, strict=False):
             stage.ipu(ipu)
         return self
 

@@ -48,12 +48,12 @@ def join(parts: list[Any]) -> Any:
                                 for p in parts for leaf in pytree.tree_leaves(p)):
         return [value for p in parts for value in p]
     if isinstance(first, tuple) and hasattr(first, "_fields"):
-        return kind(*(join(list(column)) for column in zip(*parts)))
+        return kind(*(join(list(column)) for column in zip(*parts, strict=False)))
     if isinstance(first, (tuple, list)):
         if len({len(p) for p in parts}) != 1:
             raise Error("The micro-batches of one combined batch have different "
                         f"lengths: {[len(p) for p in parts]}.")
-        return kind(join(list(column)) for column in zip(*parts))
+        return kind(join(list(column)) for column in zip(*parts, strict=False))
     if isinstance(first, Mapping):
         keys = list(first.keys())
         if any(list(p.keys()) != keys for p in parts):
@@ -63,7 +63,7 @@ def join(parts: list[Any]) -> Any:
     node = pytree.SUPPORTED_NODES.get(kind)
     if node is not None:  # e.g. a type registered with poptorch.registerCustomArgParser
         flat = [node.flatten_fn(p) for p in parts]
-        children = [join(list(column)) for column in zip(*(f[0] for f in flat))]
+        children = [join(list(column)) for column in zip(*(f[0] for f in flat), strict=False)]
         return node.unflatten_fn(children, flat[0][1])
     if all(p is first or p == first for p in parts[1:]):
         return first

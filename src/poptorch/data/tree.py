@@ -130,7 +130,7 @@ class Rebatcher:
         return leftover
 
     def _take(self, rows: int) -> Any:
-        columns = [torch.cat(parts) for parts in zip(*self._pending)]
+        columns = [torch.cat(parts) for parts in zip(*self._pending, strict=False)]
         taken = [column[:rows] for column in columns]
         rest = [column[rows:] for column in columns]
         self._rows -= rows

@@ -274,7 +274,7 @@ class _Worker:
         slot = self.free.popleft()
         layout = [(t.shape, t.dtype) for t in tensors]
         if layout == self.layouts[slot]:
-            for target, tensor in zip(self.slots[slot] or (), tensors):
+            for target, tensor in zip(self.slots[slot] or (), tensors, strict=False):
                 target.copy_(tensor)
             fresh = None
         else:

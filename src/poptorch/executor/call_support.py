@@ -114,7 +114,7 @@ class CallRollback:
                 current = state[p]
                 current.clear()
                 current.update(values)  # the same tensors, their values put back
-            for group, values in zip(optimizer.param_groups, self.opt_groups):
+            for group, values in zip(optimizer.param_groups, self.opt_groups, strict=False):
                 group.update(values)
         if self.scaler is not None:
             self.scaler.load_state_dict(self.scaler_state)

@@ -43,7 +43,7 @@ def _inputs_match(args: tuple, dtypes: tuple, shapes: tuple) -> bool:
     shapes: the calls the fast path was built for."""
     if len(args) != len(dtypes):
         return False
-    for arg, dtype, shape in zip(args, dtypes, shapes):
+    for arg, dtype, shape in zip(args, dtypes, shapes, strict=False):
         # (dtypes are singletons: ``is`` compares them)
         if type(arg) is not _Tensor or arg.dtype is not dtype or arg.requires_grad \
                 or arg.shape != shape:
@@ -110,7 +110,7 @@ class FastCall:
 def _put_back(buffers: Any, saved: list) -> None:
     """Give ``buffers`` their ``saved`` values again (a failed call is undone)."""
     with torch.no_grad():
-        for buffer, value in zip(buffers, saved):
+        for buffer, value in zip(buffers, saved, strict=False):
             buffer.copy_(value)
 
 
@@ -225,7 +225,7 @@ def make_fast_call(executor: Any, args: tuple, kwargs: dict
     signature = state._signature
     compiled = None if signature is None else signature.fingerprint()
     if compiled is None or len(compiled) != len(args) \
-            or any((a.dtype, a.shape) != fp for a, fp in zip(args, compiled)):
+            or any((a.dtype, a.shape) != fp for a, fp in zip(args, compiled, strict=False)):
         return None  # a call that does not match the compiled inputs
     casting = state._casting
     default = getattr(casting, "default_casting", None)

@@ -19,7 +19,7 @@ def _pointer_list(ptr, num_points: int) -> list[int]:
             not all(isinstance(p, int) and not isinstance(p, bool) for p in ptr):
         raise Error(f"fps: ptr must list at least two ints (segment boundaries such as "
                     f"[0, n0, n0 + n1, ...]), got {ptr!r}.")
-    if ptr[0] < 0 or ptr[-1] > num_points or any(a > b for a, b in zip(ptr, ptr[1:])):
+    if ptr[0] < 0 or ptr[-1] > num_points or any(a > b for a, b in zip(ptr, ptr[1:], strict=False)):
         raise Error(f"fps: ptr={ptr!r} must be non-decreasing and within [0, {num_points}] "
                     "(the number of points in src).")
     return list(ptr)
@@ -41,7 +41,7 @@ def fps(src: torch.Tensor, ptr, ratio: float = 0.5,
     points = src.detach().reshape(src.shape[0], -1)
     picked = []
     bounds = _pointer_list(ptr, points.shape[0])
-    for begin, end in zip(bounds, bounds[1:]):
+    for begin, end in zip(bounds, bounds[1:], strict=False):
         size = end - begin
         count = math.ceil(ratio * size)
         if count == 0:

@@ -61,7 +61,7 @@ def for_loop(count: int, body: Callable, inputs) -> list:
         if len(outputs) != len(state):
             raise Error(f"for_loop: the body takes {len(state)} inputs but returned "
                         f"{len(outputs)} outputs; it must return one output per input.")
-        for index, (new, old) in enumerate(zip(outputs, state)):
+        for index, (new, old) in enumerate(zip(outputs, state, strict=False)):
             if new.shape != old.shape or new.dtype != old.dtype:
                 raise Error(f"for_loop: output {index} of the body has shape "
                             f"{tuple(new.shape)} and dtype {new.dtype}, but its input has "

@@ -181,7 +181,7 @@ def custom_op(inputs, name: str, domain: str, domain_version: int, example_outpu
     if len(outputs) != len(example_outputs):
         raise Error(f"custom_op: {domain}::{name} returned {len(outputs)} outputs but "
                     f"example_outputs lists {len(example_outputs)}.")
-    for index, (out, example) in enumerate(zip(outputs, example_outputs)):
+    for index, (out, example) in enumerate(zip(outputs, example_outputs, strict=False)):
         if not isinstance(out, torch.Tensor) or out.shape != example.shape \
                 or out.dtype != example.dtype:
             got = (f"shape {tuple(out.shape)} and dtype {out.dtype}"

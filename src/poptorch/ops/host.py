@@ -64,7 +64,7 @@ class CPU:
         if self.in_shapes is None:
             raise Error(f"CPU op {self._ID!r}: call the op once before registering its data.")
         self.inputs = [torch.zeros(shape, dtype=dtype)
-                       for shape, dtype in zip(self.in_shapes, self._in_dtypes or ())]
+                       for shape, dtype in zip(self.in_shapes, self._in_dtypes or (), strict=False)]
         self.outputs = None
 
     def execute(self) -> list[torch.Tensor]:
@@ -83,7 +83,7 @@ class CPU:
                 [o.dtype for o in self.outputs] != [r.dtype for r in results]:
             self.outputs = [torch.empty(r.shape, dtype=r.dtype) for r in results]
             self.out_shapes = shapes
-        for buffer, result in zip(self.outputs, results):
+        for buffer, result in zip(self.outputs, results, strict=False):
             buffer.copy_(result)
         return self.outputs
 
@@ -103,7 +103,7 @@ class CPU:
         if self.inputs is None or shapes != self.in_shapes or dtypes != self._in_dtypes:
             self.in_shapes, self._in_dtypes = shapes, dtypes
             self.registerPersistentData()
-        for buffer, tensor in zip(self.inputs or (), tensors):
+        for buffer, tensor in zip(self.inputs or (), tensors, strict=False):
             buffer.copy_(tensor)
         self._kwargs = kwargs
         outputs = self.execute()

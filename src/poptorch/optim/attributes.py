@@ -240,7 +240,7 @@ def restore_constants(snapshot: OptimizerSnapshot,
         if name not in values or _same(values[name], compiled):
             continue
         if group_attrs is None or name in group_attrs:
-            for group, value in zip(optimizer.param_groups, compiled):
+            for group, value in zip(optimizer.param_groups, compiled, strict=False):
                 group[name] = _restored(group.get(name), value)
         else:
             setattr(optimizer, name, _restored(getattr(optimizer, name), compiled))
@@ -274,7 +274,7 @@ def copy_hyperparameters(src_optimizer: torch.optim.Optimizer,
     if len(src_optimizer.param_groups) != len(dst_optimizer.param_groups):
         raise Error("Cannot copy hyperparameters between optimizers with different "
                     "numbers of param groups.")
-    for src, dst in zip(src_optimizer.param_groups, dst_optimizer.param_groups):
+    for src, dst in zip(src_optimizer.param_groups, dst_optimizer.param_groups, strict=False):
         for key, value in src.items():
             if key != "params":
                 dst[key] = copy.deepcopy(value)

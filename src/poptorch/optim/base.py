@@ -261,7 +261,7 @@ class Optimizer:
         the accumulator dtypes, so put back the saved tensors' dtypes (and values)."""
         saved_ids = [i for g in state["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
-        for saved_id, p in zip(saved_ids, params):
+        for saved_id, p in zip(saved_ids, params, strict=False):
             for key, value in state["state"].get(saved_id, {}).items():
                 if isinstance(value, torch.Tensor) and key != "step":
                     self.state[p][key] = value.detach().to(device=p.device, copy=True)

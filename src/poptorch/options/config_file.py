@@ -70,7 +70,7 @@ def safe_value(node: ast.AST) -> Any:
     if isinstance(node, ast.Tuple):
         return tuple(safe_value(e) for e in node.elts)
     if isinstance(node, ast.Dict) and None not in node.keys:
-        return {safe_value(k): safe_value(v) for k, v in zip(node.keys, node.values)
+        return {safe_value(k): safe_value(v) for k, v in zip(node.keys, node.values, strict=False)
                 if k is not None}  # (none is: checked above)
     if isinstance(node, ast.Call):
         func_path = dotted_name(node.func)

@@ -121,7 +121,7 @@ def _split_tree(plan: BatchPlan, args: tuple, kwargs: dict) -> list[Microbatch]:
         else:
             chunks.append(None)
     return [pytree.tree_unflatten([leaf if c is None else c[n]
-                                   for leaf, c in zip(leaves, chunks)], spec)
+                                   for leaf, c in zip(leaves, chunks, strict=False)], spec)
             for n in range(f)]
 
 

@@ -104,7 +104,7 @@ def _compare(path: str, old: Any, new: Any) -> str | None:
         if len(old[1]) != len(new[1]):
             return (f"Structure mismatch for {path}: expected a {kind} of {len(old[1])} "
                     f"elements but got {len(new[1])}")
-        for i, (a, b) in enumerate(zip(old[1], new[1])):
+        for i, (a, b) in enumerate(zip(old[1], new[1], strict=False)):
             diff = _compare(f"{path}[{i}]", a, b)
             if diff:
                 return diff
@@ -181,7 +181,7 @@ class InputSignature:
         """Raise :py:class:`poptorch.Error` if this call's inputs differ."""
         fast = self._fast
         if fast is not None and not kwargs and len(args) == len(fast):
-            for arg, (dtype, shape) in zip(args, fast):
+            for arg, (dtype, shape) in zip(args, fast, strict=False):
                 if not isinstance(arg, torch.Tensor) or arg.dtype != dtype \
                         or arg.shape != shape:
                     break

@@ -42,7 +42,7 @@ def _register(cls: type) -> None:
         return list(mapping.values()), list(mapping.keys())
 
     def unflatten(values, keys):
-        items = dict(zip(keys, values))
+        items = dict(zip(keys, values, strict=False))
         try:
             return cls(**items)
         except TypeError:

@@ -30,4 +30,4 @@ class SyntheticInputs:
                       if isinstance(t, torch.Tensor) else None for t in leaves]
             self._cache[key] = cached
         return pytree.tree_unflatten(
-            [leaf if zero is None else zero for leaf, zero in zip(leaves, cached)], spec)
+            [leaf if zero is None else zero for leaf, zero in zip(leaves, cached, strict=False)], spec)

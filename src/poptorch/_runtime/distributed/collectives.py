@@ -106,6 +106,6 @@ def all_reduce_sum(tensors: Sequence[torch.Tensor], group: Any) -> List[torch.Te
     with failures_as_errors("Summing gradients"):
         for bucket, members, flat, work in pending:
             work.wait()
-            for i, view in zip(bucket, _views(flat, members)):
+            for i, view in zip(bucket, _views(flat, members), strict=False):
                 result[i] = view
     return result

@@ -118,7 +118,7 @@ class SyncOnLastMicrobatch:
         outputs = self.inner([microbatch], loss_of)
         self.last_used = [p.grad is not None and (p.grad is not grad or
                                                   p.grad._version != version)
-                          for p, (grad, version) in zip(self.params, before)]
+                          for p, (grad, version) in zip(self.params, before, strict=False)]
         return outputs
 
     def _unused_error(self) -> Error:

@@ -34,5 +34,5 @@ class GradientReducer:
                                device=params[0].device)
         reduced = all_reduce_sum(grads + [present], self.group)
         counts = reduced[-1].tolist()
-        for p, grad, count in zip(params, reduced, counts):
+        for p, grad, count in zip(params, reduced, counts, strict=False):
             p.grad = grad if count > 0 else None

@@ -77,7 +77,7 @@ class InputSignature:
                 "the model again (poptorch.trainingModel / inferenceModel) to compile "
                 "for other inputs.")
         names = None
-        for n, (leaf, expected) in enumerate(zip(leaves, self.leaves)):
+        for n, (leaf, expected) in enumerate(zip(leaves, self.leaves, strict=False)):
             got = _describe(leaf)
             if got != expected:
                 names = names or _paths(spec)

@@ -143,13 +143,13 @@ def plan_layout(params: Sequence[torch.Tensor], *, min_elements: int,
         for s, members in enumerate(slots):
             base = s * slot_size
             for (start, end), owner in zip(balanced_ranges(slot_size, len(members)),
-                                           members):
+                                           members, strict=False):
                 if end > start:
                     pieces.append(Piece(i, base + start, base + end, owner))
     buckets = _buckets(params, flat, total)
     for b, bucket in enumerate(buckets):
         per_replica = bucket.length // total
-        for i, offset in zip(bucket.params, bucket.offsets):
+        for i, offset in zip(bucket.params, bucket.offsets, strict=False):
             end_of_param = offset + params[i].numel()
             for k in range(total):
                 start = max(offset, k * per_replica)

@@ -155,7 +155,7 @@ class ManagedStep:
         if opt is not self.opt:
             self._bind(opt)
         elif any(tuple(id(p) for p in g["params"]) != ids
-                 for g, ids in zip(opt.param_groups, self.group_ids)) \
+                 for g, ids in zip(opt.param_groups, self.group_ids, strict=False)) \
                 or len(opt.param_groups) != len(self.group_ids):
             self._regroup(opt)
         if any(opt.state.values()):  # loaded (or gathered): the authoritative state
@@ -197,7 +197,7 @@ class ManagedStep:
 
     def _step_on(self, opt: Any, groups: List[dict], members: List[List[Any]]) -> Any:
         """The optimizer's step over ``members`` (per param group) with their state."""
-        opt.param_groups = [dict(g, params=m) for g, m in zip(groups, members) if m]
+        opt.param_groups = [dict(g, params=m) for g, m in zip(groups, members, strict=False) if m]
         opt.state = self.state
         return self.inner() if opt.param_groups else None
 
@@ -228,7 +228,7 @@ class ManagedStep:
         result = None
         storage = self.storage
         devices: set[torch.device] = set()
-        for group, members in zip(groups, self.groups):
+        for group, members in zip(groups, self.groups, strict=False):
             on_chip = [p for p in members if id(p) not in streamed]
             parts = ([on_chip] if on_chip else []) + chunks(
                 [p for p in members if id(p) in streamed], OFFLOAD_CHUNK_ELEMENTS)
@@ -264,7 +264,7 @@ class ManagedStep:
         saved_groups = opt.param_groups
         opt.max_grad_norm = float("inf")
         try:
-            opt.param_groups = [dict(g, params=m) for g, m in zip(saved_groups, self.groups)]
+            opt.param_groups = [dict(g, params=m) for g, m in zip(saved_groups, self.groups, strict=False)]
             grads = type(opt)._gradients(opt)
         finally:
             opt.param_groups = saved_groups
@@ -298,7 +298,7 @@ class ManagedStep:
         """One tensor holding ``bucket``'s parameters; they become views into it."""
         first = self.params[bucket.params[0]]
         flat = torch.zeros(bucket.length, dtype=first.dtype, device=first.device)
-        for i, offset in zip(bucket.params, bucket.offsets):
+        for i, offset in zip(bucket.params, bucket.offsets, strict=False):
             p = self.params[i]
             view = flat[offset:offset + p.numel()]
             view.copy_(p.data.reshape(-1))
@@ -428,12 +428,12 @@ def _join(found: List[Dict[str, Any]], pieces: List[Piece], p: torch.Tensor
     for key, first in found[0].items():
         values = [f.get(key) for f in found]
         elementwise = all(isinstance(v, torch.Tensor) and v.dim() >= 1
-                          and v.numel() == q.numel for v, q in zip(values, pieces))
+                          and v.numel() == q.numel for v, q in zip(values, pieces, strict=False))
         if pieces[0].whole or not elementwise:
             entry[key] = first.to(p.device) if isinstance(first, torch.Tensor) else first
             continue
         whole = torch.empty(p.numel(), dtype=first.dtype, device=p.device)
-        for v, q in zip(values, pieces):
+        for v, q in zip(values, pieces, strict=False):
             assert isinstance(v, torch.Tensor)  # (elementwise: every piece holds one)
             whole[q.start:q.end].copy_(v.reshape(-1))
         entry[key] = whole.view(p.shape)

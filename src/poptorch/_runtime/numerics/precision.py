@@ -383,7 +383,7 @@ class PrecisionPolicy:
             return
         leaves, _ = pytree.tree_flatten(outputs)
         paths = _output_paths(outputs, len(leaves))
-        checked = [(f"output {path}", t) for path, t in zip(paths, leaves)
+        checked = [(f"output {path}", t) for path, t in zip(paths, leaves, strict=False)
                    if isinstance(t, torch.Tensor) and t.is_floating_point()]
         checked += [(f"parameter {name!r}", t) for name, t in self._named(params)
                      if t.is_floating_point()]
@@ -394,12 +394,12 @@ class PrecisionPolicy:
             flags.setdefault(t.device, []).append((i, torch.isfinite(t).all()))
         finite = [True] * len(checked)
         for pairs in flags.values():
-            for (i, _), ok in zip(pairs, torch.stack([f for _, f in pairs]).tolist()):
+            for (i, _), ok in zip(pairs, torch.stack([f for _, f in pairs]).tolist(), strict=False):
                 finite[i] = ok
         if all(finite):
             return
         bad = []
-        for (what, t), ok in zip(checked, finite):
+        for (what, t), ok in zip(checked, finite, strict=False):
             if not ok:
                 kinds = []
                 if bool(torch.isnan(t).any()):

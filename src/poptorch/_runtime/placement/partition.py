@@ -188,7 +188,7 @@ def resolve_partition(trace: BlockTrace, strategy: ExecutionStrategy, options: A
 
 def _check_begin_block_order(trace: BlockTrace) -> None:
     hooks = trace.begin_block_layers
-    for earlier, later in zip(hooks, hooks[1:]):
+    for earlier, later in zip(hooks, hooks[1:], strict=False):
         if later.order < earlier.order:
             raise Error(
                 f"BeginBlock order: layer {earlier.layer_name} (block "
@@ -262,7 +262,7 @@ def _user_blocks(blocks: List[str]) -> List[str]:
 
 
 def _check_ascending(sequence: List[str], stage_key: Dict[str, int], name: str) -> None:
-    for before, after in zip(sequence, sequence[1:]):
+    for before, after in zip(sequence, sequence[1:], strict=False):
         if stage_key[after] < stage_key[before]:
             raise Error(
                 f"Block {after!r} (stage {stage_key[after]}) runs after block {before!r} "
@@ -317,7 +317,7 @@ def _phased_stages(trace: BlockTrace, strategy: ExecutionStrategy):
     if IMPLICIT_BLOCK in blocks:
         first = next((b for b in trace.sequence if b != IMPLICIT_BLOCK), None)
         block_stage[IMPLICIT_BLOCK] = block_stage[first] if first is not None else 0
-    for before, after in zip(trace.sequence, trace.sequence[1:]):
+    for before, after in zip(trace.sequence, trace.sequence[1:], strict=False):
         # (phased partitions give every stage its phase)
         pb, pa = stages[block_stage[before]].phase or 0, stages[block_stage[after]].phase or 0
         if pa < pb:

@@ -370,7 +370,7 @@ class _Segment:
             raise Error("Recomputation does not support a backward pass with "
                         "create_graph=True (double backward): remove the "
                         "poptorch.recomputationCheckpoint calls for this model.")
-        for index, (tensor, version) in enumerate(zip(self.externals, self.versions)):
+        for index, (tensor, version) in enumerate(zip(self.externals, self.versions, strict=False)):
             if index not in self.snapshots and tensor._version != version:
                 raise Error(
                     "A tensor used by a recomputed part of the model (between "

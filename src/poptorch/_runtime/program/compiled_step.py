@@ -123,7 +123,7 @@ def _sum_grads(total: tuple | None, grads: tuple) -> tuple:
     if total is None:
         return grads
     return tuple(g if t is None else (t if g is None else t + g)
-                 for t, g in zip(total, grads))
+                 for t, g in zip(total, grads, strict=False))
 
 
 def _device_function(program: Any, model: torch.nn.Module,
@@ -157,7 +157,7 @@ def _device_function(program: Any, model: torch.nn.Module,
             total = _sum_grads(total, grads)
             outputs.append(out)
         with torch.no_grad():
-            for p, g in zip(params, total):
+            for p, g in zip(params, total, strict=False):
                 if g is not None:
                     p.grad.copy_(g)  # type: ignore[union-attr]  # the eager call made it
                 elif p.grad is not None:  # eager would skip it with grad=None
@@ -270,7 +270,7 @@ class CompiledCall:
             if self.program.training and all(p.grad is None for p in self.params):
                 return False  # no eager step has completed yet (it raised): run one
             self._build()
-        for p, grad in zip(self._grad_params, self._grads):
+        for p, grad in zip(self._grad_params, self._grads, strict=False):
             if p.grad is not grad:  # zero_grad(), or an eager step made new ones
                 self._restore_grads()
                 break
@@ -375,7 +375,7 @@ class CompiledCall:
         """The user cleared gradients (``zero_grad()``) or an eager step (the backend
         trial) made new ones: give the parameters the gradient tensors the program
         writes into back (overwritten by the next step)."""
-        for p, grad in zip(self._grad_params, self._grads):
+        for p, grad in zip(self._grad_params, self._grads, strict=False):
             if p.grad is not grad:
                 p.grad = grad
 

@@ -62,7 +62,7 @@ def copy_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     copy, not the original."""
     memo: dict = {}
     replica = copy.deepcopy(model, memo)
-    for original, copied in zip(model.modules(), replica.modules()):
+    for original, copied in zip(model.modules(), replica.modules(), strict=False):
         if "forward" in vars(original):
             copied.forward = _rebind(vars(original)["forward"], memo)
     return replica.to(device)
@@ -178,7 +178,7 @@ class ConcurrentReplicas:
         """Add every copy's gradients to replica 0's and clear them."""
         with torch.no_grad():
             for params in self.params[1:]:
-                for master, param in zip(self.params[0], params):
+                for master, param in zip(self.params[0], params, strict=False):
                     grad = param.grad
                     if grad is None:
                         continue

@@ -234,7 +234,7 @@ class CudaGraphLoop:
 
     def _replay(self, args: tuple, kwargs: dict) -> Any:
         leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        for static, value in zip(self._static_inputs, leaves):
+        for static, value in zip(self._static_inputs, leaves, strict=False):
             static.copy_(value, non_blocking=True)
         self._graph.replay()
         self.replays += 1

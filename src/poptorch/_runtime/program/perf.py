@@ -42,7 +42,7 @@ class PerfCounters:
         """(min, max, mean) of ``end - start`` over the iterations of the last call."""
         if self.synthetic:
             return 0.0, 0.0, 0.0
-        spans = [b - a for a, b in zip(self.counters[start], self.counters[end])]
+        spans = [b - a for a, b in zip(self.counters[start], self.counters[end], strict=False)]
         if not spans:
             raise Error("No performance counters yet: run the model first.")
         return min(spans), max(spans), sum(spans) / len(spans)

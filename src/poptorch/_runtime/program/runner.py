@@ -80,7 +80,7 @@ class ReplicaBuffers:
     def select(self, replica: int) -> None:
         """Make the model use ``replica``'s buffers."""
         if replica != self.current:
-            for buffer, data in zip(self.buffers, self.copies[replica]):
+            for buffer, data in zip(self.buffers, self.copies[replica], strict=False):
                 buffer.data = data
             self.current = replica
 
