@@ -53,6 +53,10 @@ def main(out: str) -> None:
     }
     hvd.barrier()
     torch.save(results, f"{out}/rank{r}.pt")
+    # A clean end, as a real program: both ranks leave the group together (one rank
+    # tearing gloo down at exit while the other still saves can abort the other).
+    hvd.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
