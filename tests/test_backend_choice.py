@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import poptorch
 from poptorch._runtime.program import backend_choice
 from poptorch.executor.call_support import backend_name
+from _backend_trial import settle_trial  # noqa: E402
 
 
 @pytest.fixture
@@ -164,15 +165,7 @@ def test_training_trial_keeps_the_faster_path(automatic, compiled_faster):
     for _ in range(2):  # the eager first call, then the compiling one
         pop(x, y)
         ref_step()
-    compiled = pop._program.compiled
-    trial = compiled.trial
-    assert compiled._traced and trial is not None
-    fast, slow = (1e-4, 2e-4) if compiled_faster else (2e-4, 1e-4)
-    for _ in range(trial.SKIP + trial.CALLS):
-        for use in (True, False):
-            trial.pending = use
-            trial.record(use, fast if use else slow)
-    assert compiled.trial is None
+    compiled = settle_trial(pop, compiled_faster)
     assert (pop._program.compiled is compiled) == compiled_faster
     for _ in range(3):
         out, _ = pop(x, y)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import poptorch
 from poptorch.executor.fast_call import FastCall
+from _backend_trial import settle_trial  # noqa: E402
 
 
 class Net(nn.Module):
@@ -264,15 +265,7 @@ def test_backend_trial_keeps_the_faster_path(_aot_eager, compiled_faster):
     x, y = _data()
     pop(x, y)
     pop(x, y)  # traced by now (the first call may run eagerly: casting rules)
-    compiled = pop._program.compiled
-    trial = compiled.trial
-    assert compiled._traced and trial is not None
-    fast, slow = (1e-4, 2e-4) if compiled_faster else (2e-4, 1e-4)
-    for _ in range(trial.SKIP + trial.CALLS):
-        for use in (True, False):
-            trial.pending = use
-            trial.record(use, fast if use else slow)
-    assert compiled.trial is None
+    compiled = settle_trial(pop, compiled_faster)
     assert (pop._program.compiled is compiled) == compiled_faster
     with torch.no_grad():
         want = pop.model(x, y)[0]
