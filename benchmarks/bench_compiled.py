@@ -84,14 +84,14 @@ class Loop(Contender):
         start = time.perf_counter()
         if self.training:
             forward, opt, backward = self.forward, self.opt, self.backward
-            for x, y in zip(xs.split(batch), ys.split(batch)):
+            for x, y in zip(xs.split(batch), ys.split(batch), strict=False):
                 opt.zero_grad()
                 _, loss = forward(x, y)
                 backward(loss)
                 opt.step()
         else:
             with torch.no_grad():
-                for x, y in zip(xs.split(batch), ys.split(batch)):
+                for x, y in zip(xs.split(batch), ys.split(batch), strict=False):
                     self.forward(x, y)
         return time.perf_counter() - start
 
@@ -155,7 +155,7 @@ class PopLoop(Contender):
         per_call = batch * self.d
         pop = self.pop
         start = time.perf_counter()
-        for x, y in zip(xs.split(per_call), ys.split(per_call)):
+        for x, y in zip(xs.split(per_call), ys.split(per_call), strict=False):
             pop(x, y)
         return time.perf_counter() - start
 

@@ -39,7 +39,7 @@ TARGET = 0.95  # ours / DDP at 2 processes
 
 def ddp_round(ddp, opt, xs, ys, batch) -> float:
     start = time.perf_counter()
-    for x, y in zip(xs.split(batch), ys.split(batch)):
+    for x, y in zip(xs.split(batch), ys.split(batch), strict=False):
         opt.zero_grad(set_to_none=True)
         _, loss = ddp(x, y)
         loss.backward()
@@ -50,7 +50,7 @@ def ddp_round(ddp, opt, xs, ys, batch) -> float:
 def ours_round(training, xs, ys, batch) -> float:
     per_call = batch * STEPS_PER_CALL
     start = time.perf_counter()
-    for x, y in zip(xs.split(per_call), ys.split(per_call)):
+    for x, y in zip(xs.split(per_call), ys.split(per_call), strict=False):
         training(x, y)
     return time.perf_counter() - start
 
@@ -85,6 +85,7 @@ def worker(out: str, rounds: int, calls: int) -> None:
         del training, ddp, ddp_opt  # before the process group goes
     if rank == 0:
         pathlib.Path(out).write_text(json.dumps(results))
+    dist.barrier()  # leave the group together (see gpu_bench.ddp_worker)
     dist.destroy_process_group()
 
 

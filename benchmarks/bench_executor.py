@@ -37,7 +37,7 @@ def make_batches(shape, batch, count, seed=0):
 
 def eager_round(model, opt, xs, ys, batch):
     start = time.perf_counter()
-    for x, y in zip(xs.split(batch), ys.split(batch)):
+    for x, y in zip(xs.split(batch), ys.split(batch), strict=False):
         opt.zero_grad()
         _, loss = model(x, y)
         loss.backward()
@@ -47,7 +47,7 @@ def eager_round(model, opt, xs, ys, batch):
 
 def poptorch_round(pop, xs, ys, batch, d):
     start = time.perf_counter()
-    for x, y in zip(xs.split(batch * d), ys.split(batch * d)):
+    for x, y in zip(xs.split(batch * d), ys.split(batch * d), strict=False):
         pop(x, y)
     return time.perf_counter() - start
 

@@ -52,7 +52,7 @@ class MLP(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         layers = []
-        for a, b in zip(WIDTHS[:-1], WIDTHS[1:]):
+        for a, b in zip(WIDTHS[:-1], WIDTHS[1:], strict=False):
             layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
         self.layers = torch.nn.Sequential(*layers[:-1])
 
@@ -181,6 +181,7 @@ def worker(config: str, out: str, steps: int) -> None:
                   "rss_growth": _peak_rss_bytes() - rss_before,
                   "params": sum(p.numel() for p in model.parameters())}
     pathlib.Path(out, f"{config.replace(' ', '_')}_{rank}.json").write_text(json.dumps(result))
+    dist.barrier()  # leave the group together (see gpu_bench.ddp_worker)
     dist.destroy_process_group()
 
 

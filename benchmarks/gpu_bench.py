@@ -74,14 +74,14 @@ class Loop:
 
     def __call__(self, xs, ys, batch, d):
         if self.training:
-            for x, y in zip(xs.split(batch), ys.split(batch)):
+            for x, y in zip(xs.split(batch), ys.split(batch), strict=False):
                 self.opt.zero_grad()
                 _, loss = self.forward(x, y)
                 loss.backward()
                 self.opt.step()
         else:
             with torch.no_grad():
-                for x, y in zip(xs.split(batch), ys.split(batch)):
+                for x, y in zip(xs.split(batch), ys.split(batch), strict=False):
                     self.forward(x, y)
 
 
@@ -100,7 +100,7 @@ class Pop:
 
     def __call__(self, xs, ys, batch, d):
         per_call = batch * d
-        for x, y in zip(xs.split(per_call), ys.split(per_call)):
+        for x, y in zip(xs.split(per_call), ys.split(per_call), strict=False):
             self.pop(x, y)
 
     def path(self) -> str:
@@ -220,7 +220,7 @@ def gpt2_section(device, smoke, out):
             pop_model.parameters(), lr=1e-4, capturable=device.type == "cuda"))
 
         def pop_run(xs, ys, b, dd):
-            for xc, yc in zip(xs.split(b * dd), ys.split(b * dd)):
+            for xc, yc in zip(xs.split(b * dd), ys.split(b * dd), strict=False):
                 pop(xc, yc)
         rows["poptorch default (AdamW)"] = (pop_run, x, y)
         for name, (fn, a, b) in rows.items():
@@ -271,14 +271,14 @@ def ddp_worker(result_path: str, smoke: bool) -> None:
     xd, yd = x.to(device), y.to(device)
 
     def ddp_pass():
-        for a, b in zip(xd.split(batch), yd.split(batch)):
+        for a, b in zip(xd.split(batch), yd.split(batch), strict=False):
             opt.zero_grad()
             ddp(a, b)[1].backward()
             opt.step()
         sync(device)
 
     def pop_pass():
-        for a, b in zip(x.split(batch * d), y.split(batch * d)):
+        for a, b in zip(x.split(batch * d), y.split(batch * d), strict=False):
             pop(a, b)
         sync(device)
     pop_pass()
@@ -295,6 +295,13 @@ def ddp_worker(result_path: str, smoke: bool) -> None:
         with open(result_path, "w") as f:
             f.write(f"| {world} | {backend} | {rates['ddp']:,.0f} | {rates['pop']:,.0f} | "
                     f"{rates['pop'] / rates['ddp']:.2f} |\n")
+    # End as a careful program does: release what holds the process group (poptorch's
+    # program, DDP's reducer) on every rank, then leave the group together. A rank that
+    # destroys the group or exits while its peer still holds gloo pairs can abort it.
+    dist.barrier()
+    pop.destroy()
+    ddp = opt = pop = None  # noqa: F841  (drops the last references)
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -110,7 +110,7 @@ def test_geometric_parser_on_a_data_like_object():
     x, edge_index = torch.randn(5, 3), torch.tensor([[0, 1], [1, 2]])
     graph = GraphLike(x=x, edge_index=edge_index, name="g")
     parser = _GeometricDataParser()
-    assert [t is u for t, u in zip(parser.yieldTensors(graph), [edge_index, x])] == [True] * 2
+    assert [t is u for t, u in zip(parser.yieldTensors(graph), [edge_index, x], strict=False)] == [True] * 2
     rebuilt = parser.reconstruct(graph, iter([edge_index + 1, x * 2]))
     torch.testing.assert_close(rebuilt.stores[0]["x"], x * 2)
     torch.testing.assert_close(rebuilt.stores[0]["edge_index"], edge_index + 1)

@@ -152,7 +152,7 @@ def test_hierarchical_switches_innermost_wins(switches, expected):
     assert rec.dtypes("addmm") == expected
     # Reference: the same layers with the casts written out.
     h = x
-    for layer, dtype in zip([model.fc1, model.inner[0], model.inner[1]], expected):
+    for layer, dtype in zip([model.fc1, model.inner[0], model.inner[1]], expected, strict=False):
         h = F.linear(h.to(dtype), layer.weight.to(dtype), layer.bias.to(dtype))
         if layer is model.fc1:
             h = torch.relu(h)
@@ -242,7 +242,7 @@ def test_training_gradients_reach_float32_master_weights_exactly():
         ref_opt.step()
         assert out.dtype == HALF and torch.equal(out, r_out.detach())
         assert torch.equal(loss, r_loss.detach())
-    for p, q in zip(model.parameters(), ref.parameters()):
+    for p, q in zip(model.parameters(), ref.parameters(), strict=False):
         assert p.dtype == FLOAT and torch.equal(p, q)
 
 
@@ -259,7 +259,7 @@ def test_user_model_pickles_while_its_layers_are_wrapped(tmp_path):
     reloaded = torch.load(path, weights_only=False)
     copied = copy.deepcopy(model)
     for clone in (reloaded, copied):
-        for (name, p), q in zip(model.state_dict().items(), clone.state_dict().values()):
+        for (name, p), q in zip(model.state_dict().items(), clone.state_dict().values(), strict=False):
             assert torch.equal(p, q), name
         # plain modules again: float32 like the user's model on the host
         out, loss = clone(x, t)
@@ -280,7 +280,7 @@ def test_training_converges_like_float32():
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.05)
     for _ in range(12):
         _, loss = pm(x, t)
-        for chunk, tc in zip(x.chunk(4), t.chunk(4)):
+        for chunk, tc in zip(x.chunk(4), t.chunk(4), strict=False):
             ref_opt.zero_grad()
             ref_loss = ref(chunk, tc)[1]
             ref_loss.backward()

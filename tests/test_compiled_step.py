@@ -51,7 +51,7 @@ def _reference_step(model, opt, x, y, g):
     """One plain-PyTorch optimizer step on the mean loss of g micro-batches."""
     opt.zero_grad()
     outs, losses = [], []
-    for xs, ys in zip(x.chunk(g), y.chunk(g)):
+    for xs, ys in zip(x.chunk(g), y.chunk(g), strict=False):
         out, loss = model(xs, ys)
         (loss / g).backward()
         outs.append(out)
@@ -69,7 +69,7 @@ def test_training_matches_plain_pytorch(d, g):
                                          weight_decay=0.01)
     pop = poptorch.trainingModel(model, _opts(d, g), make_opt(model))
     ref_opt = make_opt(ref)
-    for call in range(3):  # call 0 runs eagerly, call 1 compiles, call 2 replays
+    for _call in range(3):  # call 0 runs eagerly, call 1 compiles, call 2 replays
         x, y = torch.randn(d * g * 4, 6), torch.randint(0, 3, (d * g * 4,))
         out, loss = pop(x, y)
         for i in range(d):
@@ -78,7 +78,7 @@ def test_training_matches_plain_pytorch(d, g):
         torch.testing.assert_close(out, ref_out.detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-5)
     assert _compiled(pop)
-    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+    for (name, p), r in zip(model.named_parameters(), ref.parameters(), strict=False):
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-5, msg=name)
     torch.testing.assert_close(model.bn.running_mean, ref.bn.running_mean)
     assert model.unused.weight.grad is None  # as in PyTorch: no gradient, no update
@@ -89,7 +89,7 @@ def test_inference_output_modes_match_plain_pytorch():
     model = Net().eval()
     x, y = torch.randn(4 * 5, 6), torch.randint(0, 3, (4 * 5,))
     with torch.no_grad():
-        want_out, want_loss = zip(*(model(xs, ys) for xs, ys in zip(x.chunk(4), y.chunk(4))))
+        want_out, want_loss = zip(*(model(xs, ys) for xs, ys in zip(x.chunk(4), y.chunk(4), strict=False)), strict=False)
     opts = _opts(d=4)
     pop = poptorch.inferenceModel(model, opts)
     for _ in range(2):  # the first call may run eagerly (precision rules learning)
@@ -136,7 +136,7 @@ def test_host_weight_writes_zero_grad_and_set_optimizer_stay_correct():
     both()
     both()
     assert _compiled(pop)
-    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+    for (name, p), r in zip(model.named_parameters(), ref.parameters(), strict=False):
         torch.testing.assert_close(p, r, rtol=1e-4, atol=1e-5, msg=name)
 
 
@@ -254,7 +254,7 @@ def test_retrace_that_would_differ_from_eager_falls_back_and_matches():
             ref(x[rows], y[rows])[1].backward()
             ref_opt.step()
     assert pop._program.compiled.failed
-    for p, r in zip(model.parameters(), ref.parameters()):
+    for p, r in zip(model.parameters(), ref.parameters(), strict=False):
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
 
 
@@ -302,5 +302,5 @@ def test_retrace_after_a_guard_fails_stays_compiled_and_matches():
             ref(x[rows], y[rows])[1].backward()
             ref_opt.step()
     assert _compiled(pop)
-    for p, r in zip(model.parameters(), ref.parameters()):
+    for p, r in zip(model.parameters(), ref.parameters(), strict=False):
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)

@@ -61,7 +61,7 @@ def test_training_matches_a_plain_loop(reduction):
         pop(x, y)
         plain_loop(ref, ref_opt, x, y, d, g, r, reduction == poptorch.ReductionType.Mean)
     pop.copyWeightsToHost()
-    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+    for (name, a), b in zip(model.named_parameters(), ref.parameters(), strict=False):
         assert (a - b).abs().max() <= TOL, name
 
 
@@ -122,7 +122,7 @@ def test_a_failing_replica_raises_its_error_and_leaves_the_weights_alone():
         (ref(half)[1] / 2).backward()
     ref_opt.step()
     pop.copyWeightsToHost()
-    for a, b in zip(model.parameters(), ref.parameters()):
+    for a, b in zip(model.parameters(), ref.parameters(), strict=False):
         assert (a - b).abs().max() <= TOL
 
 
@@ -172,7 +172,7 @@ def test_autocast_models_train_in_half_on_every_replica():
         out, _ = pm(x, t)
         ref_opt.zero_grad()
         outs = []
-        for xs, ts in zip(x.split(4), t.split(4)):
+        for xs, ts in zip(x.split(4), t.split(4), strict=False):
             h = torch.tanh(F.linear(xs.half(), ref.fc1.weight.half(), ref.fc1.bias.half()))
             r_out = F.linear(h, ref.fc2.weight.half(), ref.fc2.bias.half())
             (F.mse_loss(r_out.float(), ts) / 2).backward()
@@ -180,5 +180,5 @@ def test_autocast_models_train_in_half_on_every_replica():
         ref_opt.step()
         assert out.dtype == torch.float16 and torch.equal(out, torch.cat(outs))
     pm.copyWeightsToHost()
-    for p, q in zip(model.parameters(), ref.parameters()):
+    for p, q in zip(model.parameters(), ref.parameters(), strict=False):
         assert p.dtype == torch.float32 and (p - q).abs().max() <= TOL

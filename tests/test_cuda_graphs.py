@@ -192,7 +192,7 @@ def test_cuda_graph_training_matches_plain_pytorch(d, g):
         for i in range(d):
             ref_opt.zero_grad()
             rows = slice(i * g * n, (i + 1) * g * n)
-            for xs, ys in zip(xc[rows].chunk(g), yc[rows].chunk(g)):
+            for xs, ys in zip(xc[rows].chunk(g), yc[rows].chunk(g), strict=False):
                 ref_out, ref_loss = ref(xs, ys)
                 (ref_loss / g).backward()
             ref_opt.step()
@@ -200,7 +200,7 @@ def test_cuda_graph_training_matches_plain_pytorch(d, g):
     loop = pop._program.compiled
     assert isinstance(loop, cuda_graphs.CudaGraphLoop) and loop.replays >= 4
     assert loop.captures == 1
-    for p, r in zip(pop.model.parameters(), ref.parameters()):
+    for p, r in zip(pop.model.parameters(), ref.parameters(), strict=False):
         torch.testing.assert_close(p, r.detach().cpu(), rtol=1e-4, atol=1e-4)
 
 
@@ -214,7 +214,7 @@ def test_cuda_graph_inference_and_fallback_for_host_ops(caplog):
     pop = poptorch.inferenceModel(model, opts)
     x, y = _data(16)
     with torch.no_grad():
-        want = torch.cat([model(a, b)[0] for a, b in zip(x.chunk(4), y.chunk(4))])
+        want = torch.cat([model(a, b)[0] for a, b in zip(x.chunk(4), y.chunk(4), strict=False)])
     for _ in range(cuda_graphs.WARMUP_CALLS + 3):
         torch.testing.assert_close(pop(x, y)[0], want, rtol=1e-4, atol=1e-4)
     assert pop._program.compiled.replays >= 3

@@ -119,11 +119,11 @@ def test_training_with_device_iterations_matches_python(library):
     x, bias, target = torch.randn(6, 6), torch.randn(6, 6), torch.randn(6, 6)
     for _ in range(2):
         pm(x, bias, target)
-        for xs, bs, ts in zip(x.chunk(3), bias.chunk(3), target.chunk(3)):
+        for xs, bs, ts in zip(x.chunk(3), bias.chunk(3), target.chunk(3), strict=False):
             ref_opt.zero_grad()
             py(xs, bs, ts)[1].backward()
             ref_opt.step()
-    for p, q in zip(cpp.parameters(), py.parameters()):
+    for p, q in zip(cpp.parameters(), py.parameters(), strict=False):
         torch.testing.assert_close(p, q)
 
 

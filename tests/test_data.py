@@ -81,7 +81,7 @@ class Structured(Dataset):
 
 def assert_same_batches(actual, expected):
     assert len(actual) == len(expected)
-    for got, want in zip(actual, expected):
+    for got, want in zip(actual, expected, strict=False):
         assert type(got) is type(want)
         if isinstance(want, torch.Tensor):
             assert torch.equal(got, want)

@@ -117,14 +117,14 @@ def test_batches_of_changing_structure_arrive_intact():
         got = [torch.utils._pytree.tree_map(
             lambda v: v.clone() if isinstance(v, torch.Tensor) else v, b) for b in accessor]
         assert len(got) == len(reference)
-        for g, e in zip(got, reference):
+        for g, e in zip(got, reference, strict=False):
             assert type(g) is type(e)
             if isinstance(e, dict):
                 assert list(g) == list(e)
             leaves_g = torch.utils._pytree.tree_leaves(g)
             leaves_e = torch.utils._pytree.tree_leaves(e)
             assert len(leaves_g) == len(leaves_e)
-            for x, y in zip(leaves_g, leaves_e):
+            for x, y in zip(leaves_g, leaves_e, strict=False):
                 if isinstance(y, torch.Tensor):
                     assert x.dtype == y.dtype and torch.equal(x, y)
                 else:
@@ -140,7 +140,7 @@ def test_accessor_wraps_any_torch_dataloader():
     for _ in range(2):  # two epochs
         got = [b[0].clone() for b in accessor]
         assert len(got) == 7
-        assert all(torch.equal(g, w[0]) for g, w in zip(got, reference))
+        assert all(torch.equal(g, w[0]) for g, w in zip(got, reference, strict=False))
     accessor.terminate()
     with pytest.raises(poptorch.Error, match="terminated"):
         iter(accessor)
@@ -156,7 +156,7 @@ def test_accessor_rebatched_size(drop_last):
     reference = torch.utils.data.DataLoader(data, batch_size=4, drop_last=drop_last)
     got = [b[0].clone() for b in accessor]
     assert len(accessor) == len(reference) == len(got)
-    assert all(torch.equal(g, w[0]) for g, w in zip(got, reference))
+    assert all(torch.equal(g, w[0]) for g, w in zip(got, reference, strict=False))
     accessor.terminate()
 
 
@@ -194,7 +194,7 @@ def test_batches_live_in_shared_memory_and_are_reused():
 
 def test_abandoned_epoch_restarts_from_the_beginning():
     loader = index_loader(size=16, batch_size=2, buffer_size=2)
-    for batch, _ in zip(loader, range(3)):
+    for _batch, _ in zip(loader, range(3), strict=False):
         pass
     assert ids(loader) == list(range(16))
     assert ids(loader) == list(range(16))

@@ -77,7 +77,7 @@ class PadTo:
 
     def __call__(self, items):
         columns = []
-        for column in zip(*items):
+        for column in zip(*items, strict=False):
             padding = [torch.zeros_like(column[0])] * (self.size - len(column))
             columns.append(torch.stack(list(column) + padding))
         return Pair(*columns) if self.as_pair else tuple(columns)
@@ -100,7 +100,7 @@ def torch_micro_batches(dataset, sampler, collate_fn):
 
 
 def joined(micro, group):
-    return [tuple(torch.cat(column) for column in zip(*micro[i:i + group]))
+    return [tuple(torch.cat(column) for column in zip(*micro[i:i + group], strict=False))
             for i in range(0, len(micro), group)]
 
 
@@ -130,8 +130,8 @@ def test_padded_micro_batches_are_collated_then_joined(mode, workers, as_pair,
         assert all(isinstance(b, Pair) == as_pair for b in [loader.__iter__().__next__()])
         assert len(loader) == len(expected)
         assert len(got) == len(expected)
-        for g, e in zip(got, expected):
-            assert all(torch.equal(a, b) for a, b in zip(g, e))
+        for g, e in zip(got, expected, strict=False):
+            assert all(torch.equal(a, b) for a, b in zip(g, e, strict=False))
         loader.terminate()
 
 
@@ -154,8 +154,8 @@ def test_incomplete_final_group_follows_drop_last(drop_last):
     got = [tuple(b) for b in loader]
     assert len(got) == len(loader) == len(expected)
     assert got[-1][0].shape[0] == (group if drop_last else len(micro) % group) * size
-    for g, e in zip(got, expected):
-        assert all(torch.equal(a, b) for a, b in zip(g, e))
+    for g, e in zip(got, expected, strict=False):
+        assert all(torch.equal(a, b) for a, b in zip(g, e, strict=False))
 
 
 def test_uneven_micro_batches_after_collate_are_rejected():
@@ -209,9 +209,9 @@ def test_batch_size_none_yields_items_unbatched_as_torch(mode):
         for _ in range(2):  # two epochs
             got = [torch.utils._pytree.tree_map(torch.clone, b) for b in loader]
             assert len(got) == len(reference)
-            for g, e in zip(got, reference):
+            for g, e in zip(got, reference, strict=False):
                 assert all(torch.equal(a, b) for a, b in zip(
-                    torch.utils._pytree.tree_leaves(g), torch.utils._pytree.tree_leaves(e)))
+                    torch.utils._pytree.tree_leaves(g), torch.utils._pytree.tree_leaves(e), strict=False))
         if isinstance(dataset, IterableDataset):
             with pytest.raises(TypeError, match="'Items' has no len()"):
                 len(loader)
@@ -241,7 +241,7 @@ def test_accessor_reads_an_indexable_dataset_item_by_item():
     assert len(accessor) == len(reference) == 9
     for _ in range(2):
         got = [t.clone() for t in accessor]
-        assert len(got) == 9 and all(torch.equal(g, e) for g, e in zip(got, reference))
+        assert len(got) == 9 and all(torch.equal(g, e) for g, e in zip(got, reference, strict=False))
     accessor.terminate()
     with pytest.raises(TypeError, match="iterable data set"):
         poptorch.AsynchronousDataAccessor(42)

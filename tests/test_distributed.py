@@ -65,7 +65,7 @@ def _assert_identical(a, b, what: str) -> None:
             _assert_identical(a[key], b[key], f"{what}.{key}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), what
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
             _assert_identical(x, y, f"{what}[{i}]")
     elif isinstance(a, torch.Tensor):
         assert torch.equal(a, b), f"{what} differs between processes"

@@ -83,7 +83,7 @@ def reference_training(model, opt, x, y, d, g, r):
 
 
 def max_param_diff(a, b):
-    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters(), strict=False))
 
 
 # ----------------------------------------------------------------------------- training
@@ -108,7 +108,7 @@ def test_training_matches_reference_loop(kind, d, g, r):
         assert (losses.reshape(-1) - ref_losses).abs().max() <= TOL
     assert max_param_diff(model, ref) <= TOL
     if r == 1:  # replicas hold their own buffers: see tests/test_executor_options.py
-        for b, rb in zip(model.buffers(), ref.buffers()):
+        for b, rb in zip(model.buffers(), ref.buffers(), strict=False):
             assert (b.float() - rb.float()).abs().max() <= TOL
 
 
@@ -139,9 +139,9 @@ def test_sum_reduction_matches_sum_of_losses():
     x, y = make_inputs(MLP, d * g * 2)
     pop(x, y)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.02)
-    for i, (xs, ys) in enumerate(zip(x.split(2 * g), y.split(2 * g))):
+    for _i, (xs, ys) in enumerate(zip(x.split(2 * g), y.split(2 * g), strict=False)):
         ref_opt.zero_grad()
-        for xm, ym in zip(xs.split(2), ys.split(2)):
+        for xm, ym in zip(xs.split(2), ys.split(2), strict=False):
             ref(xm, ym)[1].backward()
         ref_opt.step()
     assert max_param_diff(model, ref) <= TOL
@@ -280,7 +280,7 @@ def test_identity_loss_nested_in_the_final_loss_matches_pytorch():
     for step in range(2):  # one optimizer step on the mean of 2 micro-batch losses
         ref_opt.zero_grad()
         micro = [ref(xs, ys)[1] for xs, ys in
-                 zip(x[step * 10:(step + 1) * 10].split(5), y[step * 10:(step + 1) * 10].split(5))]
+                 zip(x[step * 10:(step + 1) * 10].split(5), y[step * 10:(step + 1) * 10].split(5), strict=False)]
         torch.stack(micro).mean().backward()
         ref_opt.step()
         ref_losses += [m.detach() for m in micro]
@@ -324,7 +324,7 @@ def test_legacy_positional_form_with_loss_module():
     x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
     pop(x, y)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for xm, ym in zip(x.split(2), y.split(2)):
+    for xm, ym in zip(x.split(2), y.split(2), strict=False):
         ref_opt.zero_grad()
         nn.CrossEntropyLoss()(ref(xm), ym).backward()
         ref_opt.step()
@@ -673,6 +673,6 @@ def test_training_model_with_every_parameter_frozen_runs_like_pytorch(make_opt):
         ref_out, ref_loss = ref(x, t)
         assert torch.equal(out, ref_out) and torch.equal(loss, ref_loss)
     pop.copyWeightsToHost()
-    for a, b in itertools.chain(zip(model.parameters(), ref.parameters()),
-                                zip(model.buffers(), ref.buffers())):
+    for a, b in itertools.chain(zip(model.parameters(), ref.parameters(), strict=False),
+                                zip(model.buffers(), ref.buffers(), strict=False)):
         assert torch.equal(a, b)  # nothing trained; running statistics as in PyTorch

@@ -45,7 +45,7 @@ def data(rows, seed=0):
 
 
 def max_diff(a, b):
-    return max((p - q).abs().max().item() for p, q in zip(a, b))
+    return max((p - q).abs().max().item() for p, q in zip(a, b, strict=False))
 
 
 # ----------------------------------------------------------------- inputReplicaGrouping

@@ -204,7 +204,7 @@ def test_inputs_requiring_grad_are_detached_so_recurrent_state_trains():
                                  optimizer=torch.optim.SGD(rnn.parameters(), lr=0.1))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     h_pop = h_ref = torch.randn(1, 2, 3)
-    for step in range(3):
+    for _step in range(3):
         x = torch.randn(2, 5, 4)
         # h from plain PyTorch carries a graph through weights updated since
         h_cpu_graph = rnn(x, h_pop)[1]

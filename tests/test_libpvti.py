@@ -62,7 +62,7 @@ def test_tracepoints_events_series_and_heatmaps_in_the_trace(tmp_path):
     assert [e["name"] for e in instants] == ["Instant Events::Epoch 0 begin",
                                              "Instant Events::Epoch 1 begin"]
     # each just before its epoch's range, on torch's clock (within the clock alignment)
-    for instant, epoch in zip(instants, epochs):
+    for instant, epoch in zip(instants, epochs, strict=False):
         assert abs(epoch[0]["ts"] - instant["ts"]) < 200, (instant["ts"], epoch[0]["ts"])
     assert epochs[0][0]["ts"] + epochs[0][0]["dur"] < instants[1]["ts"] + 200
     counters = [e for e in events if e.get("ph") == "C" and e.get("cat") == "pvti"]
@@ -73,7 +73,7 @@ def test_tracepoints_events_series_and_heatmaps_in_the_trace(tmp_path):
     # heatmap: counts per bucket (-inf,-1) [-1,0) [0,1) [1,inf), against torch.bucketize
     maps = [e["args"] for e in counters if e["name"] == "weights [x]"]
     assert len(maps) == 2
-    for args, w in zip(maps, facts["weights"]):
+    for args, w in zip(maps, facts["weights"], strict=False):
         index = torch.bucketize(torch.tensor(w), torch.tensor([-1.0, 0.0, 1.0]), right=True)
         expected = torch.bincount(index, minlength=4).tolist()
         assert list(args.values()) == expected

@@ -71,7 +71,7 @@ def test_submodules_are_shared_with_the_users_module():
         assert torch.allclose(loss, ref_loss.detach(), atol=1e-6)
     assert pop._model.body is model.body  # no copy, so no __getstate__ side effects
     assert model.body.owner == "trainer" and model.body.calls == 3  # state is shared
-    for p, q in zip(model.parameters(), ref.parameters()):
+    for p, q in zip(model.parameters(), ref.parameters(), strict=False):
         assert torch.allclose(p, q, atol=1e-6)
 
 
@@ -147,7 +147,7 @@ def test_loss_found_under_loss_key_of_a_mapping(kind):
         ref_opt.step()
         assert isinstance(out, kind)
         assert torch.allclose(out["loss"], ref_out["loss"].detach(), atol=1e-6)
-    for p, q in zip(model.parameters(), ref.parameters()):
+    for p, q in zip(model.parameters(), ref.parameters(), strict=False):
         assert torch.allclose(p, q, atol=1e-6)
 
 
@@ -221,7 +221,7 @@ def test_loss_first_in_a_tuple_when_the_last_element_is_not_a_0dim_tensor(rows, 
         ref_loss.backward()
         ref_opt.step()
         assert torch.allclose(loss, ref_loss.detach(), atol=1e-6)
-    for p, q in zip(model.parameters(), ref.parameters()):
+    for p, q in zip(model.parameters(), ref.parameters(), strict=False):
         assert torch.allclose(p, q, atol=1e-6)
 
 
@@ -230,7 +230,7 @@ class Blocks(torch.nn.Module):
     def __init__(self, ipus):
         super().__init__()
         self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in ipus)
-        for layer, ipu in zip(self.layers, ipus):
+        for layer, ipu in zip(self.layers, ipus, strict=False):
             poptorch.BeginBlock(layer, ipu_id=ipu)
 
     def forward(self, x, y):
@@ -250,13 +250,13 @@ def test_stages_on_one_ipu_are_not_pipelined():
     opts.setExecutionStrategy(poptorch.PipelinedExecution(poptorch.AutoStage.AutoIncrement))
     pop = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in range(2):
+    for _step in range(2):
         x, y = torch.randn(3, 4), torch.randn(3, 4)
         pop(x, y)
         ref_opt.zero_grad()
         ref(x, y)[1].backward()
         ref_opt.step()
-    for p, q in zip(model.parameters(), ref.parameters()):
+    for p, q in zip(model.parameters(), ref.parameters(), strict=False):
         assert torch.allclose(p, q, atol=1e-6)
     # across two IPUs the same options are a pipeline, whose depth rule still applies
     two = poptorch.trainingModel(Blocks([0, 1, 1]), opts.clone())
@@ -316,7 +316,7 @@ def test_unwrap_copies_newer_device_weights_and_rewrap_restores_the_wrapping():
     assert type(model) is Net and not poptorch._impl.isWrapped(model)
     assert torch.equal(model.body.fc.weight, torch.full((2, 4), 3.0))
     copies, sync.dirty = sync.copies, True
-    model.body.fc.weight  # a plain module now: reading copies nothing
+    _ = model.body.fc.weight  # a plain module now: reading copies nothing
     assert sync.copies == copies
     poptorch._impl.rewrapModelIfNecessary(model)
     assert type(model) is hooked and poptorch._impl.isWrapped(model)
@@ -366,7 +366,7 @@ def test_lamb_max_weight_norm_per_param_group():
             p.grad = None
         torch.nn.functional.mse_loss(ref(x), y).backward()
         with torch.no_grad():
-            for i, (name, w) in enumerate(zip(names, params)):
+            for i, (name, w) in enumerate(zip(names, params, strict=False)):
                 bias = "bias" in name
                 g = w.grad
                 m[i] = b1 * m[i] + (1 - b1) * g
@@ -377,7 +377,7 @@ def test_lamb_max_weight_norm_per_param_group():
                 phi = min(w.norm(), 0.0) if bias else w.norm()
                 trust = phi / r.norm() if phi > 0 and r.norm() > 0 else 1.0
                 w -= lr * trust * r
-    for p, q in zip(model.parameters(), params):
+    for p, q in zip(model.parameters(), params, strict=False):
         assert torch.allclose(p, q, atol=1e-6)
     with pytest.raises(ValueError, match="max_weight_norm"):
         poptorch.optim.LAMB([{"params": params, "max_weight_norm": -1.0}])

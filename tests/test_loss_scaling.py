@@ -49,7 +49,7 @@ def test_static_scaling_keeps_fp32_trajectory(make_opt):
         torch.nn.functional.mse_loss(plain(x), y).backward()  # plain loop: unscaled
         ref_opt.step()
         ref_opt.zero_grad()
-    for a, b in zip(scaled.parameters(), plain.parameters()):
+    for a, b in zip(scaled.parameters(), plain.parameters(), strict=False):
         assert (a - b).abs().max() <= 1e-6
 
 
@@ -93,13 +93,13 @@ def test_fp16_underflow_without_and_with_loss_scaling():
 
     unscaled, grads = run(1.0)
     assert grads == [0] * 5  # every gradient underflowed to zero
-    for p, p0 in zip(unscaled.parameters(), start):
+    for p, p0 in zip(unscaled.parameters(), start, strict=False):
         assert torch.equal(p, p0)  # nothing trained
 
     scaled, grads = run(2.0 ** 15)  # 2**16 would overflow float16
     assert all(n > 0 for n in grads)
     moved = 0.0
-    for p, p0, r in zip(scaled.parameters(), start, reference.parameters()):
+    for p, p0, r in zip(scaled.parameters(), start, reference.parameters(), strict=False):
         moved = max(moved, (p.float() - p0.float()).abs().max().item())
         # Same update as the float32 reference, up to float16 weight rounding.
         torch.testing.assert_close(p.float(), r.detach(), atol=2e-3, rtol=2e-3)
@@ -124,7 +124,7 @@ def test_automatic_scaling_skips_overflowing_step():
     assert not scaler.unscale_(list(model.parameters()))
     opt.zero_grad(set_to_none=True)
     assert scaler.scale_value == 32.0 and scaler.skipped_steps == 1
-    for p, w in zip(model.parameters(), weights):
+    for p, w in zip(model.parameters(), weights, strict=False):
         assert torch.equal(p, w)
     for k, v in opt.state.items():
         for n, t in v.items():
@@ -151,7 +151,7 @@ def test_automatic_scaling_matches_reference_when_skipping():
             torch.nn.functional.mse_loss(ref(x), y).backward()
             ref_opt.step()
             ref_opt.zero_grad()
-    for a, b in zip(model.parameters(), ref.parameters()):
+    for a, b in zip(model.parameters(), ref.parameters(), strict=False):
         assert (a - b).abs().max() <= 1e-6
     assert scaler.skipped_steps == 3
 

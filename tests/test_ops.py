@@ -183,7 +183,7 @@ def test_serialized_matmul_keep_precision_sums_in_float32():
     rhs = (torch.randn(64, 4) * 8).half()
     mode = poptorch.MatMulSerializationMode.ReducingDim
     partials = [torch.matmul(a.float(), b.float()) for a, b in zip(lhs.split(16, 1),
-                                                                    rhs.split(16, 0))]
+                                                                    rhs.split(16, 0), strict=False)]
     wide = poptorch.serializedMatMul(lhs, rhs, mode, 4, keep_precision=True)
     assert wide.dtype == torch.float16
     torch.testing.assert_close(wide, sum(partials).half(), rtol=0, atol=0)
@@ -203,7 +203,7 @@ def test_serialized_matmul_keep_precision_accumulates_rhs_gradient_in_float32():
         right = rhs.clone().requires_grad_()
         poptorch.serializedMatMul(lhs, right, mode, 4, keep_precision=keep).backward(grad)
         grads[keep] = right.grad
-    reference = sum(a.float().t() @ g.float() for a, g in zip(lhs.split(16), grad.split(16)))
+    reference = sum(a.float().t() @ g.float() for a, g in zip(lhs.split(16), grad.split(16), strict=False))
     torch.testing.assert_close(grads[True], reference.half(), rtol=0, atol=0)
     # half-precision accumulation really differs here, so the check above is meaningful
     assert not torch.equal(grads[False], reference.half())
@@ -303,7 +303,7 @@ def test_cond_runs_the_chosen_branch(flag):
 
 def _fps_reference(points, ptr, ratio, first=None):
     out = []
-    for s, e in zip(ptr, ptr[1:]):
+    for s, e in zip(ptr, ptr[1:], strict=False):
         seg = points[s:e]
         count = math.ceil(ratio * (e - s))
         chosen = [0 if first is None else first]

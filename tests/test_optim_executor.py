@@ -42,7 +42,7 @@ def plain_steps(model, opt, batches):
 
 
 def assert_close_models(a, b, tol=TOL):
-    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=False):
         assert (p.detach() - q.detach()).abs().max().item() <= tol, name
 
 
@@ -207,7 +207,7 @@ def test_checkpoint_through_executor_is_bitwise():
     for i in range(4, 8):
         training2(*batch(i))
     training2.copyWeightsToHost()
-    for a, b in zip(straight.parameters(), model2.parameters()):
+    for a, b in zip(straight.parameters(), model2.parameters(), strict=False):
         assert torch.equal(a, b)
 
 
@@ -292,7 +292,7 @@ def test_rmsprop_without_momentum_keeps_its_momentum_buffer_current(tf_variant):
         pop(*batch(i))
     pop.copyWeightsToHost()
     state = opt.state_dict()["ipu_state"]
-    for k, (p, old) in enumerate(zip(model.parameters(), before)):
+    for k, (p, old) in enumerate(zip(model.parameters(), before, strict=False)):
         update = (old - p.detach()) / (1.0 if tf_variant else 0.01)
         torch.testing.assert_close(state[f"momentum_buffer___{k}"], update,
                                    rtol=1e-4, atol=1e-6)

@@ -79,8 +79,8 @@ def test_perf_counter_shapes_training(mode, period, expected_out):
     assert _shape(counters, "input") == _shape(counters, "input_complete") == [d * g] * 2
     assert _shape(counters, "output") == _shape(counters, "output_complete") == \
         [expected_out] * 2
-    for row_in, row_done in zip(counters["input"], counters["input_complete"]):
-        assert all(a <= b for a, b in zip(row_in, row_done))
+    for row_in, row_done in zip(counters["input"], counters["input_complete"], strict=False):
+        assert all(a <= b for a, b in zip(row_in, row_done, strict=False))
     for getter in (pop.getLatency, pop.getHostIpuLatency, pop.getComputeLatency,
                    pop.getIpuHostLatency):
         lo, hi, mean = getter()

@@ -20,7 +20,7 @@ class Chain(torch.nn.Module):
     def __init__(self, ipus):
         super().__init__()
         self.layers = torch.nn.ModuleList(torch.nn.Linear(FEAT, FEAT) for _ in ipus)
-        for k, (layer, ipu) in enumerate(zip(self.layers, ipus)):
+        for k, (layer, ipu) in enumerate(zip(self.layers, ipus, strict=False)):
             poptorch.BeginBlock(layer, f"b{k}", ipu)
 
     def forward(self, x, y):
@@ -97,7 +97,7 @@ def _train_both(model, strategy, g, steps=3, loss_index=-1, mb=2):
             (reference(x[sl], y[sl])[loss_index] / g).backward()
         ref_opt.step()
     training.copyWeightsToHost()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=False):
         assert (p.detach() - q.detach()).abs().max() <= 1e-5, name
     return training
 
@@ -293,7 +293,7 @@ def test_phases_of_different_widths_with_explicit_ipus_match_plain_pytorch():
     opts.setExecutionStrategy(poptorch.ParallelPhasedExecution(first, second))
     model = _ThreeBlocks()
     outs = poptorch.inferenceModel(model, opts)(x, y)
-    for out, ref in zip(outs, model(x, y)):
+    for out, ref in zip(outs, model(x, y), strict=False):
         torch.testing.assert_close(out, ref)
 
 

@@ -19,11 +19,11 @@ class Chain(torch.nn.Module):
         self.style = style
         self.ids = ids or [(None, i) for i in range(num_blocks)]
         if style == "begin":
-            for layer, (uid, ipu) in zip(self.layers, self.ids):
+            for layer, (uid, ipu) in zip(self.layers, self.ids, strict=False):
                 poptorch.BeginBlock(layer, uid, ipu)
 
     def forward(self, x, y):
-        for layer, (uid, ipu) in zip(self.layers, self.ids):
+        for layer, (uid, ipu) in zip(self.layers, self.ids, strict=False):
             if self.style == "block":
                 with poptorch.Block(uid, ipu):
                     x = torch.tanh(layer(x))
@@ -55,7 +55,7 @@ def _train_and_compare(model, opts, n, steps=3):
     assert runner is not None
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for step in range(steps):
+    for _step in range(steps):
         mbs = _data(n)
         opt.zero_grad()
         outs = runner(mbs, lambda out: out[1] / n)
@@ -67,9 +67,9 @@ def _train_and_compare(model, opts, n, steps=3):
             (out[1] / n).backward()
             ref_outs.append(out)
         ref_opt.step()
-        for o, r in zip(outs, ref_outs):
+        for o, r in zip(outs, ref_outs, strict=False):
             assert torch.allclose(o[0], r[0], atol=1e-6)
-    for p, q in zip(model.parameters(), reference.parameters()):
+    for p, q in zip(model.parameters(), reference.parameters(), strict=False):
         assert (p.detach() - q.detach()).abs().max() <= 1e-5
     return runner
 
@@ -109,7 +109,7 @@ def test_inference_matches_pytorch(name, num_ipus):
     mbs = _data(num_ipus)
     with torch.no_grad():
         outs = runner(mbs, None)
-        for o, (args, kwargs) in zip(outs, mbs):
+        for o, (args, kwargs) in zip(outs, mbs, strict=False):
             r = reference(*args, **kwargs)
             assert torch.equal(o[0], r[0]) and torch.equal(o[1], r[1])
 

@@ -44,7 +44,7 @@ def params(model):
 
 def assert_bitwise(a, b):
     assert len(a) == len(b)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         assert torch.equal(x, y)
 
 
@@ -76,10 +76,10 @@ def test_saved_training_continues_bitwise_like_the_uninterrupted_model(tmp_path)
         for step in range(2):
             opt.zero_grad()
             for x_mb, y_mb in zip(x[step * 4:(step + 1) * 4].split(2),
-                                  y[step * 4:(step + 1) * 4].split(2)):
+                                  y[step * 4:(step + 1) * 4].split(2), strict=False):
                 (plain(x_mb, y_mb)[1] / 2).backward()
             opt.step()
-    for p, q in zip(plain.parameters(), twin.parameters()):
+    for p, q in zip(plain.parameters(), twin.parameters(), strict=False):
         assert (p - q).abs().max() <= 1e-5
 
 
@@ -297,14 +297,14 @@ def test_inductor_precompiled_training_runs_in_a_fresh_process_without_compiling
     # eagerly (other rounding) while the uninterrupted one's is compiled.
     for xb, yb in batches(4, seed=1):
         pop(xb, yb)
-    for p, q in zip(torch.load(out), params(model)):
+    for p, q in zip(torch.load(out), params(model), strict=False):
         assert (p - q).abs().max() <= 1e-6
     # ... and agrees with eager PyTorch within rounding.
     ref = poptorch.trainingModel(twin, train_opts("eager"),
                                  torch.optim.Adam(twin.parameters(), **opt_args))
     for xb, yb in batches(4, seed=1):
         ref(xb, yb)
-    for p, q in zip(model.parameters(), twin.parameters()):
+    for p, q in zip(model.parameters(), twin.parameters(), strict=False):
         assert (p - q).abs().max() <= 1e-5
 
 

@@ -94,9 +94,9 @@ def test_one_trace_per_run_with_named_ranges_and_summary(tmp_path, capsys):
             losses.append(pop(x, y)[1])
     path = tracing.finish()
     _, ref_losses = train(twin, plain_opts, [batches[0]] + batches)
-    for p, q in zip(model.parameters(), twin.parameters()):
+    for p, q in zip(model.parameters(), twin.parameters(), strict=False):
         assert torch.equal(p, q)  # profiling changes nothing
-    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses[1:]))
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses[1:], strict=False))
 
     assert os.listdir(tmp_path) == [os.path.basename(path)]  # one file for 4 calls
     names = [e["name"] for e in complete_events(path)]
@@ -133,7 +133,7 @@ def test_pipeline_stages_get_their_own_rows_and_a_bubble(tmp_path, capsys):
     _, losses = train(model, opts, batches)
     path = tracing.finish()
     _, ref_losses = train(twin, plain_opts, batches)
-    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=False))
     events = complete_events(path)
     stage_rows = {(e["name"], e["tid"]) for e in events if e["name"].startswith("stage ")}
     for m in range(4):

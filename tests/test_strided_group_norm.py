@@ -99,7 +99,7 @@ def _train(model, opts, batches):
 def _plain(model, batches, per_step):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for x, y in batches:
-        for xs, ys in zip(x.split(len(x) // per_step), y.split(len(y) // per_step)):
+        for xs, ys in zip(x.split(len(x) // per_step), y.split(len(y) // per_step), strict=False):
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(xs), ys).backward()
             optimizer.step()
@@ -113,7 +113,7 @@ def test_training_matches_plain_pytorch():
     batches = [(torch.randn(8, 3, 5), torch.randint(0, 4, (8,))) for _ in range(3)]
     _train(model, _options(deviceIterations=2), batches)
     _plain(reference, batches, per_step=2)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=False):
         diff = (p - q).abs().max().item()
         assert diff <= 1e-6, f"{name} differs from plain PyTorch by {diff}"
 
@@ -135,9 +135,9 @@ def test_pipeline_stages_use_strided_groups():
     for x, y in batches:
         optimizer.zero_grad()
         torch.stack([torch.nn.functional.cross_entropy(reference(xs), ys) for xs, ys in
-                     zip(x.split(2), y.split(2))]).mean().backward()
+                     zip(x.split(2), y.split(2), strict=False)]).mean().backward()
         optimizer.step()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=False):
         diff = (p - q).abs().max().item()
         assert diff <= 1e-6, f"{name} differs from plain PyTorch by {diff}"
 

@@ -67,12 +67,12 @@ def test_batch_trees_are_torch_pytrees():
     skeleton, tensors = tree.flatten(batch)
     expected = [x for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
     assert len(tensors) == len(expected) == 5
-    assert all(torch.equal(a, b) for a, b in zip(tensors, expected))  # pytree's order
+    assert all(torch.equal(a, b) for a, b in zip(tensors, expected, strict=False))  # pytree's order
     rebuilt = tree.unflatten(skeleton, tensors)
     assert type(rebuilt["x"]) is Pair and rebuilt["x"].b[1] == "label" and rebuilt["y"][1] == 7
     assert type(rebuilt["r"]) is Record and torch.equal(rebuilt["r"]["v"], t[4])
     assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
-               for a, b in zip(pytree.tree_leaves(rebuilt), pytree.tree_leaves(batch)))
+               for a, b in zip(pytree.tree_leaves(rebuilt), pytree.tree_leaves(batch), strict=False))
 
 
 def test_the_engine_reads_a_frozen_snapshot_of_the_options():

@@ -100,7 +100,7 @@ def test_compiled_training_leaves_dynamo_settings_as_they_were(monkeypatch):
     pop = poptorch.trainingModel(WithLoss(model), opts,
                                  torch.optim.SGD(model.parameters(), lr=0.1))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in range(3):  # eager, compiles, replays
+    for _step in range(3):  # eager, compiles, replays
         x, y = torch.randn(4, 4), torch.randn(4, 2)
         _, loss = pop(x, y)
         ref_opt.zero_grad()
