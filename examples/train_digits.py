@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"digits: {args.epochs} epochs, {len(train_set)} training images, "
               f"test accuracy {accuracy:.2%} (target {args.target:.0%}: "
               f"{'reached' if ok else 'MISSED'}) in {seconds:.1f}s on "
-              f"{training._device}")
+              f"{training._compiled.device}")
     return 0 if ok else 1
 
 

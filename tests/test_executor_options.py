@@ -254,7 +254,7 @@ def test_copy_named_buffers_to_device_uses_updatable_names():
     x = torch.randn(1, 2)
     pop(x)
     calls = []
-    pop._weights.to_device = lambda **kw: calls.append(kw)
+    pop._compiled.weights.to_device = lambda **kw: calls.append(kw)
     pop.copyNamedBuffersToDevice()
     assert calls == [{"params": False, "buffers": True, "buffer_names": {"a"}}]
 

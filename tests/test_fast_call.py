@@ -1,7 +1,8 @@
 """The per-call fast path (``executor/fast_call.py``) and the ``fastest`` backend's
 choice (``compiled_step.BackendTrial``), against plain PyTorch.
 
-Every test first checks that its calls really take the fast path (``_fast`` is built),
+Every test first checks that its calls really take the fast path (``_compiled.calls.fast``
+is built),
 so that a silent fall back to the general path cannot make it pass.
 """
 import copy
@@ -43,7 +44,7 @@ def _data(n=4, seed=0):
 def _warm(pop, x, y, calls=3):
     for _ in range(calls):
         pop(x, y)
-    assert pop.__dict__["_fast"], "the fast path was not built"
+    assert pop._compiled.calls.fast, "the fast path was not built"
 
 
 def test_inference_fast_path_matches_plain_pytorch_and_sees_host_weight_writes():
@@ -85,7 +86,7 @@ def test_fast_path_keeps_input_errors_and_the_general_path_cases():
     assert torch.equal(out[0], want[0])
     out = pop(x.clone().requires_grad_(), y)
     assert torch.equal(out[0], want[0]) and not out[0].requires_grad
-    assert pop.__dict__["_fast"]  # still there for the next plain call
+    assert pop._compiled.calls.fast  # still there for the next plain call
     assert torch.equal(pop(x, y)[1], want[1])
 
 
@@ -143,7 +144,7 @@ def test_training_fast_path_matches_plain_pytorch_loop():
             pop.setOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
             for group in ref_opt.param_groups:
                 group["lr"] = 0.05
-    assert isinstance(pop.__dict__["_fast"], FastCall)
+    assert isinstance(pop._compiled.calls.fast, FastCall)
     for p, r in zip(model.parameters(), ref.parameters(), strict=False):
         assert torch.equal(p, r)
 
@@ -158,7 +159,7 @@ def test_fast_path_follows_destroy_and_detach():
         want = model(x, y)
     assert torch.equal(pop(x, y)[0], want[0]) and pop.isAttachedToDevice()
     pop.destroy()
-    assert pop.__dict__["_fast"] is None
+    assert pop._compiled is None  # the compilation and its fast path are gone
     x8, y8 = _data(8)
     with torch.no_grad():
         want8 = model(x8, y8)
@@ -175,7 +176,7 @@ def test_rng_state_set_after_the_fast_path_is_built_is_used():
     x = torch.zeros(2, 3)
     for _ in range(3):
         pop(x)
-    assert pop.__dict__["_fast"]
+    assert pop._compiled.calls.fast
     pop.rng_state = [7, torch.Generator().manual_seed(7).get_state()]
     host = torch.get_rng_state()
     want = torch.rand(4, 3, generator=torch.Generator().manual_seed(7))
@@ -205,7 +206,7 @@ def test_module_with_own_setattr_gets_its_mode_switched_and_restored():
     for _ in range(4):
         with torch.no_grad():
             assert torch.equal(pop(x), model.inner(x))
-    assert pop.__dict__["_fast"]
+    assert pop._compiled.calls.fast
     assert model.inner.training and model.inner.switches[-2:] == [False, True]
 
 
@@ -217,7 +218,7 @@ def test_float16_inputs_to_a_float32_model_keep_their_casting():
     for _ in range(4):
         out, _loss = pop(half, y)
         assert out.dtype == torch.float16  # weights follow the float16 activations
-    assert not pop.__dict__["_fast"]  # the casting rules cast: no fast path
+    assert not pop._compiled.calls.fast  # the casting rules cast: no fast path
     with torch.no_grad():
         want = model.half()(half, y)[0]
     torch.testing.assert_close(out, want)
@@ -255,7 +256,7 @@ def test_fastest_backend_chooses_once_and_matches_plain_pytorch(_aot_eager, capl
     else:
         assert compiled is None
         if d == 1:
-            assert pop.__dict__["_fast"] and not isinstance(pop.__dict__["_fast"],
+            assert pop._compiled.calls.fast and not isinstance(pop._compiled.calls.fast,
                                                             FastCall)
 
 

@@ -226,6 +226,7 @@ def test_activations_off_chip_wrapper_on_gpu_devices_only():
     import threading
     from types import SimpleNamespace
 
+    from poptorch._runtime.config import LocationsConfig
     from poptorch._runtime.memory.locations import install
     from poptorch._runtime.memory.offload import ActivationsOffChip
     opts = poptorch.Options()
@@ -233,12 +234,14 @@ def test_activations_off_chip_wrapper_on_gpu_devices_only():
         poptorch.TensorLocationSettings().useOnChipStorage(False))
     for device, expected in (("cuda", 1), ("cpu", 0)):
         program = SimpleNamespace(training=False, wrappers=[])
-        install(program, make_model(), opts, None, torch.device(device))
+        install(program, make_model(), LocationsConfig.of(opts), None,
+                torch.device(device))
         assert program.wrappers == [] or isinstance(program.wrappers[0], ActivationsOffChip)
         program = SimpleNamespace(training=True, wrappers=[], cross=None,
                                   plan=SimpleNamespace(replication_factor=1),
                                   optimizer=None)
-        install(program, make_model(), opts, None, torch.device(device))
+        install(program, make_model(), LocationsConfig.of(opts), None,
+                torch.device(device))
         assert len(program.wrappers) == expected
     wrapper = ActivationsOffChip()
     x, y = global_batch(0, 1)

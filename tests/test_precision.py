@@ -14,6 +14,7 @@ import poptorch
 from poptorch import _logging
 from poptorch._runtime.weights.modelcopy import shallow_copy_module
 from poptorch._runtime.numerics.precision import PrecisionPolicy, stochastic_round
+from poptorch._runtime.config import PrecisionConfig
 
 CPU = torch.device("cpu")
 Cast = poptorch.HalfFloatCastingBehavior
@@ -29,7 +30,8 @@ def policy(model=None, training=True, device=CPU, **precision):
                "fpe": opts.Precision.enableFloatingPointExceptions}
     for key, value in precision.items():
         setters[key](value)
-    return PrecisionPolicy(opts, model if model is not None else torch.nn.Linear(2, 2),
+    return PrecisionPolicy(PrecisionConfig.of(opts.Precision),
+                           model if model is not None else torch.nn.Linear(2, 2),
                            training, device)
 
 

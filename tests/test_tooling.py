@@ -97,5 +97,5 @@ def test_the_engine_reads_a_frozen_snapshot_of_the_options():
     pop = poptorch.inferenceModel(model, poptorch.Options().deviceIterations(2))
     x = torch.randn(4, 3)
     torch.testing.assert_close(pop(x), model(x))
-    assert pop._config.device_iterations == 2
+    assert pop._compiled.config.device_iterations == 2
     assert pop._program.plan.device_iterations == 2

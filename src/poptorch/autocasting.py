@@ -217,28 +217,24 @@ default = Policy()
 # Used by the executor when it compiles a model
 
 
-def options_settings(options: Any) -> tuple[bool, Policy]:
-    """``(autocastEnabled, autocastPolicy)`` of ``options`` (defaults: True, default)."""
-    precision = options.Precision
-    enabled = getattr(precision, "autocast_enabled", True)
-    policy = getattr(precision, "autocast_policy", None)
-    return bool(enabled), policy if policy is not None else default
-
-
-def prepare_model(model: torch.nn.Module, user_model: torch.nn.Module, options: Any,
-                  half_float_casting: Any = None) -> tuple[AutocastRun, list]:
+def prepare_model(model: torch.nn.Module, user_model: torch.nn.Module,
+                  precision: Any) -> tuple[AutocastRun, list]:
     """The context the executor enters around each call of the compiled copy ``model``:
     autocast regions and policy, and (``half_float_casting`` is ``Default``) the
     float16 rules of ``_runtime/numerics/casting.py``. Module switches are read from
     the user's modules (``user_model``), so ``layer.autocast()`` called after wrapping
-    still counts. Returns the context and the handles of the wrapped forwards."""
+    still counts. ``precision`` is ``Options.Precision`` as compiled
+    (``_runtime/config.py``: ``PrecisionConfig``). Returns the context and the handles
+    of the wrapped forwards."""
     from .enums import HalfFloatCastingBehavior
     default_casting = None
-    if half_float_casting == HalfFloatCastingBehavior.Default and any(
+    if precision.half_float_casting == HalfFloatCastingBehavior.Default and any(
             t.is_floating_point() for t in itertools.chain(model.parameters(),
                                                            model.buffers())):
         default_casting = DefaultCasting(model)
-    enabled, policy = options_settings(options)
+    enabled = precision.autocast_enabled
+    policy = precision.autocast_policy if precision.autocast_policy is not None \
+        else default
     rules = policy.rules()
     handles: list = []
     if enabled:

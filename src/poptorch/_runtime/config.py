@@ -2,7 +2,8 @@
 model compiles (``RuntimeConfig.of``), from the user's ``poptorch.Options``.
 
 The PopTorch setter façade (``options/``) stays the user's interface; the device loop,
-the loss scaler, the anchors and the profiler read this snapshot instead, so a later
+the loss scaler, the anchors, the profiler, the precision policy and casting, the tensor
+locations and the joining of other processes read this snapshot instead, so a later
 change of an options object (a clone, another model's) can never reach a compiled
 program, and each engine module states exactly what it reads.
 """
@@ -12,9 +13,16 @@ import types
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ..enums import MeanReductionStrategy, OutputMode, ReductionType
+from ..enums import (CommGroupType, HalfFloatCastingBehavior, MeanReductionStrategy,
+                     OutputMode, ReductionType)
+from .placement.strategy import is_phased
 
-__all__ = ["RuntimeConfig", "TrainingConfig"]
+__all__ = ["DistributedConfig", "LocationsConfig", "PrecisionConfig", "RuntimeConfig",
+           "TrainingConfig"]
+
+
+def _frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
+    return types.MappingProxyType(dict(mapping or {}))
 
 
 @dataclass(frozen=True)
@@ -24,6 +32,76 @@ class TrainingConfig:
     reduction: ReductionType
     mean_strategy: MeanReductionStrategy
     automatic_loss_scaling: bool
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """``Options.Precision`` as the precision policy and the casting rules read it."""
+    half_float_casting: HalfFloatCastingBehavior
+    partials_type: Any  # torch.float32 or torch.float16
+    stochastic_rounding: bool
+    floating_point_exceptions: bool
+    running_statistics_always_float: bool
+    autocast_enabled: bool
+    autocast_policy: Any  # a poptorch.autocasting.Policy, or None for the default
+
+    @classmethod
+    def of(cls, precision: Any) -> "PrecisionConfig":
+        """The configuration of ``Options.Precision``."""
+        return cls(
+            half_float_casting=HalfFloatCastingBehavior(precision.half_float_casting),
+            partials_type=precision.partials_type,
+            stochastic_rounding=bool(precision.stochastic_rounding),
+            floating_point_exceptions=bool(precision.floating_point_exceptions),
+            running_statistics_always_float=bool(
+                precision.running_statistics_always_float),
+            autocast_enabled=bool(getattr(precision, "autocast_enabled", True)),
+            autocast_policy=getattr(precision, "autocast_policy", None))
+
+
+@dataclass(frozen=True)
+class LocationsConfig:
+    """``Options.TensorLocations`` (``TensorLocationSettings.toDict()`` per kind of
+    tensor) as ``_runtime/memory/locations.py`` reads it."""
+    activation: Mapping[str, Any]
+    weight: Mapping[str, Any]
+    optimizer: Mapping[str, Any]
+    accumulator: Mapping[str, Any]
+    num_io_tiles: int
+    phased: bool  # the execution strategy is phased (which places tensors itself)
+
+    @classmethod
+    def of(cls, options: Any) -> "LocationsConfig":
+        """The configuration of ``options.TensorLocations``."""
+        locations = options.TensorLocations
+        return cls(**{kind: _frozen(getattr(locations, f"location_{kind}", {}))
+                      for kind in ("activation", "weight", "optimizer", "accumulator")},
+                   num_io_tiles=int(locations.num_io_tiles),
+                   phased=is_phased(options._execution_strategy))
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """What joining the other processes of a run reads (``Options.Distributed`` and
+    the options every process must agree on)."""
+    process_id: int
+    num_processes: int
+    broadcast_buffers: bool
+    input_group_size: int
+    input_cgt: CommGroupType
+    strategy_name: str | None  # the class of the execution strategy set, or None
+
+    @classmethod
+    def of(cls, options: Any) -> "DistributedConfig":
+        """The configuration of ``options`` (a ``poptorch.Options``) for processes."""
+        strategy = options.execution_strategy
+        return cls(
+            process_id=int(options.Distributed.processId),
+            num_processes=int(options.Distributed.numProcesses),
+            broadcast_buffers=bool(options.broadcast_buffers),
+            input_group_size=int(options.input_group_size),
+            input_cgt=CommGroupType(options.input_cgt),
+            strategy_name=None if strategy is None else type(strategy).__name__)
 
 
 @dataclass(frozen=True)
@@ -37,6 +115,9 @@ class RuntimeConfig:
     anchored_tensors: Mapping[str, Mapping[str, Any]]
     profile_dir: str | None
     training: TrainingConfig
+    precision: PrecisionConfig
+    locations: LocationsConfig
+    distributed: DistributedConfig
 
     @classmethod
     def of(cls, options: Any) -> "RuntimeConfig":
@@ -57,4 +138,7 @@ class RuntimeConfig:
                 reduction=ReductionType(training.accumulation_and_replication_reduction_type),
                 mean_strategy=MeanReductionStrategy(
                     training.meanAccumulationAndReplicationReductionStrategy),
-                automatic_loss_scaling=bool(training.automatic_loss_scaling)))
+                automatic_loss_scaling=bool(training.automatic_loss_scaling)),
+            precision=PrecisionConfig.of(options.Precision),
+            locations=LocationsConfig.of(options),
+            distributed=DistributedConfig.of(options))

@@ -17,36 +17,37 @@ device-independent: a file saved on a GPU loads on the CPU and vice versa.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from .._logging import logger
 from ..errors import Error
+from .compilation import Compilation
 
 FORMAT = "openpoptorch-executable"
 
 
-def compile_by_running(executor: Any, args: tuple, kwargs: dict) -> None:
+def compile_by_running(compiled: Compilation, model: torch.nn.Module,
+                       run: Callable[[], Any]) -> None:
     """Make a compiling backend compile (``torch.compile`` compiles on first use) by
-    running one call on the example inputs, then undo everything the call changed:
-    weights, buffers, optimizer and loss-scaler state, random state. Used by
-    ``compileAndExport`` so that the file holds the compiled program."""
+    calling ``run()`` (one call of the model on the example inputs) until the program's
+    first calls are over, then undo everything the calls changed in ``model`` (the
+    device model) and the program: weights, buffers, optimizer and loss-scaler state,
+    random state. Used by ``compileAndExport`` so that the file holds the compiled
+    program."""
     import copy
-    if not executor.isCompiled():
-        executor.compile(*args, **kwargs)
-    source = executor._source
-    if source is None or not source.compiles or not source.fresh:
+    source = compiled.source
+    if not source.compiles or not source.fresh:
         return
-    model = executor._model
     tensors = [(t, t.detach().clone()) for t in
                list(model.parameters()) + list(model.buffers())]
-    optimizer = executor._device_optimizer
+    optimizer = None if compiled.optimizer is None else compiled.optimizer.device
     if optimizer is not None:  # restored in place: the user's references stay valid
         opt_state = {p: copy.deepcopy(st) for p, st in optimizer.state.items()}
         opt_groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
                       for g in optimizer.param_groups]
-    program = executor._program
+    program = compiled.program
     scaler = program.scaler
     scaler_state = None if scaler is None else scaler.state_dict()
     rng = program.rng
@@ -54,7 +55,7 @@ def compile_by_running(executor: Any, args: tuple, kwargs: dict) -> None:
     host_rng = torch.get_rng_state()
     try:
         while source.fresh:  # the compiled step compiles at the first or second call
-            executor(*args, **kwargs)
+            run()
     finally:
         with torch.no_grad():
             for t, saved in tensors:
@@ -62,13 +63,13 @@ def compile_by_running(executor: Any, args: tuple, kwargs: dict) -> None:
         if optimizer is not None:
             optimizer.state.clear()
             optimizer.state.update(opt_state)
-            for group, saved in zip(optimizer.param_groups, opt_groups, strict=False):
-                group.update(saved)
+            for group, values in zip(optimizer.param_groups, opt_groups, strict=False):
+                group.update(values)
         if scaler is not None:
             scaler.load_state_dict(scaler_state)
         rng.state = rng_state
         torch.set_rng_state(host_rng)
-        executor._weights_to_device()
+        compiled.weights_to_device()
 
 
 DEFAULT_FILE_NAME = "model.poptorch"
@@ -91,32 +92,34 @@ def save_target(filename: Any) -> Any:
     return filename
 
 
-def save_executor(executor: Any, filename: str, export_model: bool,
-                  save_rng_state: bool) -> None:
-    """Write ``executor`` to ``filename`` (see module docstring and :func:`save_target`)."""
+def save_compiled(filename: Any, compiled: Compilation, *, user_model: torch.nn.Module,
+                  options: Any, training: bool, optimizer: Any, version: str,
+                  rng_state: list | None, export_model: bool) -> None:
+    """Write a compiled model to ``filename`` (see module docstring and
+    :func:`save_target`): ``compiled`` and what the user sees of the model (the
+    host model with its current weights, its options, training flag, optimizer,
+    poptorch version and random state)."""
     from .executable import artifacts
     filename = save_target(filename)
-    executor.copyWeightsToHostIfNeeded()
-    source = executor._source
-    compiled = None
-    if source is not None and source.compiles and source.warmup_calls < 2:
-        compiled = artifacts.collect()
-    training = executor._training
-    optimizer = executor._optimizer if training else None
+    source = compiled.source
+    collected = None
+    if source.compiles and source.warmup_calls < 2:
+        collected = artifacts.collect()
+    optimizer = optimizer if training else None
     payload = {
         "format": FORMAT,
-        "metadata": {"poptorch_version": executor._poptorch_version,
+        "metadata": {"poptorch_version": version,
                      "training": training,
-                     "options": executor._options.toDict(),
-                     "model_class": type(executor._user_model).__qualname__},
-        "options": executor._options,
-        "state_dict": executor._user_model.state_dict(),
-        "model": executor._user_model if export_model else None,
+                     "options": options.toDict(),
+                     "model_class": type(user_model).__qualname__},
+        "options": options,
+        "state_dict": user_model.state_dict(),
+        "model": user_model if export_model else None,
         "optimizer": optimizer if export_model else None,
         "optimizer_state": None if optimizer is None else optimizer.state_dict(),
-        "rng_state": executor.rng_state if save_rng_state else None,
-        "signature": None if source is None else source.signature,
-        "compiled": compiled,
+        "rng_state": rng_state,
+        "signature": source.signature,
+        "compiled": collected,
     }
     torch.save(payload, filename)
 
@@ -139,33 +142,16 @@ def importPoptorchMetadataFromFile(import_filename: str) -> dict:
     return read_payload(import_filename)["metadata"]
 
 
-def stash_precompiled(executor: Any, payload: dict) -> None:
-    """Hand the signature and compiled program to the executor's next compile."""
-    executor._pending_precompiled = {
-        "signature": payload.get("signature"), "artifacts": payload.get("compiled")}
-    source = executor._source
-    if source is not None and executor.isCompiled():
-        # Already compiled here: nothing to install, but the signature still holds.
-        source.expected = payload.get("signature")
+def precompiled_of(payload: dict) -> dict:
+    """What a file hands to the next compile of the model it is loaded into: the input
+    signature and the compiled program."""
+    return {"signature": payload.get("signature"), "artifacts": payload.get("compiled")}
 
 
-def load_into(executor: Any, filename: str) -> None:
-    """Restore weights, optimizer state and random state saved in ``filename``."""
-    payload = read_payload(filename)
-    if payload["metadata"]["training"] != executor._training:
+def check_kind(payload: dict, training: bool, filename: str) -> None:
+    """A training model loads only into a trainingModel, an inference model only into
+    an inferenceModel (``poptorch.Error`` otherwise)."""
+    if payload["metadata"]["training"] != training:
         kind = "training" if payload["metadata"]["training"] else "inference"
         raise Error(f"{filename} holds a {kind} model; load it into a "
                     f"{kind}Model, not this one.")
-    executor.load_state_dict(payload["state_dict"])
-    if executor._training and payload["optimizer_state"] is not None:
-        executor._optimizer.load_state_dict(payload["optimizer_state"])
-    executor._pending_rng_state = payload["rng_state"]
-    stash_precompiled(executor, payload)
-    if executor.isCompiled():
-        _apply_pending_rng(executor)
-
-
-def _apply_pending_rng(executor: Any) -> None:
-    state, executor._pending_rng_state = executor._pending_rng_state, None
-    if state is not None and state[0] is not None:
-        executor.rng_state = state

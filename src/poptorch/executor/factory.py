@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from .._runtime.export import read_payload, stash_precompiled
+from .._runtime.export import read_payload
 from .._version import __version__
 from ..errors import Error
 from .poplar_executor import PoplarExecutor
@@ -88,8 +88,7 @@ def _legacy_options(values: dict) -> Options:
 def _unwrap(model: Any) -> torch.nn.Module:
     """A PoplarExecutor may be wrapped again: the new wrapper shares its weights."""
     if isinstance(model, PoplarExecutor):
-        model.copyWeightsToHostIfNeeded()
-        return model._user_model
+        return model.model  # (the user's module, with the device's weights)
     return model
 
 
@@ -153,6 +152,5 @@ def load(filename: str, edit_opts_fn: Callable[[Any], None] | None = None) -> Po
         executor = trainingModel(model, options, payload["optimizer"])
     else:
         executor = inferenceModel(model, options)
-    executor._pending_rng_state = payload["rng_state"]
-    stash_precompiled(executor, payload)
+    executor._restore_from(payload)
     return executor

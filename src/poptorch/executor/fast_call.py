@@ -17,21 +17,23 @@ without profiling, precision checks, anchors, synthetic data or several processe
 its float16 casting rules are known to cast nothing for these inputs. Any call that does
 not fit (other inputs, keyword arguments, ...) makes :py:class:`FastCall` return
 :py:data:`MISS` before doing anything, and the executor takes the general path, which
-gives the same results and raises the same errors. The executor drops the fast path
-(``_fast = None``) when the model is compiled again, destroyed or detached, or gets
-another optimizer.
+gives the same results and raises the same errors. The decision is cached in the
+compilation (``Compilation.calls.fast``); the executor drops it (``fast = None``) when the
+model is compiled again, destroyed or detached, or gets another optimizer.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 
 from .._runtime import context
+from .._runtime.compilation import Compilation
 from .._runtime.numerics.autocast import NOT_TOP
 from .._runtime.program.device_loop import detach_needed
 from .._runtime.program.step import infer_step
+from .._runtime.weights.modelcopy import TrainingMode
 
 MISS = object()  # FastCall's answer when the call must take the general path
 
@@ -54,27 +56,26 @@ def _inputs_match(args: tuple, dtypes: tuple, shapes: tuple) -> bool:
 class FastCall:
     """One compiled model's fast path (see module docstring)."""
 
-    def __init__(self, executor: Any, args: tuple) -> None:
-        state = executor
-        self._executor = executor
-        self._program = state._program
+    def __init__(self, state: Compilation, mode: TrainingMode, args: tuple) -> None:
+        self._calls = state.calls
+        self._program = state.program
         self._compiled = self._program.compiled
         self._dtypes = tuple(a.dtype for a in args)
         self._shapes = tuple(a.shape for a in args)
-        constants = state._tensor_constants
+        constants = state.tensor_constants
         self._constants = constants if constants else None
-        self._mode = state._mode
-        self._casting = state._casting
-        self._optimizer_sync = state._optimizer_sync
+        self._mode = mode
+        self._casting = state.casting
+        self._optimizer_sync = None if state.optimizer is None else state.optimizer.sync
         # a failed call puts back the buffers its forward updated before failing
-        self._buffers = state._buffers_list or None
+        self._buffers = state.buffers or None
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         program = self._program
         if kwargs or not _inputs_match(args, self._dtypes, self._shapes):
             return MISS
         if program.compiled is not self._compiled:  # the fastest backend chose eager
-            self._executor._fast = None  # built again after this call
+            self._calls.fast = None  # built again after this call
             return MISS
         if self._constants is not None:
             self._constants.restore()
@@ -114,24 +115,25 @@ def _put_back(buffers: Any, saved: list) -> None:
             buffer.copy_(value)
 
 
-def _eager_inference(executor: Any, args: tuple) -> Callable[[tuple, dict], Any]:
+def _eager_inference(state: Compilation, mode: TrainingMode, args: tuple
+                     ) -> Callable[[tuple, dict], Any]:
     """:py:class:`FastCall` of an inference model on the eager backend, with the one
     micro-batch of ``DeviceProgram.run_single`` (``step.infer_step``) called directly: this is the call whose host
     overhead shows most (a small model's forward takes tens of microseconds).
 
     Every line below runs on each call; what can be looked up once is (closure
-    variables), and the executor drops this path (``_fast = None``) whenever the program
-    or the device attachment changes."""
-    state = executor
-    program = state._program
-    forward = program.runner.forward
+    variables), and the executor drops this path (``calls.fast = None``) whenever the
+    program or the device attachment changes."""
+    calls = state.calls
+    program = state.program
+    runner: Any = program.runner  # (a SequentialRunner: program.single_ready())
+    forward = runner.forward
     dtypes = tuple(a.dtype for a in args)
     shapes = tuple(a.shape for a in args)
-    constants = state._tensor_constants or None
-    mode = state._mode
+    constants = state.tensor_constants or None
     flags = mode.plain_flags()  # the modules' __dict__s: their training flags
     training = mode.training
-    casting = state._casting
+    casting = state.casting
     enter_casting = casting.enter_top_run if casting is not None else None
     exit_casting: Any = casting.exit_top_run if casting is not None else None
     rng = program.rng
@@ -140,7 +142,7 @@ def _eager_inference(executor: Any, args: tuple) -> Callable[[tuple, dict], Any]
     inputs, inputs_complete = stamps["input"], stamps["input_complete"]
     outputs, outputs_complete = stamps["output"], stamps["output_complete"]
     thread_state = context.thread_state()
-    buffers = state._buffers_list or None
+    buffers = state.buffers or None
     perf_counter = time.perf_counter
     infer = infer_step
     no_kwargs: dict = {}  # (a fast call has no keyword arguments)
@@ -150,7 +152,7 @@ def _eager_inference(executor: Any, args: tuple) -> Callable[[tuple, dict], Any]
         if kwargs or not _inputs_match(args, dtypes, shapes):
             return MISS
         if rng.enabled:  # the rng_state setter turned the program's own stream on
-            executor._fast = None  # built again (as a FastCall) after this call
+            calls.fast = None  # built again (as a FastCall) after this call
             return MISS
         previous_run = None
         if enter_casting is not None:
@@ -207,30 +209,30 @@ def _eager_inference(executor: Any, args: tuple) -> Callable[[tuple, dict], Any]
     return fast_inference
 
 
-def make_fast_call(executor: Any, args: tuple, kwargs: dict
-                   ) -> Callable[[tuple, dict], Any] | None | bool:
-    """The fast path of ``executor`` for calls like this one (just run on the general
-    path): a :py:class:`FastCall`; None when it may qualify later (warm-up calls, casting
-    rules still learning); False when it never will."""
-    state = executor
-    program = state._program
+def make_fast_call(state: Compilation, mode: TrainingMode, args: tuple, kwargs: dict
+                   ) -> Callable[[tuple, dict], Any] | Literal[False] | None:
+    """The fast path of a compiled model (``state``, run in the wrapper's training
+    ``mode``) for calls like this one (just run on the general path): a
+    :py:class:`FastCall`; None when it may qualify later (warm-up calls, casting rules
+    still learning); False when it never will."""
+    program = state.program
     if program is None or not program.single_ready() \
-            or state._synthetic is not None or state._device.type != "cpu":
+            or state.synthetic is not None or state.device.type != "cpu":
         return False
     if kwargs or not all(type(a) is _Tensor for a in args):
         return None  # the inputs of a later call may qualify
-    source = state._source
+    source = state.source
     if source is not None and source.fresh:
         return None
-    signature = state._signature
+    signature = state.signature
     compiled = None if signature is None else signature.fingerprint()
     if compiled is None or len(compiled) != len(args) \
             or any((a.dtype, a.shape) != fp for a, fp in zip(args, compiled, strict=False)):
         return None  # a call that does not match the compiled inputs
-    casting = state._casting
+    casting = state.casting
     default = getattr(casting, "default_casting", None)
     if default is not None and not default.settled(args, kwargs):
         return None
     if not program.training and program.compiled is None and not program.rng.enabled:
-        return _eager_inference(executor, args)
-    return FastCall(executor, args)
+        return _eager_inference(state, mode, args)
+    return FastCall(state, mode, args)

@@ -5,11 +5,11 @@ running the model."""
 from __future__ import annotations
 
 import datetime
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from .._runtime.batching.plan import BatchPlan
+from .._runtime.compilation import Compilation
 from ..errors import Error
 
 
@@ -17,27 +17,24 @@ class ExecutorInspection:
     """Read-only views of the last call (see module docstring)."""
 
     # provided by PoplarExecutor
-    _require_compiled: Any
-    _compile_seconds: float | None
+    _require_compilation: Callable[[str], Compilation]
     _options: Any
-    _config: Any
     _model: torch.nn.Module
     _training: bool
-    _io_counts: tuple
-    _anchors: Any  # the AnchorRecorder of the compiled program, or {} before
 
     # ------------------------------------------------------------------ timings
     def compilationTime(self) -> datetime.timedelta:
         """How long compilation took."""
-        self._require_compiled("compilationTime")
-        return datetime.timedelta(seconds=self._compile_seconds or 0.0)
+        compiled = self._require_compilation("compilationTime")
+        return datetime.timedelta(seconds=compiled.compile_seconds)
 
     def getPerfCounters(self) -> dict:
         """Host timestamps of the last call: {'input', 'input_complete', 'output',
         'output_complete'} -> [per input / output tensor][per transfer] seconds (one
         transfer per micro-batch; outputs only those the output mode returns)."""
-        program = self._require_compiled("getPerfCounters")
-        num_inputs, num_outputs = self._io_counts
+        compiled = self._require_compilation("getPerfCounters")
+        program = compiled.program
+        num_inputs, num_outputs = compiled.calls.io_counts
         plan = program.plan
         return program.perf.shaped(num_inputs, num_outputs, plan.per_step,
                                    plan.replication_factor, program.output_mode,
@@ -45,28 +42,28 @@ class ExecutorInspection:
 
     def getHostIpuLatency(self) -> tuple[float, float, float]:
         """(min, max, mean) seconds from input requested to input transferred."""
-        return self._require_compiled("getHostIpuLatency").perf.latencies(
+        return self._require_compilation("getHostIpuLatency").program.perf.latencies(
             "input", "input_complete")
 
     def getComputeLatency(self) -> tuple[float, float, float]:
         """(min, max, mean) seconds from input transferred to output available."""
-        return self._require_compiled("getComputeLatency").perf.latencies(
+        return self._require_compilation("getComputeLatency").program.perf.latencies(
             "input_complete", "output")
 
     def getIpuHostLatency(self) -> tuple[float, float, float]:
         """(min, max, mean) seconds from output available to output on the host."""
-        return self._require_compiled("getIpuHostLatency").perf.latencies(
+        return self._require_compilation("getIpuHostLatency").program.perf.latencies(
             "output", "output_complete")
 
     def getLatency(self) -> tuple[float, float, float]:
         """(min, max, mean) round-trip seconds of the iterations of the last call."""
-        return self._require_compiled("getLatency").perf.latencies(
+        return self._require_compilation("getLatency").program.perf.latencies(
             "input", "output_complete")
 
     def cycleCount(self) -> int:
         """Device time of the last call, in nanoseconds (our devices have no cycle
         counter: one "cycle" is one nanosecond). Needs ``Options.logCycleCount(True)``."""
-        program = self._require_compiled("cycleCount")
+        program = self._require_compilation("cycleCount").program
         if not self._options.exists("log_cycle_count") or not self._options.log_cycle_count:
             raise Error("cycleCount: enable it before compiling with "
                         "opts.logCycleCount(True).")
@@ -76,22 +73,16 @@ class ExecutorInspection:
     def getTensorNames(self) -> list[str]:
         """Names of the tensors that can be anchored: parameters, their gradients
         (``Gradient___<name>``, training only) and buffers."""
-        self._require_compiled("getTensorNames")
+        self._require_compilation("getTensorNames")
         from .._runtime.batching.anchors import tensor_names
         return tensor_names(self._model, self._training)
 
-    def _anchor_recorder(self, plan: BatchPlan):
-        from .._runtime.batching.anchors import AnchorRecorder
-        recorder = AnchorRecorder(self._model, self._config, plan, self._training)
-        self._anchors = recorder
-        return recorder
-
     def getAnchoredTensor(self, short_name: str) -> torch.Tensor:
         """The value of an anchored tensor (``Options.anchorTensor``) after the last call."""
-        self._require_compiled("getAnchoredTensor")
-        if not self._anchors:
+        anchors = self._require_compilation("getAnchoredTensor").anchors
+        if not anchors:
             raise Error(f"getAnchoredTensor: no tensor is anchored as '{short_name}'; "
                         "anchor it with opts.anchorTensor(short_name, long_name) before "
                         "compiling.")
-        return self._anchors.get(short_name)
+        return anchors.get(short_name)
 

@@ -17,6 +17,7 @@ import torch
 from .. import _devices
 from .._logging import info_once
 from .._runtime.batching.plan import BatchPlan
+from .._runtime.config import RuntimeConfig
 from .._runtime.program.concurrent_replicas import ConcurrentReplicas
 from .._runtime.program.replica_groups import grouped_parameters
 from .._runtime.program.runner import PerReplicaRunner, ReplicaBuffers, SequentialRunner
@@ -37,13 +38,17 @@ def _replica_devices(options: Any, replicas: int) -> list[torch.device] | None:
     return devices if devices[0].type == "cuda" and len(distinct) > 1 else None
 
 
-def local_replica_runner(executor: Any, runner: Any, plan: BatchPlan, cross: Any) -> Any:
-    """The runner of the process's ``r`` local replicas (see module docstring); ``runner``
-    itself when there is nothing per replica (one replica, no buffers, no groupings)."""
-    model, options = executor._model, executor._options
+def local_replica_runner(model: torch.nn.Module, options: Any, config: RuntimeConfig,
+                         groupings: dict | None, runner: Any, plan: BatchPlan,
+                         cross: Any) -> tuple[Any, Any]:
+    """The runner of the process's ``r`` local replicas (see module docstring) and their
+    per-replica buffers (None when they share one set); ``runner`` itself when there is
+    nothing per replica (one replica, no buffers, no groupings). ``options`` name the
+    devices (``_devices.ipu_device``), ``config`` is the rest as compiled."""
     r = plan.replication_factor
     processes = cross.world.size if cross is not None else 1
-    groupings = executor._replica_groupings or {}
+    groupings = groupings or {}
+    broadcast = config.distributed.broadcast_buffers
     grouped = grouped_parameters(
         model, groupings, (cross.world.rank if cross is not None else 0) * r, r,
         r * processes) if groupings else []
@@ -53,25 +58,23 @@ def local_replica_runner(executor: Any, runner: Any, plan: BatchPlan, cross: Any
                     "replica); it does not combine with execution strategies or "
                     "block annotations.")
     devices = _replica_devices(options, r) if r > 1 and plain and not grouped else None
-    if devices is not None and not options.anchored_tensors:
+    if devices is not None and not config.anchored_tensors:
         info_once(("concurrent-replicas", tuple(map(str, devices))),
                   "%d local replicas run concurrently, on %s.", r,
                   ", ".join(map(str, devices)))
-        concurrent = ConcurrentReplicas(model, devices, bool(options.broadcast_buffers),
-                                        plan.per_step)
-        executor._replica_buffers = concurrent
-        return concurrent
+        concurrent = ConcurrentReplicas(model, devices, broadcast, plan.per_step)
+        return concurrent, concurrent
     has_buffers = r > 1 and next(model.buffers(), None) is not None
     if not grouped and not has_buffers:
-        return runner
+        return runner, None
     if not plain:
         info_once(("shared-replica-buffers",),
                   "Model-parallel execution with replicationFactor(%d): the replicas "
                   "share one set of buffers (broadcastBuffers has no effect).", r)
-        return runner
+        return runner, None
     states: list[Any] = list(grouped)
+    buffers = None
     if has_buffers:
-        buffers = ReplicaBuffers(model, r, bool(options.broadcast_buffers))
-        executor._replica_buffers = buffers
+        buffers = ReplicaBuffers(model, r, broadcast)
         states.append(buffers)
-    return PerReplicaRunner(runner, states, r, plan.per_step)
+    return PerReplicaRunner(runner, states, r, plan.per_step), buffers

@@ -9,33 +9,28 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
 from .._runtime.torch_internals import pytree
 
-from .. import _devices
 from . import hooks as _hooks, optimizer_rules, program_setup
+from .compiler import ModelParts, compile_model, optimizer_sync
 from .fast_call import MISS, make_fast_call
-from .local_replicas import local_replica_runner
-from .processes import join_processes
-from .call_support import (CallRollback, Snapshot, backend_name, check_inference_accumulation, count_tensors,
-                           to_cpu, to_device)
+from .call_support import (CallRollback, Snapshot, check_inference_accumulation,
+                           count_tensors, to_device)
 from .inspection import ExecutorInspection
 from .replica_grouping import GroupableParameter
 from .._logging import logger
 from .._runtime import context
-from .._runtime.config import RuntimeConfig
-from .._runtime.batching.plan import BatchPlan, resolve_output_mode, split_inputs
-from .._runtime.batching.signature import InputSignature, detach_inputs
+from .._runtime.compilation import Compilation
+from .._runtime.batching.plan import split_inputs
+from .._runtime.batching.signature import detach_inputs
 from .._runtime.weights.modelcopy import TrainingMode, shallow_copy_module
-from .._runtime.program.optimizer import (DeviceOptimizerSync, attach_optimizer,
-                                 make_loss_scaler)
-from .._runtime.program.device_loop import DeviceProgram, RngScope
-from .._runtime.program.runner import SequentialRunner
-from .._runtime.weights.constants import TensorConstants
-from .._runtime.weights.sync import WeightSync
-from ..enums import CommGroupType, OutputMode
+from .._runtime.program.optimizer import attach_optimizer, make_loss_scaler
+from .._runtime.program.device_loop import DeviceProgram
+from ..enums import OutputMode
 from ..errors import Error
 from ..optim.optimizers import SGD
 from ..options.options import Options
@@ -55,6 +50,12 @@ def isRunningOnIpu() -> bool:
 
 
 _EXECUTOR_IDS = itertools.count()
+
+
+def _device_optimizer(compiled: Compilation) -> Any:
+    """The optimizer a compiled program steps (None for inference)."""
+    return None if compiled.optimizer is None else compiled.optimizer.device
+
 
 class PoplarExecutor(ExecutorInspection):
     """A wrapped model that runs whole device programs per call.
@@ -86,7 +87,9 @@ class PoplarExecutor(ExecutorInspection):
                          user_model or model)
 
     def _init_state(self, model, options, training, version, optimizer, user_model) -> None:
-        # Every attribute of the executor's state is created here.
+        # Every attribute of the executor's state is created here. The user-facing
+        # state lives on the executor; what a compile produces is one Compilation
+        # (``_runtime/compilation.py``), held in ``_compiled`` until ``destroy()``.
         self._user_model = user_model
         self._options = options
         self._training = training
@@ -99,43 +102,20 @@ class PoplarExecutor(ExecutorInspection):
         keep_eval = [m for m in user_model.modules() if not m.training] \
             if training and user_model.training else []
         self._mode = TrainingMode(self._model, training, keep_eval)
-        self._program: Any = None
-        self._weights: Any = None
-        self._attached = False
-        self._compile_seconds: Any = None
-        self._anchors: Any = {}
-        self._device: Any = None
-        self._constants: Any = None
-        self._synthetic: Any = None
-        self._replica_buffers: Any = None
-        self._precision: Any = None
-        self._optimizer_sync: Any = None
-        self._backend: Any = None
-        self._source: Any = None
-        self._fast: Any = None
         self._once_key = next(_EXECUTOR_IDS)  # per-model "log once" messages
-        # Set when compiling (None / empty before): every attribute of the executor's
-        # state exists from here on, so that a lookup never falls through __getattr__.
-        self._signature: Any = None
-        self._tensor_constants: Any = None
-        self._buffers_list: Any = []
-        self._optimizer_keys: Any = None
-        self._device_optimizer: Any = None
-        self._casting: Any = None
-        self._autocast_hooks: Any = None
-        self._io_checked = False
-        self._io_counts = (0, 0)
-        self._pending_precompiled: Any = None  # poptorch.load: compiled at the first call
-        self._pending_rng_state: Any = None
-        self._replica_groupings: Any = {}
-        self._config: Any = None  # RuntimeConfig of the options, made at compile time
+        self._compiled: Compilation | None = None
+        self._replica_groupings: dict = {}  # replicaGrouping(), before compiling
+        # poptorch.load / loadExecutable: handed to the next compile
+        self._pending_precompiled: dict | None = None
+        self._pending_rng_state: list | None = None
 
     # ------------------------------------------------------------------ properties
     @property
     def model(self) -> torch.nn.Module:
         """The wrapped torch model (the user's module, with trained weights)."""
-        if self._weights is not None:
-            self._weights.to_host_if_needed()
+        compiled = self._compiled
+        if compiled is not None:
+            compiled.weights.to_host_if_needed()
         return self._user_model
 
     @property
@@ -163,146 +143,37 @@ class PoplarExecutor(ExecutorInspection):
         rng.state = generator_state.clone()
 
     # ------------------------------------------------------------------ compile
-    def _plan(self) -> BatchPlan:
-        opts = self._options
-        g = opts.Training.gradient_accumulation
-        return BatchPlan(opts.device_iterations, g, opts.replication_factor,
-                         opts.input_group_size, CommGroupType(opts.input_cgt))
-
     def _compile(self, args: tuple, kwargs: dict) -> None:
         from tqdm import tqdm
         opts = self._options
-        self._fast = None
         t0 = time.perf_counter()
         _hooks.run_pre_compile_hooks()
         bar = tqdm(total=4, desc="Graph compilation", leave=False, unit="stage",
                    disable=not opts.show_compilation_progress_bar)
+        parts = ModelParts(
+            model=self._model, user_model=self._user_model, options=opts,
+            training=self._training, optimizer=self._optimizer,
+            version=self._poptorch_version, groupings=self._replica_groupings,
+            name=self._model_name())
         try:
-            plan = self._plan()
-            split_inputs(plan, args, kwargs)  # check batch sizes before anything else
-            from .program_setup import check_precompiled_inputs
-            check_precompiled_inputs(self, args, kwargs)
-            self._signature = InputSignature(self._model.forward, args, kwargs)
-            self._tensor_constants = TensorConstants(self._model)
-            self._buffers_list = list(self._model.buffers())
-            if self._training:
-                optimizer_rules.apply_mean_reduction_rule(opts, self._optimizer, False)
-            self._config = RuntimeConfig.of(opts)  # what the engine reads from here on
-            bar.update()
-            runner, device = self._build_runner((args, kwargs))
-            bar.update()
-            self._weights_and_optimizer(device)
-            # Only training needs the other processes; an inference model runs on its
-            # own (a program may evaluate on process 0 alone).
-            cross = self._join_processes(device) if self._training else None
-            runner = local_replica_runner(self, runner, plan, cross)
-            if cross is not None:
-                runner = cross.wrap_runner(runner, plan.per_step, device)
-            bar.update()
-            self._program = self._build_program(plan, runner, device, cross)
-            program_setup.install_program_extras(self, self._program)
-            backend = self._backend
-            if backend in ("inductor", "fastest"):
-                from .._runtime.program.compiled_step import compile_device_program
-                compile_device_program(self._program, runner, self._model, device,
-                                       self._model_name(),
-                                       bool(opts.show_compilation_progress_bar),
-                                       measure=backend == "fastest")
-            if device.type == "cuda":  # the eager loop as one CUDA graph where it can be
-                from .._runtime.program.cuda_graphs import install_cuda_graphs
-                install_cuda_graphs(self._program, runner, self._model, device,
-                                    self._model_name())
-            from .program_setup import program_source
-            self._source = program_source(self, args, kwargs)
-            if opts.synthetic_data:
-                from .._runtime.batching.synthetic import SyntheticInputs
-                self._synthetic = SyntheticInputs(self._device)
-                self._program.perf.synthetic = True
-            bar.update()
+            compiled = compile_model(parts, args, kwargs, self._pending_precompiled, bar)
         finally:
             bar.close()
+        self._pending_precompiled = None  # (installed by the program's source)
         opts._freeze()
         opts._apply_effects()  # logging options; logs the options without effect here
         from .ipu_environment import log_ipu_only_environment
         log_ipu_only_environment()
-        self._attached = True
-        self._compile_seconds = time.perf_counter() - t0
-        logger.debug("Compiled %s in %.3f s", self._model_name(), self._compile_seconds)
-        from .._runtime.export import _apply_pending_rng
-        _apply_pending_rng(self)
+        seconds = time.perf_counter() - t0
+        self._compiled = replace(compiled, compile_seconds=seconds)
+        logger.debug("Compiled %s in %.3f s", parts.name, seconds)
+        self._apply_pending_rng()
         _hooks.run_post_compile_hooks()
 
-    def _build_runner(self, example=None):
-        from .._runtime.placement.build import build_runner
-        runner = build_runner(self._model, self._options, self._training, example=example)
-        if runner is not None:
-            device = getattr(runner, "output_device", torch.device("cpu"))
-            self._device = getattr(runner, "input_device", device)
-            self._backend = backend_name(self._options, device)
-            return runner, device
-        device = _devices.acquire_devices(self._options, 1)[0]
-        self._device = device
-        forward = self._model
-        backend = backend_name(self._options, device)
-        self._backend = backend
-        return SequentialRunner(forward), device
-
-    def _weights_to_device(self, **which) -> None:
-        """Host -> device copy; every replica then holds the host's buffers."""
-        self._weights.to_device(**which)
-        buffers = self._replica_buffers
-        if buffers is not None and which.get("buffers", True):
-            buffers.broadcast()
-
-    def _weights_and_optimizer(self, device: torch.device) -> None:
-        updatable = self._options.updatable_named_buffers
-        if updatable is not None:
-            known = [n for n, _ in self._model.named_buffers()]
-            unknown = [n for n in updatable if n not in known]
-            if unknown:
-                raise Error(f"updatableNamedBuffers: the model has no buffer named "
-                            f"{', '.join(map(repr, unknown))}; its buffers are: "
-                            f"{', '.join(known) or '(none)'}.")
-        sync = WeightSync(self._user_model, self._model, device)
-        self._weights = sync
-        if self._training:
-            attached = attach_optimizer(self._optimizer, self._model, self._user_model,
-                                        sync)
-            optimizer_rules.mark_compiled(self._optimizer, self._options)
-            self._optimizer_keys = optimizer_rules.attribute_keys(
-                self._optimizer)
-            self._device_optimizer = attached
-            self._sync_optimizer(self._optimizer, attached)
-
-    def _sync_optimizer(self, user_optimizer: Any, device_optimizer: Any) -> None:
-        sync = None
-        if DeviceOptimizerSync.needed(user_optimizer, device_optimizer):
-            sync = DeviceOptimizerSync(user_optimizer, device_optimizer)
-        self._optimizer_sync = sync
-        self._fast = None  # built again with this sync
-
-    def _join_processes(self, device: torch.device):
-        return join_processes(self._options, self._model, self._training,
-                              self._device_optimizer, self._model_name(),
-                              device)
-
-    def _build_program(self, plan: BatchPlan, runner, device, cross=None) -> DeviceProgram:
-        config = self._config  # the options as compiled (RuntimeConfig)
-        params = [p for p in self._model.parameters() if p.requires_grad]
-        program = DeviceProgram(
-            plan=plan, runner=runner, training=self._training,
-            output_mode=resolve_output_mode(config.output_mode, self._training),
-            output_return_period=config.output_return_period, params=params,
-            optimizer=self._device_optimizer, config=config,
-            rng=RngScope(config.random_seed, device),
-            to_host=None if device.type == "cpu" else to_cpu,
-            anchors=self._anchor_recorder(plan) if config.anchored_tensors else None,
-            cross=cross)
-        if self._training:
-            program.set_scaler(make_loss_scaler(self._optimizer, config))
-            from ..optim.attributes import snapshot_constants
-            self._constants = snapshot_constants(self._optimizer)
-        return program
+    def _apply_pending_rng(self) -> None:
+        state, self._pending_rng_state = self._pending_rng_state, None
+        if state is not None and state[0] is not None:
+            self.rng_state = state
 
     def _model_name(self) -> str:
         opts = self._options
@@ -311,21 +182,25 @@ class PoplarExecutor(ExecutorInspection):
 
     def compile(self, *args, **kwargs) -> None:
         """Compile the model for these inputs without running it (no-op if compiled)."""
-        if self._program is None:
+        if self._compiled is None:
             self._compile(args, kwargs)
 
     # ------------------------------------------------------------------ run
     def __call__(self, *args, **kwargs) -> Any:
         if self._training and not torch.is_grad_enabled():
             return self._call_with_grad(args, kwargs)
-        fast = self._fast  # executor/fast_call.py: None = not known yet, False = never
-        if fast:
-            result = fast(args, kwargs)
-            if result is not MISS:
-                return result
+        compiled = self._compiled
+        fast = None
+        if compiled is not None:
+            # executor/fast_call.py: None = not known yet, False = never
+            fast = compiled.calls.fast
+            if fast:
+                result = fast(args, kwargs)
+                if result is not MISS:
+                    return result
         args, kwargs = detach_inputs(args, kwargs, self._once_key)
-        first = self._program is None
-        if first:
+        first = compiled is None
+        if compiled is None:
             # compiling may already create optimizer state (momentum buffers): a failed
             # first call must not leave it behind
             user_optimizer = self._optimizer if self._training else None
@@ -336,39 +211,43 @@ class PoplarExecutor(ExecutorInspection):
                 if user_optimizer is not None:
                     user_optimizer.load_state_dict(before)
                 raise
-            snapshot: Snapshot | CallRollback | None = Snapshot(self._model, self._device_optimizer,
-                                user_optimizer, before)
+            compiled = self._compiled
+            assert compiled is not None
+            snapshot: Snapshot | CallRollback | None = Snapshot(
+                self._model, _device_optimizer(compiled), user_optimizer, before)
         else:
-            self._check_signature(args, kwargs)  # before anything runs
-            if self._tensor_constants:
-                self._tensor_constants.restore()
-            snapshot = CallRollback.for_call(self._program, self._buffers_list)
+            self._check_signature(compiled, args, kwargs)  # before anything runs
+            if compiled.tensor_constants:
+                compiled.tensor_constants.restore()
+            snapshot = CallRollback.for_call(compiled.program, compiled.buffers)
+        calls = compiled.calls
         # PopTorch's rules for overlap markers, checked on the first run (compiling)
-        io_check = None if self._io_checked else \
-            program_setup.overlap_check(self)
+        io_check = None if calls.io_checked else \
+            program_setup.overlap_check(self._options, self._model, compiled.program)
         if io_check is not None and not first:  # compiled by compile(): checked now
-            snapshot = Snapshot(self._model, self._device_optimizer)
-        if not self._attached:
+            snapshot = Snapshot(self._model, _device_optimizer(compiled))
+        if not calls.attached:
             self.attachToDevice()
-        device = self._device
-        if self._synthetic is not None:
-            args, kwargs = self._synthetic(args, kwargs)
+        device = compiled.device
+        if compiled.synthetic is not None:
+            args, kwargs = compiled.synthetic(args, kwargs)
         elif device.type != "cpu":
             args, kwargs = to_device((args, kwargs), device)
-        casting = self._casting
-        opt_sync = self._optimizer_sync
+        casting = compiled.casting
+        opt_sync = None if compiled.optimizer is None else compiled.optimizer.sync
         if opt_sync is not None:
             opt_sync.before_run()
+        program = compiled.program
         try:
-            source = self._source
+            source = compiled.source
             with self._mode, (source.first_call() if source.fresh else _NO_CONTEXT), \
                     (io_check or _NO_CONTEXT):
                 if casting is None:
-                    result = self._program.run(args, kwargs)
+                    result = program.run(args, kwargs)
                 else:
                     casting.observe(args, kwargs)
                     with casting:
-                        result = self._program.run(args, kwargs)
+                        result = program.run(args, kwargs)
             if isinstance(snapshot, Snapshot) and first:
                 snapshot.check_buffers()
         except BaseException:
@@ -380,15 +259,14 @@ class PoplarExecutor(ExecutorInspection):
                 self.destroy()
             raise
         if io_check is not None and io_check.done:
-            self._io_checked = True
-        self._weights.mark_device_newer()
+            calls.io_checked = True
+        compiled.weights.mark_device_newer()
         if opt_sync is not None:
             opt_sync.after_run()
         if first:
-            self._io_counts = (count_tensors((args, kwargs)),
-                                           count_tensors(result))
+            calls.io_counts = (count_tensors((args, kwargs)), count_tensors(result))
         elif fast is None:
-            self._fast = make_fast_call(self, args, kwargs)
+            calls.fast = make_fast_call(compiled, self._mode, args, kwargs)
         return result
 
     def _call_with_grad(self, args: tuple, kwargs: dict) -> Any:
@@ -403,12 +281,12 @@ class PoplarExecutor(ExecutorInspection):
                 else t, (args, kwargs))
             return self(*args, **kwargs)
 
-    def _check_signature(self, args: tuple, kwargs: dict) -> None:
+    def _check_signature(self, compiled: Compilation, args: tuple, kwargs: dict) -> None:
         try:
-            self._signature.check(args, kwargs)
+            compiled.signature.check(args, kwargs)
         except Error:
             # A batch that does not divide into micro-batches has the clearer message.
-            split_inputs(self._program.plan, args, kwargs)
+            split_inputs(compiled.program.plan, args, kwargs)
             raise
 
     # ------------------------------------------------------------------ weights
@@ -416,38 +294,37 @@ class PoplarExecutor(ExecutorInspection):
         """Copy the device weights (and buffers) to the user's model."""
         if self._loaded_not_run():
             return
-        self._require_compiled("copyWeightsToHost")
-        self._weights.to_host()
+        self._require_compilation("copyWeightsToHost").weights.to_host()
 
     def _loaded_not_run(self) -> bool:
         """A model from ``poptorch.load`` compiles at its first call; until then its
         weights live only in the host model, so weight copies have nothing to do."""
-        return self._program is None and self._pending_precompiled is not None
+        return self._compiled is None and self._pending_precompiled is not None
 
     def copyWeightsToHostIfNeeded(self) -> bool:
         """Copy the weights to the host if the device has newer ones; True if copied."""
-        return self._weights is not None and self._weights.to_host_if_needed()
+        compiled = self._compiled
+        return compiled is not None and compiled.weights.to_host_if_needed()
 
     def copyWeightsToDevice(self) -> None:
         """Copy the user's model weights (and buffers) to the device."""
         if self._loaded_not_run():
             return
-        self._require_compiled("copyWeightsToDevice")
-        self._weights_to_device()
+        self._require_compilation("copyWeightsToDevice").weights_to_device()
 
     def copyNamedBuffersToDevice(self) -> None:
         """Copy the user's model buffers (only) to the device: those named by
         ``Options.updatableNamedBuffers``, or all of them when it is not set."""
-        self._require_compiled("copyNamedBuffersToDevice")
+        compiled = self._require_compilation("copyNamedBuffersToDevice")
         names = self._options.updatable_named_buffers
-        self._weights_to_device(params=False, buffers=True,
-                                buffer_names=None if names is None else set(names))
+        compiled.weights_to_device(params=False, buffers=True,
+                                   buffer_names=None if names is None else set(names))
 
     def load_state_dict(self, state_dict: dict, strict: bool = True):
         """Load a state dict into the wrapped model and synchronise the device."""
         result = self.model.load_state_dict(state_dict, strict)
-        if self._weights is not None:
-            self._weights_to_device()
+        if self._compiled is not None:
+            self._compiled.weights_to_device()
         return result
 
     # ------------------------------------------------------------------ optimizer
@@ -460,88 +337,102 @@ class PoplarExecutor(ExecutorInspection):
         if not self._training:
             raise Error("setOptimizer: this is an inference model; only a trainingModel "
                         "has an optimizer.")
-        if self._program is not None:
+        compiled = self._compiled
+        if compiled is not None:
             from ..optim.attributes import check_update
-            optimizer_rules.apply_mean_reduction_rule(self._options, optimizer, True)
+            binding = compiled.optimizer
+            assert binding is not None  # (a compiled training model has one)
+            options = self._options
+            optimizer_rules.apply_mean_reduction_rule(options, optimizer, True)
             optimizer_rules.warn_unexpected_attributes(
-                self._optimizer_keys, optimizer, self._options.relax_optimizer_attributes_checks)
+                binding.keys, optimizer, options.relax_optimizer_attributes_checks)
             try:
-                check_update(self._constants, optimizer,
-                             self._options.relax_optimizer_attributes_checks)
+                check_update(binding.constants, optimizer,
+                             options.relax_optimizer_attributes_checks)
             except Error:
-                if optimizer is self._optimizer or optimizer is self._device_optimizer:
+                if optimizer is self._optimizer or optimizer is binding.device:
                     # the refused change was made in the optimizer in force: undo it,
                     # so that the compiled value stays in force (as on an IPU)
                     from ..optim.attributes import restore_constants
-                    restore_constants(self._constants, optimizer)
+                    restore_constants(binding.constants, optimizer)
                 raise
             attached = attach_optimizer(optimizer, self._model, self._user_model,
-                                        self._weights, previous=self._device_optimizer)
-            self._device_optimizer = attached
-            self._program.optimizer = attached
-            self._precision.prepare_optimizer(attached)
-            self._sync_optimizer(optimizer, attached)
-            optimizer_rules.mark_compiled(optimizer, self._options)
-            self._program.set_scaler(make_loss_scaler(optimizer, self._config,
-                                                      self._program.scaler))
+                                        compiled.weights, previous=binding.device)
+            program = compiled.program
+            binding.device = attached
+            program.optimizer = attached
+            compiled.precision.prepare_optimizer(attached)
+            binding.sync = optimizer_sync(optimizer, attached)
+            compiled.calls.fast = None  # built again with this sync
+            optimizer_rules.mark_compiled(optimizer, options)
+            program.set_scaler(make_loss_scaler(optimizer, compiled.config,
+                                                program.scaler))
         self._optimizer = optimizer
 
     @property
     def _executable(self) -> DeviceProgram | None:
         """The compiled program, None before compilation and after ``destroy()`` (the
         attribute libraries such as lightning-graphcore test, as upstream's)."""
-        return self._program
+        return None if self._compiled is None else self._compiled.program
+
+    # the compiled program, as tests and benchmarks read it (docs/design.md)
+    _program = _executable
 
     def isCompiled(self) -> bool:
         """True once the model is compiled (and not destroyed)."""
-        return self._program is not None
+        return self._compiled is not None
 
     def isAttachedToDevice(self) -> bool:
         """True while the model holds its device."""
-        return self._attached
+        return self._compiled is not None and self._compiled.calls.attached
 
     def detachFromDevice(self) -> None:
         """Release the device: weights are copied to the host first."""
-        self._require_compiled("detachFromDevice")
-        if not self._attached:
+        compiled = self._require_compilation("detachFromDevice")
+        if not compiled.calls.attached:
             raise Error("detachFromDevice: the model is not attached to a device.")
-        self._weights.to_host_if_needed()
-        self._attached = False
-        self._fast = None  # (the fast path assumes an attached model)
+        compiled.weights.to_host_if_needed()
+        compiled.calls.attached = False
+        compiled.calls.fast = None  # (the fast path assumes an attached model)
 
     def attachToDevice(self) -> None:
         """Attach to the device again; the host weights are copied to the device."""
-        self._require_compiled("attachToDevice")
-        if self._attached:
+        compiled = self._require_compilation("attachToDevice")
+        if compiled.calls.attached:
             raise Error("attachToDevice: the model is already attached to a device.")
-        self._weights_to_device()
-        self._attached = True
-        logger.debug("Attached to %s", self._device)
+        compiled.weights_to_device()
+        compiled.calls.attached = True
+        logger.debug("Attached to %s", compiled.device)
 
     def destroy(self) -> None:
         """Release the device and the compiled program; the next call compiles again."""
-        if self._weights is not None:
-            self._weights.to_host_if_needed()
-        for name in ("_program", "_weights", "_device", "_replica_buffers", "_synthetic",
-                     "_fast"):
-            setattr(self, name, None)
+        compiled, self._compiled = self._compiled, None
+        if compiled is not None:
+            compiled.weights.to_host_if_needed()
+            compiled.release()
         self._mode.forget()
-        self._attached = False
-        self._compile_seconds = None
-        self._io_checked = False  # checked again when compiled again
 
-    def _require_compiled(self, what: str) -> DeviceProgram:
-        if self._program is None:
+    def _require_compilation(self, what: str) -> Compilation:
+        compiled = self._compiled
+        if compiled is None:
             raise Error(f"{what}: Model has not been compiled or has been destroyed. "
                         "Call it (or compile(*inputs)) first.")
-        return self._program
+        return compiled
+
+    def _require_compiled(self, what: str) -> DeviceProgram:
+        return self._require_compilation(what).program
 
     def save(self, filename: str, export_model: bool = True,
              save_rng_state: bool = True) -> None:
         """Save the compiled model (and, with export_model, the torch model) to a file."""
-        from .._runtime.export import save_executor
-        self._require_compiled("save")
-        save_executor(self, filename, export_model, save_rng_state)
+        from .._runtime.export import save_compiled
+        compiled = self._require_compilation("save")
+        self.copyWeightsToHostIfNeeded()
+        save_compiled(filename, compiled, user_model=self._user_model,
+                      options=self._options, training=self._training,
+                      optimizer=self._optimizer, version=self._poptorch_version,
+                      rng_state=self.rng_state if save_rng_state else None,
+                      export_model=export_model)
 
     def compileAndExport(self, filename: str, *args, export_model: bool = True,
                          **kwargs) -> None:
@@ -549,13 +440,33 @@ class PoplarExecutor(ExecutorInspection):
         the input signature, see docs/precompilation.md) to ``filename``; the model's
         state is left as it was."""
         from .._runtime.export import compile_by_running
-        compile_by_running(self, args, kwargs)
+        self.compile(*args, **kwargs)
+        compiled = self._require_compilation("compileAndExport")
+        compile_by_running(compiled, self._model, lambda: self(*args, **kwargs))
         self.save(filename, export_model=export_model)
 
     def loadExecutable(self, filename: str) -> None:
         """Restore a model saved with ``compileAndExport`` / ``save`` into this one."""
-        from .._runtime.export import load_into
-        load_into(self, filename)
+        from .._runtime.export import check_kind, read_payload
+        payload = read_payload(filename)
+        check_kind(payload, self._training, filename)
+        self.load_state_dict(payload["state_dict"])
+        if self._training and payload["optimizer_state"] is not None:
+            self._optimizer.load_state_dict(payload["optimizer_state"])
+        self._restore_from(payload)
+
+    def _restore_from(self, payload: dict) -> None:
+        """The random state and the compiled program of a saved model (``poptorch.load``,
+        :py:meth:`loadExecutable`): the program and the inputs it was compiled for are
+        installed by the next compile; a compiled model keeps its program, and checks
+        later calls against the saved inputs."""
+        from .._runtime.export import precompiled_of
+        self._pending_rng_state = payload["rng_state"]
+        self._pending_precompiled = precompiled_of(payload)
+        compiled = self._compiled
+        if compiled is not None:
+            compiled.source.expected = payload.get("signature")
+            self._apply_pending_rng()
 
     def train(self, mode: bool = True) -> "PoplarExecutor":
         """A wrapper keeps the mode it was created in: trainingModel trains and

@@ -8,53 +8,54 @@ process 0's weights and optimizer state. The engine side is
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
 from .._logging import logger
 from .._runtime.distributed import world as distributed_world
 from .._runtime.distributed.consistency import check_same_everywhere
+from .._runtime.config import RuntimeConfig
 from .._runtime.distributed.replicas import CrossProcessReplicas
 
 
-def join_processes(options: Any, model: torch.nn.Module, training: bool,
+def join_processes(config: RuntimeConfig, model: torch.nn.Module, training: bool,
                    optimizer: Optional[torch.optim.Optimizer], name: str,
                    device: torch.device) -> Optional[CrossProcessReplicas]:
-    """The cross-process side of a compiled model; None in a single process."""
-    world = distributed_world.join(options.Distributed.processId,
-                                   options.Distributed.numProcesses, device)
+    """The cross-process side of a compiled model; None in a single process.
+    ``config`` holds the options as compiled."""
+    processes = config.distributed
+    world = distributed_world.join(processes.process_id, processes.num_processes, device)
     if not world.distributed:
         return None
-    check_same_everywhere(world, program_signature(options, model, training))
+    check_same_everywhere(world, program_signature(config, model, training))
     params = [p for p in model.parameters() if p.requires_grad]
-    cross = CrossProcessReplicas(world, model, params, bool(options.broadcast_buffers))
+    cross = CrossProcessReplicas(world, model, params, processes.broadcast_buffers)
     cross.start_identical(optimizer)
-    r = options.replication_factor
+    r = config.replication_factor
     logger.info("%s: process %d of %d, %d replica(s) per process, %d in all.", name,
                 world.rank, world.size, r, r * world.size)
     return cross
 
 
-def program_signature(options: Any, model: torch.nn.Module, training: bool) -> dict:
+def program_signature(config: RuntimeConfig, model: torch.nn.Module,
+                      training: bool) -> dict:
     """What must be the same on every process, by the option names users know."""
-    strategy = options.execution_strategy
-    train = options.Training
+    processes, train = config.distributed, config.training
     tensors = [(n, tuple(t.shape), str(t.dtype)) for n, t in
                list(model.named_parameters()) + list(model.named_buffers())]
     digest = hashlib.sha1(repr(tensors).encode()).hexdigest()[:12]
     return {
         "training": training,
-        "replicationFactor": options.replication_factor,
-        "deviceIterations": options.device_iterations,
+        "replicationFactor": config.replication_factor,
+        "deviceIterations": config.device_iterations,
         "Training.gradientAccumulation": train.gradient_accumulation,
-        "Training.accumulationAndReplicationReductionType":
-            str(train.accumulation_and_replication_reduction_type),
+        "Training.accumulationAndReplicationReductionType": str(train.reduction),
         "Training.meanAccumulationAndReplicationReductionStrategy":
-            str(train.meanAccumulationAndReplicationReductionStrategy),
-        "setExecutionStrategy": None if strategy is None else type(strategy).__name__,
-        "broadcastBuffers": bool(options.broadcast_buffers),
-        "inputReplicaGrouping": (options.input_group_size, str(options.input_cgt)),
-        "outputMode": options.output_mode,
+            str(train.mean_strategy),
+        "setExecutionStrategy": processes.strategy_name,
+        "broadcastBuffers": processes.broadcast_buffers,
+        "inputReplicaGrouping": (processes.input_group_size, str(processes.input_cgt)),
+        "outputMode": config.output_mode,
         "model parameters and buffers": f"{len(tensors)} tensors, digest {digest}",
     }

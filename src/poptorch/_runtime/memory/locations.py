@@ -22,8 +22,8 @@ import torch
 
 from ..._logging import info_once
 from ...enums import CommGroupType, VariableRetrievalMode
+from ..config import LocationsConfig
 from ..distributed.world import SINGLE_PROCESS
-from ..placement.strategy import is_phased
 from ..program.replica_groups import group_count, group_of
 from .layout import DEFAULT_MIN_ELEMENTS, plan_layout
 from .offload import ActivationsOffChip, StateStorage
@@ -41,8 +41,8 @@ def elementwise(optimizer: Any) -> bool:
         ("poptorch.optim", "torch.optim"))
 
 
-def _settings(options: Any, kind: str) -> Dict[str, Any]:
-    return dict(getattr(options.TensorLocations, f"location_{kind}", {}) or {})
+def _settings(locations: LocationsConfig, kind: str) -> Dict[str, Any]:
+    return dict(getattr(locations, kind))
 
 
 def slot_members(params: List[torch.nn.Parameter], names: Dict[int, str],
@@ -68,15 +68,16 @@ def slot_members(params: List[torch.nn.Parameter], names: Dict[int, str],
     return result
 
 
-def install(program: Any, model: torch.nn.Module, options: Any,
+def install(program: Any, model: torch.nn.Module, locations: LocationsConfig,
             groupings: Optional[dict], device: torch.device) -> Optional[ManagedStep]:
-    """Make the tensor locations of ``options`` act on ``program`` (module docstring);
-    returns the managed optimizer step when one replaces the optimizer's own."""
-    optimizer_loc = _settings(options, "optimizer")
-    phased = is_phased(options._execution_strategy)
+    """Make the tensor ``locations`` (``Options.TensorLocations`` as compiled) act on
+    ``program`` (module docstring); returns the managed optimizer step when one
+    replaces the optimizer's own."""
+    optimizer_loc = _settings(locations, "optimizer")
+    phased = locations.phased
     cpu = device.type == "cpu"
-    _log_recorded(options, cpu, phased)
-    activation_loc = _settings(options, "activation")
+    _log_recorded(locations, cpu, phased)
+    activation_loc = _settings(locations, "activation")
     if activation_loc.get("onChip") is False and program.training and not phased:
         if cpu:
             info_once(("off-chip", "activation"), "TensorLocations: activations off chip "
@@ -130,10 +131,10 @@ def install(program: Any, model: torch.nn.Module, options: Any,
     return managed
 
 
-def _log_recorded(options: Any, cpu: bool, phased: bool) -> None:
+def _log_recorded(locations: LocationsConfig, cpu: bool, phased: bool) -> None:
     """One INFO line per location setting that is recorded only."""
     for kind in ("weight", "accumulator"):
-        settings = _settings(options, kind)
+        settings = _settings(locations, kind)
         if settings.get("useReplicatedTensorSharding"):
             info_once(("rts", kind), "TensorLocations: replicated tensor sharding of %ss is "
                       "recorded; every replica holds the whole %ss (only the optimizer "

@@ -35,6 +35,7 @@ from ..torch_internals import NormBase, pytree
 from ... import _logging
 from ...enums import HalfFloatCastingBehavior
 from ...errors import Error
+from ..config import PrecisionConfig
 
 __all__ = ["PrecisionPolicy", "stochastic_round", "stochastic_rounding_active"]
 
@@ -302,16 +303,16 @@ class _CudaHalfPartials:
 
 
 class PrecisionPolicy:
-    """Applies ``options.Precision`` to one compiled model (see module docstring).
+    """Applies ``Options.Precision`` (as compiled: ``config.PrecisionConfig``) to one
+    compiled model (see module docstring).
 
     ``active`` is False when entering the policy would do nothing (every option that
     acts per call is at its default): callers may then skip ``with policy:``.
     ``checks_finite`` is True when :meth:`check_step` must run after every step.
     """
 
-    def __init__(self, options: Any, model: torch.nn.Module, training: bool,
-                 device: torch.device) -> None:
-        precision = options.Precision
+    def __init__(self, precision: PrecisionConfig, model: torch.nn.Module,
+                 training: bool, device: torch.device) -> None:
         self.device = torch.device(device)
         self.training = training
         self.half_float_casting = HalfFloatCastingBehavior(precision.half_float_casting)

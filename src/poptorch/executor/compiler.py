@@ -1,0 +1,189 @@
+"""The compile of a PopTorch model: from the model, its options and example inputs to
+one :py:class:`~poptorch._runtime.compilation.Compilation`.
+
+``PoplarExecutor._compile`` calls :py:func:`compile_model` with the executor's
+user-facing state (the models, options, training flag, optimizer, replica groupings,
+a precompiled file's contents) and holds what it returns; nothing here keeps a
+reference to the executor. A compile that fails leaves nothing behind on the model's
+modules.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import _devices
+from . import optimizer_rules, program_setup
+from .call_support import backend_name, to_cpu
+from .local_replicas import local_replica_runner
+from .processes import join_processes
+from .._runtime.compilation import Compilation, OptimizerBinding
+from .._runtime.config import RuntimeConfig
+from .._runtime.batching.plan import BatchPlan, resolve_output_mode, split_inputs
+from .._runtime.batching.signature import InputSignature
+from .._runtime.program.device_loop import DeviceProgram, RngScope
+from .._runtime.program.optimizer import (DeviceOptimizerSync, attach_optimizer,
+                                          make_loss_scaler)
+from .._runtime.program.runner import SequentialRunner
+from .._runtime.weights.constants import TensorConstants
+from .._runtime.weights.sync import WeightSync
+from ..enums import CommGroupType
+from ..errors import Error
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """The executor's user-facing state a compile reads."""
+    model: torch.nn.Module  # the executor's shallow copy (the device model)
+    user_model: torch.nn.Module
+    options: Any  # the executor's own poptorch.Options
+    training: bool
+    optimizer: Any  # the user's optimizer (training) or None
+    version: str
+    groupings: dict  # replicaGrouping of parameters, by name
+    name: str  # "<model>.training" / "<model>.inference", for messages
+
+
+def batch_plan(options: Any) -> BatchPlan:
+    """How a call's inputs split into device iterations and micro-batches."""
+    return BatchPlan(options.device_iterations, options.Training.gradient_accumulation,
+                     options.replication_factor, options.input_group_size,
+                     CommGroupType(options.input_cgt))
+
+
+def optimizer_sync(user_optimizer: Any, device_optimizer: Any
+                   ) -> DeviceOptimizerSync | None:
+    """The sync of a user's optimizer with its device copy, None when not needed."""
+    if DeviceOptimizerSync.needed(user_optimizer, device_optimizer):
+        return DeviceOptimizerSync(user_optimizer, device_optimizer)
+    return None
+
+
+def compile_model(parts: ModelParts, args: tuple, kwargs: dict,
+                  precompiled: dict | None, progress: Any) -> Compilation:
+    """Compile ``parts`` for inputs like ``(args, kwargs)`` (docs/design.md, the data
+    flow of a call); ``progress.update()`` marks each of four stages."""
+    opts, model, training = parts.options, parts.model, parts.training
+    plan = batch_plan(opts)
+    split_inputs(plan, args, kwargs)  # check batch sizes before anything else
+    program_setup.check_precompiled_inputs(precompiled, args, kwargs)
+    signature = InputSignature(model.forward, args, kwargs)
+    tensor_constants = TensorConstants(model)
+    buffers = list(model.buffers())
+    if training:
+        optimizer_rules.apply_mean_reduction_rule(opts, parts.optimizer, False)
+    config = RuntimeConfig.of(opts)  # what the engine reads from here on
+    progress.update()
+    runner, device, backend = _build_runner(parts, (args, kwargs))
+    progress.update()
+    weights, binding = _weights_and_optimizer(parts, device)
+    device_optimizer = None if binding is None else binding.device
+    # Only training needs the other processes; an inference model runs on its own
+    # (a program may evaluate on process 0 alone).
+    cross = join_processes(config, model, training, device_optimizer, parts.name,
+                           device) if training else None
+    runner, replica_buffers = local_replica_runner(
+        model, opts, config, parts.groupings, runner, plan, cross)
+    if cross is not None:
+        runner = cross.wrap_runner(runner, plan.per_step, device)
+    progress.update()
+    program, anchors = _build_program(parts, config, plan, runner, device,
+                                      device_optimizer, cross)
+    if binding is not None:  # what setOptimizer checks later optimizers against
+        from ..optim.attributes import snapshot_constants
+        binding.constants = snapshot_constants(parts.optimizer)
+    precision, casting, hooks = program_setup.install_program_extras(
+        program, model=model, user_model=parts.user_model, config=config,
+        training=training, device=device, optimizer=device_optimizer,
+        groupings=parts.groupings, name=parts.name,
+        popart_options=opts._Popart.options)
+    try:
+        if backend in ("inductor", "fastest"):
+            from .._runtime.program.compiled_step import compile_device_program
+            compile_device_program(program, runner, model, device, parts.name,
+                                   bool(opts.show_compilation_progress_bar),
+                                   measure=backend == "fastest")
+        if device.type == "cuda":  # the eager loop as one CUDA graph where it can be
+            from .._runtime.program.cuda_graphs import install_cuda_graphs
+            install_cuda_graphs(program, runner, model, device, parts.name)
+        source = program_setup.program_source(
+            backend, args, kwargs, precompiled, opts,
+            {"training": training, "model": model, "optimizer": parts.optimizer,
+             "version": parts.version})
+        synthetic = None
+        if opts.synthetic_data:
+            from .._runtime.batching.synthetic import SyntheticInputs
+            synthetic = SyntheticInputs(device)
+            program.perf.synthetic = True
+    except BaseException:
+        for handle in hooks:
+            handle.remove()
+        raise
+    progress.update()
+    return Compilation(
+        config=config, device=device, backend=backend, program=program,
+        weights=weights, signature=signature, tensor_constants=tensor_constants,
+        buffers=buffers, source=source, precision=precision, casting=casting,
+        optimizer=binding, replica_buffers=replica_buffers, synthetic=synthetic,
+        anchors=anchors, autocast_hooks=tuple(hooks))
+
+
+def _build_runner(parts: ModelParts, example: Any) -> tuple[Any, torch.device, str]:
+    """The step runner (execution strategies and blocks: ``build_runner``; else the
+    sequential runner on one acquired device), the input device and the backend."""
+    from .._runtime.placement.build import build_runner
+    runner = build_runner(parts.model, parts.options, parts.training, example=example)
+    if runner is not None:
+        device = getattr(runner, "output_device", torch.device("cpu"))
+        return runner, getattr(runner, "input_device", device), \
+            backend_name(parts.options, device)
+    device = _devices.acquire_devices(parts.options, 1)[0]
+    return SequentialRunner(parts.model), device, backend_name(parts.options, device)
+
+
+def _weights_and_optimizer(parts: ModelParts, device: torch.device
+                           ) -> tuple[WeightSync, OptimizerBinding | None]:
+    model, options = parts.model, parts.options
+    updatable = options.updatable_named_buffers
+    if updatable is not None:
+        known = [n for n, _ in model.named_buffers()]
+        unknown = [n for n in updatable if n not in known]
+        if unknown:
+            raise Error(f"updatableNamedBuffers: the model has no buffer named "
+                        f"{', '.join(map(repr, unknown))}; its buffers are: "
+                        f"{', '.join(known) or '(none)'}.")
+    sync = WeightSync(parts.user_model, model, device)
+    if not parts.training:
+        return sync, None
+    optimizer = parts.optimizer
+    attached = attach_optimizer(optimizer, model, parts.user_model, sync)
+    optimizer_rules.mark_compiled(optimizer, options)
+    keys = optimizer_rules.attribute_keys(optimizer)
+    # (its constant attributes are recorded once the program is built)
+    return sync, OptimizerBinding(device=attached, sync=optimizer_sync(optimizer, attached),
+                                  keys=keys, constants=None)
+
+
+def _build_program(parts: ModelParts, config: RuntimeConfig, plan: BatchPlan, runner: Any,
+                   device: torch.device, optimizer: Any, cross: Any
+                   ) -> tuple[DeviceProgram, Any]:
+    """The device program of one call, and its anchored tensors' recorder (or None)."""
+    model, training = parts.model, parts.training
+    params = [p for p in model.parameters() if p.requires_grad]
+    rng = RngScope(config.random_seed, device)
+    anchors = None
+    if config.anchored_tensors:
+        from .._runtime.batching.anchors import AnchorRecorder
+        anchors = AnchorRecorder(model, config, plan, training)
+    program = DeviceProgram(
+        plan=plan, runner=runner, training=training,
+        output_mode=resolve_output_mode(config.output_mode, training),
+        output_return_period=config.output_return_period, params=params,
+        optimizer=optimizer, config=config, rng=rng,
+        to_host=None if device.type == "cpu" else to_cpu,
+        anchors=anchors, cross=cross)
+    if training:
+        program.set_scaler(make_loss_scaler(parts.optimizer, config))
+    return program, anchors
