@@ -170,3 +170,63 @@ def test_the_dict_reader_sees_reach_ins():
     tree = ast.parse("def f(executor):\n    executor.__dict__['_x'] = 1\n    vars(executor)\n")
     assert [(line, obj) for line, obj, _ in _dict_reach_ins(tree)] == [
         (2, "executor"), (3, "executor")]
+
+
+# -- what a compile produced is read from the Compilation, never from the executor ------
+EXECUTOR_MODULE = "poptorch.executor.poplar_executor"
+# The loose attributes the executor had before its compile produced one Compilation
+# (``_runtime/compilation.py``): none of them may come back as a read of another object.
+FORMER_STATE = {
+    "_program", "_weights", "_device", "_constants", "_synthetic", "_replica_buffers",
+    "_precision", "_optimizer_sync", "_backend", "_source", "_fast", "_signature",
+    "_tensor_constants", "_buffers_list", "_optimizer_keys", "_device_optimizer",
+    "_casting", "_autocast_hooks", "_io_checked", "_io_counts", "_compile_seconds",
+    "_anchors", "_attached", "_config", "_executable"}
+
+
+def _executor_state() -> set[str]:
+    """The attributes ``PoplarExecutor._init_state`` creates (``self._x = ...``)."""
+    tree = ast.parse(_modules()[EXECUTOR_MODULE].read_text())
+    init = next(n for n in ast.walk(tree)
+                if isinstance(n, ast.FunctionDef) and n.name == "_init_state")
+    return {n.attr for n in ast.walk(init) if isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Name) and n.value.id == "self"
+            and isinstance(n.ctx, ast.Store)}
+
+
+def _foreign_reads(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
+    """(line, code) of every ``x.<name>`` with ``x`` not ``self`` / ``cls``, and every
+    ``getattr`` / ``setattr`` / ``hasattr`` / ``delattr`` naming one by string."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in names and not (
+                isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            found.append((node.lineno, ast.unparse(node)))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in ("getattr", "setattr", "hasattr", "delattr") \
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) \
+                and node.args[1].value in names:
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_no_module_reads_the_executors_state():
+    names = _executor_state() | FORMER_STATE
+    assert {"_compiled", "_options", "_model"} <= names  # the reader found _init_state
+    bad = []
+    for name, path in _modules().items():
+        if name == EXECUTOR_MODULE:
+            continue
+        bad += [f"{name}:{line}: {code}" for line, code in
+                _foreign_reads(ast.parse(path.read_text()), names)]
+    assert not bad, ("only PoplarExecutor reads its own state: hand the Compilation (or "
+                     "the piece needed) and the user-facing values to other modules "
+                     "explicitly:\n" + "\n".join(bad))
+
+
+def test_the_state_reader_sees_foreign_reads():
+    """So that the test above cannot pass by finding nothing."""
+    tree = ast.parse("def f(executor, self):\n    executor._program.run()\n"
+                     "    getattr(executor, '_compiled')\n    self._program = 1\n")
+    assert sorted(line for line, _ in _foreign_reads(tree, {"_program", "_compiled"})) \
+        == [2, 3]

@@ -495,7 +495,7 @@ class PoplarExecutor(ExecutorInspection):
                                  f"{name!r}")
         value = getattr(self.model, name)
         if isinstance(value, torch.nn.Parameter):
-            return GroupableParameter(self, name, value)
+            return GroupableParameter(self, self._replica_groupings, name, value)
         return value
 
     def __repr__(self) -> str:

@@ -21,8 +21,10 @@ class GroupableParameter:
     """A model parameter seen through a PopTorch model: ``replicaGrouping`` plus every
     attribute of the parameter itself."""
 
-    def __init__(self, executor: Any, name: str, param: torch.nn.Parameter) -> None:
+    def __init__(self, executor: Any, groupings: dict, name: str,
+                 param: torch.nn.Parameter) -> None:
         object.__setattr__(self, "_executor", executor)
+        object.__setattr__(self, "_groupings", groupings)  # the executor's, by name
         object.__setattr__(self, "_name", name)
         object.__setattr__(self, "_param", param)
 
@@ -41,8 +43,7 @@ class GroupableParameter:
         if executor.isCompiled():
             raise Error(f"{what} must be called before the model is first run (or "
                         "compiled): the grouping is part of the compiled program.")
-        groupings = executor._replica_groupings
-        groupings[self._name] = (kind, size, mode)
+        self._groupings[self._name] = (kind, size, mode)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._param, name)
