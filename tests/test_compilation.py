@@ -110,3 +110,49 @@ def test_a_failed_first_call_leaves_nothing_compiled():
     assert "forward" not in vars(model.fc1)
     for p, q in zip(model.parameters(), before, strict=True):
         assert torch.equal(p, q)
+
+
+def test_precision_locations_and_processes_are_compiled_into_the_config():
+    """What the precision policy, the casting rules, the tensor locations and the
+    joining of processes read: the options as compiled, frozen."""
+    from poptorch._runtime.config import DistributedConfig, RuntimeConfig
+
+    opts = poptorch.Options().broadcastBuffers(False)
+    opts.Precision.setPartialsType(torch.half)
+    opts.Precision.enableStochasticRounding(True)
+    opts.Precision.autocastEnabled(False)
+    opts.TensorLocations.setOptimizerLocation(
+        poptorch.TensorLocationSettings().useOnChipStorage(False))
+    config = RuntimeConfig.of(opts)
+    assert config.precision.partials_type == torch.half
+    assert config.precision.stochastic_rounding and not config.precision.autocast_enabled
+    assert config.precision.half_float_casting == poptorch.HalfFloatCastingBehavior.Default
+    assert config.locations.optimizer["onChip"] is False and not config.locations.phased
+    assert config.distributed == DistributedConfig(
+        process_id=0, num_processes=1, broadcast_buffers=False, input_group_size=1,
+        input_cgt=poptorch.CommGroupType.Consecutive, strategy_name=None)
+    with pytest.raises(TypeError):
+        config.locations.optimizer["onChip"] = True  # type: ignore[index]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.precision.stochastic_rounding = False  # type: ignore[misc]
+    phased = poptorch.Options()
+    phased.setExecutionStrategy(poptorch.SerialPhasedExecution(
+        poptorch.Phase("a"), poptorch.Phase("b")))
+    config = RuntimeConfig.of(phased)
+    assert config.locations.phased
+    assert config.distributed.strategy_name == "SerialPhasedExecution"
+
+
+def test_a_model_without_autocast_casts_nothing():
+    """Precision.autocastEnabled(False), read from the config: the autocast switch of
+    a layer has no effect, the result is plain float32 PyTorch."""
+    torch.manual_seed(0)
+    model = Net().eval()
+    model.fc1.autocast()
+    opts = poptorch.Options()
+    opts.Precision.autocastEnabled(False)
+    x, _ = _data()
+    out = poptorch.inferenceModel(model, opts)(x)
+    assert out.dtype == torch.float32
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x))

@@ -230,3 +230,37 @@ def test_the_state_reader_sees_foreign_reads():
                      "    getattr(executor, '_compiled')\n    self._program = 1\n")
     assert sorted(line for line, _ in _foreign_reads(tree, {"_program", "_compiled"})) \
         == [2, 3]
+
+
+# -- the engine reads the options as compiled (RuntimeConfig), not the Options object ---
+OPTION_GROUPS = {"Training", "Precision", "TensorLocations", "Distributed", "Jit",
+                 "_Popart", "execution_strategy", "_execution_strategy"}
+OPTIONS_READERS = {"poptorch._runtime.config"}  # RuntimeConfig.of: made at compile time
+# still being converted to RuntimeConfig (issue 22); remove once it reads the config
+NOT_CONVERTED = ("poptorch._runtime.placement",)
+
+
+def _option_group_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, code) of every read of an ``Options`` sub-object (``x.Training``, ...)."""
+    return [(node.lineno, ast.unparse(node)) for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr in OPTION_GROUPS]
+
+
+def test_the_engine_reads_the_runtime_config():
+    bad = []
+    for name, path in _modules().items():
+        if not name.startswith(ENGINE + ".") or name in OPTIONS_READERS \
+                or name.startswith(NOT_CONVERTED):
+            continue
+        bad += [f"{name}:{line}: {code}" for line, code in
+                _option_group_reads(ast.parse(path.read_text()))]
+    assert not bad, ("the engine reads the options as compiled "
+                     "(poptorch._runtime.config.RuntimeConfig, made once at compile "
+                     "time); add what it needs there:\n" + "\n".join(bad))
+
+
+def test_the_option_reader_sees_reads():
+    """So that the test above cannot pass by finding nothing."""
+    tree = ast.parse("def f(options, config):\n    config.precision.partials_type\n"
+                     "    return options.Precision.partials_type\n")
+    assert [line for line, _ in _option_group_reads(tree)] == [3]

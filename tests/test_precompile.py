@@ -230,6 +230,7 @@ def test_cache_key_covers_options_model_inputs_and_versions():
         parts = dict(backend="inductor", training=True, options=train_opts(), model=model,
                      optimizer=None, signature=sig, version="3.4.0")
         parts.update(change)
+        parts["options"] = parts["options"].toDict()
         return executable_cache.cache_key(**parts)
 
     base = key()

@@ -39,11 +39,14 @@ def program_source(backend: str, args: tuple, kwargs: dict, precompiled: dict | 
                    options: Any, key_parts: dict) -> ProgramSource:
     """The :py:class:`ProgramSource` of a model compiled for these inputs;
     ``key_parts`` name the model in the executable cache (training, model, optimizer,
-    version; the options are added here)."""
+    version; the options, as ``toDict()``, are added here when a cache is used)."""
+    cache_dir = options.executable_cache_dir
     return ProgramSource(
         backend=backend, signature=InputSignature.of(args, kwargs),
-        precompiled=precompiled, cache_dir=options.executable_cache_dir,
-        key_parts={"inputs": (args, kwargs), "options": options, **key_parts})
+        precompiled=precompiled, cache_dir=cache_dir,
+        key_parts={"inputs": (args, kwargs),
+                   "options": None if cache_dir is None else options.toDict(),
+                   **key_parts})
 
 
 def overlap_check(options: Any, model: torch.nn.Module, program: Any) -> OverlapCheck:

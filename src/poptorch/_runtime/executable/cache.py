@@ -23,7 +23,7 @@ import os
 import pickle
 import re
 import tempfile
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -61,13 +61,14 @@ def _optimizer_description(optimizer: Any) -> list:
     return [type(optimizer).__qualname__, groups]
 
 
-def cache_key(*, backend: str, training: bool, options: Any, model: torch.nn.Module,
-              optimizer: Any, signature: Any, version: str) -> str:
-    """The key of a compiled program (module docstring)."""
+def cache_key(*, backend: str, training: bool, options: Mapping[str, Any],
+              model: torch.nn.Module, optimizer: Any, signature: Any, version: str) -> str:
+    """The key of a compiled program (module docstring); ``options`` are the model's
+    options as ``Options.toDict()`` gives them."""
     parts = {
         "torch": torch.__version__, "poptorch": version, "backend": backend,
         "training": training,
-        "options": {k: v for k, v in options.toDict().items() if k not in _NOT_IN_KEY},
+        "options": {k: v for k, v in options.items() if k not in _NOT_IN_KEY},
         "model": _model_description(model),
         "optimizer": _optimizer_description(optimizer),
         "inputs": signature.key(),
