@@ -160,10 +160,14 @@ class PoplarExecutor(ExecutorInspection):
         finally:
             bar.close()
         self._pending_precompiled = None  # (installed by the program's source)
-        opts._freeze()
-        opts._apply_effects()  # logging options; logs the options without effect here
-        from .ipu_environment import log_ipu_only_environment
-        log_ipu_only_environment()
+        try:
+            opts._freeze()
+            opts._apply_effects()  # logging options; logs the options without effect
+            from .ipu_environment import log_ipu_only_environment
+            log_ipu_only_environment()
+        except BaseException:
+            compiled.release()
+            raise
         seconds = time.perf_counter() - t0
         self._compiled = replace(compiled, compile_seconds=seconds)
         logger.debug("Compiled %s in %.3f s", parts.name, seconds)
@@ -242,12 +246,9 @@ class PoplarExecutor(ExecutorInspection):
             source = compiled.source
             with self._mode, (source.first_call() if source.fresh else _NO_CONTEXT), \
                     (io_check or _NO_CONTEXT):
-                if casting is None:
+                casting.observe(args, kwargs)
+                with casting:
                     result = program.run(args, kwargs)
-                else:
-                    casting.observe(args, kwargs)
-                    with casting:
-                        result = program.run(args, kwargs)
             if isinstance(snapshot, Snapshot) and first:
                 snapshot.check_buffers()
         except BaseException:
