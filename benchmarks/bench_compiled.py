@@ -138,7 +138,7 @@ class PopLoop(Contender):
         t0 = time.perf_counter()
         self.round(xs, ys, batch)  # training: eager first call, then compiled ones
         for _ in range(64):  # the fastest backend: until it has chosen
-            program = self.pop.__dict__.get("_program")
+            program = self.pop._program  # (None before compiling)
             compiled = None if program is None else program.compiled
             if compiled is None or compiled.trial is None:
                 break
@@ -147,7 +147,7 @@ class PopLoop(Contender):
 
     def ran(self):
         """Which path the calls take: the compiled program or the eager loop."""
-        program = self.pop.__dict__.get("_program")
+        program = self.pop._program  # (None before compiling)
         compiled = None if program is None else program.compiled
         return "compiled" if compiled is not None and not compiled.failed else "eager"
 

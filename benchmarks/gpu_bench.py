@@ -104,7 +104,7 @@ class Pop:
             self.pop(x, y)
 
     def path(self) -> str:
-        program = self.pop.__dict__.get("_program")
+        program = self.pop._program  # (None before compiling)
         compiled = None if program is None else program.compiled
         if compiled is None or compiled.failed:
             return "eager loop"
