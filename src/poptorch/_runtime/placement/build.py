@@ -31,7 +31,7 @@ from .strategy import (PARALLEL_PHASED, PIPELINED, SHARDED, ExecutionStrategy, i
                        kind_of)
 from .. import context
 from ..._logging import logger
-from .actions import device_lanes, sharded_actions
+from .actions import defer_weight_halves, device_lanes, sharded_actions
 from .capture import CapturedModel, capture
 from .engine import Engine
 from .partition import (Partition, has_static_annotations, is_pipelined, resolve_partition,
@@ -240,6 +240,8 @@ class ModelParallelRunner:
                     per_stage = one_f_one_b_schedule(n, count)
                 else:
                     per_stage = gpipe_schedule(n, count, training)
+                if training:
+                    per_stage = defer_weight_halves(per_stage, engine.producers)
                 lanes = device_lanes(per_stage, engine.stage_device, len(self.devices),
                                      engine.producers, engine.consumers)
                 self._lanes_cache[key] = lanes
