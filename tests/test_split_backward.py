@@ -216,3 +216,24 @@ def test_pipeline_with_split_backwards_matches_pytorch(schedule):
     assert len(record.weight_events) == expected
     assert {e.kind for e in record.weight_events} == {"W"}
     assert len(record.events) == 2 * g * stages  # one F and one B per stage and micro-batch
+
+
+def test_placement_reads_the_config_frozen_at_compile():
+    """The runner reads the RuntimeConfig made from the options (strategy, g, tensor
+    locations), not the options object: a later change of the options reaches it not."""
+    from poptorch._runtime.config import RuntimeConfig
+    from poptorch._runtime.placement.build import build_runner
+
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(8)
+    strategy = poptorch.PipelinedExecution().setSchedule("GPipe")
+    opts.setExecutionStrategy(strategy)
+    config = RuntimeConfig.of(opts)
+    assert config.placement.strategy_given
+    assert config.placement.strategy is opts._execution_strategy
+    opts.Training.gradientAccumulation(1)  # too shallow for 4 stages, too late
+    example = ((torch.randn(2, FEAT), torch.randn(2, FEAT)), {})
+    runner = build_runner(Chain(4), config, True, example=example)
+    assert runner.config is config and runner.partition.num_stages == 4
+    with pytest.raises(poptorch.Error, match="gradientAccumulation must be greater"):
+        build_runner(Chain(4), opts, True, example=example)  # the options as they are now

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from ..enums import MeanReductionStrategy, OutputMode, ReductionType
 
-__all__ = ["RuntimeConfig", "TrainingConfig"]
+__all__ = ["PlacementConfig", "RuntimeConfig", "TrainingConfig"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class RuntimeConfig:
     anchored_tensors: Mapping[str, Mapping[str, Any]]
     profile_dir: str | None
     training: TrainingConfig
+    placement: "PlacementConfig"
 
     @classmethod
     def of(cls, options: Any) -> "RuntimeConfig":
@@ -57,4 +58,34 @@ class RuntimeConfig:
                 reduction=ReductionType(training.accumulation_and_replication_reduction_type),
                 mean_strategy=MeanReductionStrategy(
                     training.meanAccumulationAndReplicationReductionStrategy),
-                automatic_loss_scaling=bool(training.automatic_loss_scaling)))
+                automatic_loss_scaling=bool(training.automatic_loss_scaling)),
+            placement=PlacementConfig.of(options))
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """What model parallelism (``_runtime/placement/``) reads of the options.
+
+    ``strategy`` is the execution strategy in force (the default ``PipelinedExecution``
+    when none was set; ``strategy_given`` tells which): an object, because the runner
+    publishes the schedule it ran on it (``last_schedule``). ``device_options`` is a
+    copy of the options taken now, handed only to ``poptorch._devices`` to pick the
+    devices that play the IPUs (IPU model, ids, rounding, replicas)."""
+    strategy: Any
+    strategy_given: bool
+    weight_locations: Mapping[str, Any]
+    activation_locations: Mapping[str, Any]
+    device_options: Any
+
+    @classmethod
+    def of(cls, options: Any) -> "PlacementConfig":
+        """The placement configuration of ``options`` as it is now."""
+        locations = getattr(options, "TensorLocations", None)
+        return cls(
+            strategy=options._execution_strategy,
+            strategy_given=options.execution_strategy is not None,
+            weight_locations=types.MappingProxyType(
+                dict(getattr(locations, "location_weight", {}) or {})),
+            activation_locations=types.MappingProxyType(
+                dict(getattr(locations, "location_activation", {}) or {})),
+            device_options=options.clone())

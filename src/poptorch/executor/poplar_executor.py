@@ -234,7 +234,7 @@ class PoplarExecutor(ExecutorInspection):
 
     def _build_runner(self, example=None):
         from .._runtime.placement.build import build_runner
-        runner = build_runner(self._model, self._options, self._training, example=example)
+        runner = build_runner(self._model, self._config, self._training, example=example)
         if runner is not None:
             device = getattr(runner, "output_device", torch.device("cpu"))
             self._device = getattr(runner, "input_device", device)
