@@ -32,19 +32,21 @@ def dependencies(op: Op, producers: Sequence[Sequence[int]],
 
 def defer_weight_halves(stage_lanes: list[list[Op]],
                         producers: Sequence[Sequence[int]]) -> list[list[Op]]:
-    """Split the backwards that a stage runs after its last forward (the cool-down:
-    all of them in GPipe, ``num_stages - stage`` in 1F1B) into an input half, where the
-    backward was, and a weight half, after the stage's last action: the earlier stages
-    get their gradients sooner while the pipeline drains, as in the zero-bubble
-    schedules. No activation lives longer than the stage's peak (no forward follows).
-    A stage that reads from no earlier stage hands no gradient on and keeps its
-    backwards whole."""
+    """Split the last backwards of a stage into an input half, where the backward was,
+    and a weight half, after the stage's last action: the earlier stages get their
+    gradients sooner while the pipeline drains, as in the zero-bubble schedules.
+
+    Stage ``s`` splits its last ``s`` backwards (the stages before it drain one
+    backward each after its last one), and only backwards that follow its last forward
+    (the cool-down: no activation lives longer than the stage's peak). Each split costs
+    a little host time, so no more are split than can overlap the drain. A stage that
+    reads from no earlier stage hands no gradient on and keeps its backwards whole."""
     out = []
     for s, lane in enumerate(stage_lanes):
         forwards = [i for i, op in enumerate(lane) if op[0] == FORWARD]
         after = forwards[-1] if forwards else -1
-        split = {i for i, op in enumerate(lane) if op[0] == BACKWARD and i > after} \
-            if producers[s] else set()
+        cool = [i for i, op in enumerate(lane) if op[0] == BACKWARD and i > after]
+        split = set(cool[len(cool) - min(s, len(cool)):]) if producers[s] else set()
         ops = [(INPUT_HALF, s, op[2]) if i in split else op for i, op in enumerate(lane)]
         ops += [(WEIGHT_HALF, s, lane[i][2]) for i in sorted(split)]
         out.append(ops)
