@@ -12,7 +12,9 @@ to stage through a mailbox (:class:`_Step`), as ``PipelineStage.forward_one_chun
   module runs; the last stage also rebuilds the model's output and computes the loss;
 * backward: from the loss (last stage) and from the gradients that later stages left
   on their boundary copies of this stage's outputs, ``torch.autograd.backward`` of the
-  stage's own graph; parameters accumulate their gradients across micro-batches.
+  stage's own graph; parameters accumulate their gradients across micro-batches. An
+  input half (``"I"``, :mod:`.split_backward`) hands the gradients of the stage's
+  inputs over first; its weight half (``"W"``) runs later on the same lane.
 
 CPU workers each take ``cores / devices`` intra-op threads (``torch.set_num_threads``
 inside a thread sets that thread's OpenMP team size only; measured), so a 2-stage
