@@ -17,8 +17,8 @@ from ..enums import (CommGroupType, HalfFloatCastingBehavior, MeanReductionStrat
                      OutputMode, ReductionType)
 from .placement.strategy import is_phased
 
-__all__ = ["DistributedConfig", "LocationsConfig", "PrecisionConfig", "RuntimeConfig",
-           "TrainingConfig"]
+__all__ = ["DistributedConfig", "LocationsConfig", "PlacementConfig", "PrecisionConfig",
+           "RuntimeConfig", "TrainingConfig"]
 
 
 def _frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -118,6 +118,7 @@ class RuntimeConfig:
     precision: PrecisionConfig
     locations: LocationsConfig
     distributed: DistributedConfig
+    placement: "PlacementConfig"
 
     @classmethod
     def of(cls, options: Any) -> "RuntimeConfig":
@@ -141,4 +142,34 @@ class RuntimeConfig:
                 automatic_loss_scaling=bool(training.automatic_loss_scaling)),
             precision=PrecisionConfig.of(options.Precision),
             locations=LocationsConfig.of(options),
-            distributed=DistributedConfig.of(options))
+            distributed=DistributedConfig.of(options),
+            placement=PlacementConfig.of(options))
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """What model parallelism (``_runtime/placement/``) reads of the options.
+
+    ``strategy`` is the execution strategy in force (the default ``PipelinedExecution``
+    when none was set; ``strategy_given`` tells which): an object, because the runner
+    publishes the schedule it ran on it (``last_schedule``). ``device_options`` is a
+    copy of the options taken now, handed only to ``poptorch._devices`` to pick the
+    devices that play the IPUs (IPU model, ids, rounding, replicas)."""
+    strategy: Any
+    strategy_given: bool
+    weight_locations: Mapping[str, Any]
+    activation_locations: Mapping[str, Any]
+    device_options: Any
+
+    @classmethod
+    def of(cls, options: Any) -> "PlacementConfig":
+        """The placement configuration of ``options`` as it is now."""
+        locations = getattr(options, "TensorLocations", None)
+        return cls(
+            strategy=options._execution_strategy,
+            strategy_given=options.execution_strategy is not None,
+            weight_locations=types.MappingProxyType(
+                dict(getattr(locations, "location_weight", {}) or {})),
+            activation_locations=types.MappingProxyType(
+                dict(getattr(locations, "location_activation", {}) or {})),
+            device_options=options.clone())

@@ -68,9 +68,9 @@ class CallRollback:
     first call, see :py:class:`Snapshot`). In place: a compiled program keeps using the
     same tensors.
 
-    ``weights=False`` keeps only the buffers: enough for a call of one micro-batch,
-    which changes the parameters and the optimizer state only once its forward and
-    backward have succeeded. The loss scaler's state is kept as well (the program's
+    ``weights=False`` keeps only the buffers: enough for a call of one optimizer step
+    (one device iteration: any number of micro-batches), which changes the parameters
+    and the optimizer state only once every forward and backward has succeeded. The loss scaler's state is kept as well (the program's
     random stream rolls itself back, see ``RngScope``)."""
 
     __slots__ = ("tensors", "optimizer", "opt_values", "opt_groups", "scaler",
@@ -93,9 +93,12 @@ class CallRollback:
     @classmethod
     def for_call(cls, program: Any, buffers: list) -> "CallRollback | None":
         """What a call of ``program`` must be able to undo: everything when it runs
-        more than one micro-batch of training; the buffers (which a forward may update
+        more than one optimizer step (or checks its outputs after the step); the buffers (which a forward may update
         before it fails) otherwise; None when there is nothing to undo."""
-        weights = program.plan.factor > 1 and program.training
+        plan = program.plan
+        # Several updates per call, or a check that may fail after the update.
+        weights = program.training and plan.factor > 1 and (
+            plan.device_iterations > 1 or program.finite_check is not None)
         if not weights and not buffers and program.scaler is None:
             return None
         return cls(program.params if weights else [], list(buffers),

@@ -76,7 +76,7 @@ def compile_model(parts: ModelParts, args: tuple, kwargs: dict,
         optimizer_rules.apply_mean_reduction_rule(opts, parts.optimizer, False)
     config = RuntimeConfig.of(opts)  # what the engine reads from here on
     progress.update()
-    runner, device, backend = _build_runner(parts, (args, kwargs))
+    runner, device, backend = _build_runner(parts, config, (args, kwargs))
     progress.update()
     weights, binding = _weights_and_optimizer(parts, device)
     device_optimizer = None if binding is None else binding.device
@@ -130,11 +130,12 @@ def compile_model(parts: ModelParts, args: tuple, kwargs: dict,
         anchors=anchors, autocast_hooks=tuple(hooks))
 
 
-def _build_runner(parts: ModelParts, example: Any) -> tuple[Any, torch.device, str]:
+def _build_runner(parts: ModelParts, config: RuntimeConfig,
+                  example: Any) -> tuple[Any, torch.device, str]:
     """The step runner (execution strategies and blocks: ``build_runner``; else the
     sequential runner on one acquired device), the input device and the backend."""
     from .._runtime.placement.build import build_runner
-    runner = build_runner(parts.model, parts.options, parts.training, example=example)
+    runner = build_runner(parts.model, config, parts.training, example=example)
     if runner is not None:
         device = getattr(runner, "output_device", torch.device("cpu"))
         return runner, getattr(runner, "input_device", device), \

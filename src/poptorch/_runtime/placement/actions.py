@@ -13,17 +13,44 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .pipeline import BACKWARD, FORWARD, Op
+from .pipeline import BACKWARD, FORWARD, INPUT_HALF, WEIGHT_HALF, Op
 
 
 def dependencies(op: Op, producers: Sequence[Sequence[int]],
                  consumers: Sequence[Sequence[int]]) -> list[Op]:
     """The actions ``op`` waits for: a forward waits for the forwards of the stages it
-    reads from; a backward for its own forward and the backwards of its readers."""
+    reads from; a backward (or its input half) for its own forward and the backwards
+    of its readers (a reader's input half counts as its backward); a weight half for
+    its input half."""
     kind, stage, m = op
     if kind == FORWARD:
         return [(FORWARD, p, m) for p in producers[stage]]
+    if kind == WEIGHT_HALF:
+        return [(INPUT_HALF, stage, m)]
     return [(FORWARD, stage, m)] + [(BACKWARD, c, m) for c in consumers[stage]]
+
+
+def defer_weight_halves(stage_lanes: list[list[Op]],
+                        producers: Sequence[Sequence[int]]) -> list[list[Op]]:
+    """Split the last backwards of a stage into an input half, where the backward was,
+    and a weight half, after the stage's last action: the earlier stages get their
+    gradients sooner while the pipeline drains, as in the zero-bubble schedules.
+
+    Stage ``s`` splits its last ``s`` backwards (the stages before it drain one
+    backward each after its last one), and only backwards that follow its last forward
+    (the cool-down: no activation lives longer than the stage's peak). Each split costs
+    a little host time, so no more are split than can overlap the drain. A stage that
+    reads from no earlier stage hands no gradient on and keeps its backwards whole."""
+    out = []
+    for s, lane in enumerate(stage_lanes):
+        forwards = [i for i, op in enumerate(lane) if op[0] == FORWARD]
+        after = forwards[-1] if forwards else -1
+        cool = [i for i, op in enumerate(lane) if op[0] == BACKWARD and i > after]
+        split = set(cool[len(cool) - min(s, len(cool)):]) if producers[s] else set()
+        ops = [(INPUT_HALF, s, op[2]) if i in split else op for i, op in enumerate(lane)]
+        ops += [(WEIGHT_HALF, s, lane[i][2]) for i in sorted(split)]
+        out.append(ops)
+    return out
 
 
 def device_lanes(stage_lanes: list[list[Op]], stage_device: list[int], num_devices: int,
@@ -44,6 +71,8 @@ def device_lanes(stage_lanes: list[list[Op]], stage_device: list[int], num_devic
                     break
                 t = max([free[s]] + [slot[d] + 1 for d in deps])
                 slot[op] = t
+                if op[0] == INPUT_HALF:  # what the stage's readers wait for
+                    slot[(BACKWARD, s, op[2])] = t
                 free[s] = t + 1
                 cursor[s] += 1
                 remaining -= 1

@@ -30,8 +30,9 @@ import torch
 from .strategy import (PARALLEL_PHASED, PIPELINED, SHARDED, ExecutionStrategy, is_phased,
                        kind_of)
 from .. import context
+from ..config import PlacementConfig, RuntimeConfig
 from ..._logging import logger
-from .actions import device_lanes, sharded_actions
+from .actions import defer_weight_halves, device_lanes, sharded_actions
 from .capture import CapturedModel, capture
 from .engine import Engine
 from .partition import (Partition, has_static_annotations, is_pipelined, resolve_partition,
@@ -52,21 +53,24 @@ LossOf = Callable[[Any], torch.Tensor]
 _BLOCK_WORDS = re.compile(r"(?<![\w])(Block\s*\(|Block\.start|BlockFunction\b|IPU\s*\()")
 
 
-def build_runner(model: torch.nn.Module, options: Any, training: bool,
+def build_runner(model: torch.nn.Module, config: RuntimeConfig | Any, training: bool,
                  devices: Optional[List[torch.device]] = None,
                  example: Optional[tuple] = None) -> Optional["ModelParallelRunner"]:
     """A runner for the model's execution strategy, or None when the model has no block
     annotations and no strategy was set (the executor then runs it on one device).
 
-    ``options._execution_strategy`` is the strategy in force (the default one when
-    ``options.execution_strategy`` is None). With ``example`` (``(args, kwargs)`` of a
-    call), the model is captured and split now, so its devices and the placement of its
-    weights are known before the weight sync and the optimizer are built; without it
-    (or when the model cannot be captured) on the first call."""
-    if options.execution_strategy is None and not (
+    ``config`` is the compiled model's :class:`~poptorch._runtime.config.RuntimeConfig`
+    (a ``poptorch.Options`` is frozen into one here); ``config.placement.strategy`` is
+    the strategy in force. With ``example`` (``(args, kwargs)`` of a call), the model is
+    captured and split now, so its devices and the placement of its weights are known
+    before the weight sync and the optimizer are built; without it (or when the model
+    cannot be captured) on the first call."""
+    if not isinstance(config, RuntimeConfig):
+        config = RuntimeConfig.of(config)
+    if not config.placement.strategy_given and not (
             has_static_annotations(model) or _forward_uses_blocks(model)):
         return None
-    runner = ModelParallelRunner(model, options, training, options._execution_strategy,
+    runner = ModelParallelRunner(model, config, training, config.placement.strategy,
                                  devices)
     if example is not None:
         runner.compile_captured(*example)
@@ -100,11 +104,11 @@ def _forward_uses_blocks(model: torch.nn.Module) -> bool:
 class ModelParallelRunner:
     """StepRunner for the execution strategies (module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, options: Any, training: bool,
+    def __init__(self, model: torch.nn.Module, config: RuntimeConfig, training: bool,
                  strategy: ExecutionStrategy,
                  devices: Optional[List[torch.device]] = None) -> None:
         self.model = model
-        self.options = options
+        self.config = config
         self.training = training
         self.strategy = strategy
         self.partition: Optional[Partition] = None
@@ -119,7 +123,7 @@ class ModelParallelRunner:
         # Thread-local contexts of the program (set by the device loop), entered in
         # every worker thread.
         self.worker_contexts: list = []
-        first = devices[0] if devices else _ipu_device(0, options)
+        first = devices[0] if devices else _ipu_device(0, config.placement)
         self.input_device = first
         self.output_device = first
 
@@ -132,7 +136,7 @@ class ModelParallelRunner:
         captured = capture(self.model, args, kwargs, self.strategy)
         if captured is None:
             return None
-        part = resolve_partition(captured.trace, self.strategy, self.options,
+        part = resolve_partition(captured.trace, self.strategy, self.config,
                                  self.training, 0)
         staged = None
         plain = not is_phased(self.strategy) and (not part.has_blocks
@@ -160,7 +164,7 @@ class ModelParallelRunner:
             if part is not None:
                 return part
         trace = trace_blocks(self.model, args, kwargs, self.strategy)
-        part = resolve_partition(trace, self.strategy, self.options, self.training, 0)
+        part = resolve_partition(trace, self.strategy, self.config, self.training, 0)
         self._set_partition(part)
         return part
 
@@ -171,13 +175,15 @@ class ModelParallelRunner:
             self._plain = True
         if self.devices is None:
             from ... import _devices  # pylint: disable=import-outside-toplevel
-            self.devices = _devices.acquire_devices(self.options, part.num_ipus)
+            self.devices = _devices.acquire_devices(self.config.placement.device_options,
+                                                    part.num_ipus)
         elif len(self.devices) < part.num_ipus:
             from ...errors import Error  # pylint: disable=import-outside-toplevel
             raise Error(f"The model needs {part.num_ipus} IPUs but only "
                         f"{len(self.devices)} devices were given.")
         if is_phased(self.strategy):
-            self.streaming = StreamingMemory(self.model, part, self.devices, self.options)
+            self.streaming = StreamingMemory(self.model, part, self.devices,
+                                             self.config.placement)
         else:
             self._place_weights(part)
         self.output_device = self.devices[part.stages[-1].ipu]
@@ -240,6 +246,8 @@ class ModelParallelRunner:
                     per_stage = one_f_one_b_schedule(n, count)
                 else:
                     per_stage = gpipe_schedule(n, count, training)
+                if training:
+                    per_stage = defer_weight_halves(per_stage, engine.producers)
                 lanes = device_lanes(per_stage, engine.stage_device, len(self.devices),
                                      engine.producers, engine.consumers)
                 self._lanes_cache[key] = lanes
@@ -390,6 +398,6 @@ def _schedule_name(strategy: ExecutionStrategy) -> str:
     return getattr(strategy, "pipeline_schedule", "1F1B")
 
 
-def _ipu_device(ipu: int, options: Any) -> torch.device:
+def _ipu_device(ipu: int, placement: PlacementConfig) -> torch.device:
     from ... import _devices  # pylint: disable=import-outside-toplevel
-    return _devices.ipu_device(ipu, options)
+    return _devices.ipu_device(ipu, placement.device_options)

@@ -12,7 +12,9 @@ to stage through a mailbox (:class:`_Step`), as ``PipelineStage.forward_one_chun
   module runs; the last stage also rebuilds the model's output and computes the loss;
 * backward: from the loss (last stage) and from the gradients that later stages left
   on their boundary copies of this stage's outputs, ``torch.autograd.backward`` of the
-  stage's own graph; parameters accumulate their gradients across micro-batches.
+  stage's own graph; parameters accumulate their gradients across micro-batches. An
+  input half (``"I"``, :mod:`.split_backward`) hands the gradients of the stage's
+  inputs over first; its weight half (``"W"``) runs later on the same lane.
 
 CPU workers each take ``cores / devices`` intra-op threads (``torch.set_num_threads``
 inside a thread sets that thread's OpenMP team size only; measured), so a 2-stage
@@ -35,11 +37,13 @@ import torch
 
 from .. import context
 from ..torch_internals import pytree
-from . import recompute
+from . import recompute, split_backward
 from .pipeline import (
     BACKWARD,
     FORWARD,
+    INPUT_HALF,
     WAIT_TIMEOUT_S,
+    WEIGHT_HALF,
     Op,
     ScheduleEvent,
     ScheduleRecord,
@@ -113,6 +117,7 @@ class Engine:
         self.devices = devices
         self.producers = [s.producers for s in staged.stages]
         self.consumers = [s.consumers for s in staged.stages]
+        self.weights = [list(s.module.parameters()) for s in staged.stages]
         used = sorted(set(stage_device))
         cpu_lanes = sum(1 for d in used if devices[d].type == "cpu")
         threads = max(1, cpu_cores() // max(1, cpu_lanes))
@@ -187,6 +192,7 @@ class _Step:
         self.outputs: dict[tuple[int, int], tuple] = {}
         self.crossed: dict[tuple[int, int], dict[int, list]] = {}  # (s, m) -> producer -> pairs
         self.losses: dict[int, torch.Tensor] = {}
+        self.halves: dict[tuple[int, int], split_backward.SplitBackward] = {}
         self.events: dict[Op, Any] = {}  # CUDA events of finished actions
         self.done: set = set()
         self.cond = threading.Condition()
@@ -207,9 +213,10 @@ class _Step:
                 for op in lane:
                     self._wait_for(op)
                     self.run_op(d, op)
-                    with self.cond:
-                        self.done.add(op)
-                        self.cond.notify_all()
+                    if op[0] != WEIGHT_HALF:  # nobody waits for a weight half
+                        with self.cond:
+                            self.done.add(_handed_over(op))
+                            self.cond.notify_all()
                 if worker.stream is not None:
                     worker.stream.synchronize()
                 context.take_marked_losses()
@@ -228,6 +235,8 @@ class _Step:
 
     def _wait_for(self, op: Op) -> None:
         kind, s, m = op
+        if kind == WEIGHT_HALF:  # after its input half, on the same lane
+            return
         deps = ([(FORWARD, p, m) for p in self.engine.producers[s]] if kind == FORWARD else
                 [(BACKWARD, c, m) for c in self.engine.consumers[s]])
         if not deps:
@@ -257,14 +266,20 @@ class _Step:
         kind, s, m = op
         if self.before is not None:
             self.before(lane, op)
-        event = ScheduleEvent(lane, kind, s, m, time.perf_counter())
+        event = ScheduleEvent(lane, BACKWARD if kind == INPUT_HALF else kind, s, m,
+                              time.perf_counter())
         if kind == FORWARD:
             self._forward(s, m)
+        elif kind == WEIGHT_HALF:
+            half = self.halves.pop((s, m), None)
+            if half is not None:  # (None: the input half ran the whole backward)
+                half.weight_half()
         else:
-            self._backward(s, m)
+            self._backward(s, m, split=kind == INPUT_HALF)
         event.end = time.perf_counter()
         with self.cond:
-            self.record.events.append(event)
+            (self.record.weight_events if kind == WEIGHT_HALF else
+             self.record.events).append(event)
 
     def _forward(self, s: int, m: int) -> None:
         stage = self.staged.stages[s]
@@ -313,7 +328,10 @@ class _Step:
             else:  # sharded: one graph through every stage, backward from the loss
                 loss.backward()
 
-    def _backward(self, s: int, m: int) -> None:
+    def _backward(self, s: int, m: int, split: bool = False) -> None:
+        """The backward of stage ``s`` on micro-batch ``m``; ``split``: its input half
+        only when it can be split exactly (``split_backward``), the weight half kept
+        for its ``W`` action."""
         if not self.cut:  # the loss's backward already ran through every stage
             return
         roots: dict[int, list] = {}
@@ -334,7 +352,16 @@ class _Step:
         if roots:
             tensors = [r[0] for r in roots.values()]
             grads = [r[1] for r in roots.values()]
-            torch.autograd.backward(tensors, grads)
+            half = None
+            if split and not self.staged.stages[s].checkpoints:
+                inputs = [copy for pairs in self.crossed.get((s, m), {}).values()
+                          for _, copy in pairs]
+                half = split_backward.plan(tensors, inputs, self.engine.weights[s])
+            if half is None:
+                torch.autograd.backward(tensors, grads)
+            else:
+                half.input_half(tensors, grads, inputs)
+                self.halves[(s, m)] = half
         self._record_event((BACKWARD, s, m))
         self.outputs.pop((s, m), None)
 
@@ -363,6 +390,12 @@ class _Step:
         event = self.events.get(op)
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
+
+
+def _handed_over(op: Op) -> Op:
+    """What finishing ``op`` gives the stages waiting on it (an input half: the
+    stage's backward, as far as they are concerned)."""
+    return (BACKWARD, op[1], op[2]) if op[0] == INPUT_HALF else op
 
 
 def _to(value: Any, device: torch.device) -> Any:

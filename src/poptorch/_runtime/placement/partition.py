@@ -22,6 +22,7 @@ from .strategy import (PARALLEL_PHASED, PIPELINED, ExecutionStrategy, is_phased,
 from ...enums import AutoStage
 from ...errors import Error
 from .. import context
+from ..config import RuntimeConfig
 
 IMPLICIT_BLOCK = "<before first block>"
 
@@ -168,9 +169,10 @@ def _kind(strategy: ExecutionStrategy) -> str:
     return type(strategy).__name__
 
 
-def resolve_partition(trace: BlockTrace, strategy: ExecutionStrategy, options: Any,
+def resolve_partition(trace: BlockTrace, strategy: ExecutionStrategy, config: RuntimeConfig,
                       training: bool, num_microbatches: int) -> Partition:
-    """Apply ``strategy`` to the traced blocks and enforce the rules (module docstring)."""
+    """Apply ``strategy`` to the traced blocks and enforce the rules (module docstring);
+    ``config``: the compiled model's options (pipeline depth against g / d)."""
     _check_begin_block_order(trace)
     if is_phased(strategy):
         stages, block_stage, num_phases = _phased_stages(trace, strategy)
@@ -182,7 +184,7 @@ def resolve_partition(trace: BlockTrace, strategy: ExecutionStrategy, options: A
     part = Partition(strategy, stages, block_stage, list(trace.sequence), num_ipus,
                      weight_stage, num_phases)
     if is_pipelined(part):
-        _check_pipeline_depth(part, options, training)
+        _check_pipeline_depth(part, config, training)
     return part
 
 
@@ -348,10 +350,10 @@ def is_pipelined(part: Partition) -> bool:
     return kind_of(part.strategy) == PIPELINED and part.num_stages > 1 and part.num_ipus > 1
 
 
-def _check_pipeline_depth(part: Partition, options: Any, training: bool) -> None:
+def _check_pipeline_depth(part: Partition, config: RuntimeConfig, training: bool) -> None:
     n = part.num_stages
     if training:
-        g = options.Training.gradient_accumulation
+        g = config.training.gradient_accumulation
         needed = 2 * n - 1
         if g < needed:
             raise Error(
@@ -361,7 +363,7 @@ def _check_pipeline_depth(part: Partition, options: Any, training: bool) -> None
                 f"stages in PopTorch will have an additional {n - 1} stages when training. "
                 f"It is {g}: increase it, or use poptorch.ShardedExecution.")
     else:
-        d = options.device_iterations
+        d = config.device_iterations
         if d < n:
             raise Error(
                 f"poptorch.Options().deviceIterations must be greater than or equal to the "

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ...enums import Liveness
+from ..config import PlacementConfig
 from .partition import Partition
 from .pipeline import BACKWARD, FORWARD, Op
 
@@ -52,12 +53,11 @@ class StreamingMemory:
     accounts for what is resident (``peak_resident_bytes``, ``streamed_bytes``)."""
 
     def __init__(self, model: torch.nn.Module, partition: Partition,
-                 devices: List[torch.device], options: Any) -> None:
+                 devices: List[torch.device], config: PlacementConfig) -> None:
         strategy = partition.strategy
         self.liveness: Liveness = strategy.tensors_liveness
-        locations = getattr(options, "TensorLocations", None)
-        weight_loc = getattr(locations, "location_weight", {}) or {}
-        act_loc = getattr(locations, "location_activation", {}) or {}
+        weight_loc = config.weight_locations
+        act_loc = config.activation_locations
         self.stream_activations = (self.liveness != Liveness.AlwaysLive
                                    or _location_off_chip(act_loc, 1))
         self._device_of: Dict[int, torch.device] = {}

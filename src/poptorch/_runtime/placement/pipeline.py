@@ -24,6 +24,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 from ...errors import Error
 
 FORWARD, BACKWARD = "F", "B"
+# A backward split in two (``split_backward``): the input half hands the gradients of
+# the stage's inputs over (recorded as the stage's "B"); the weight half runs later.
+INPUT_HALF, WEIGHT_HALF = "I", "W"
 Op = Tuple[str, int, int]  # (kind, stage, microbatch)
 
 #: Longest time a worker waits for its turn before declaring the schedule stalled.
@@ -80,6 +83,8 @@ class ScheduleRecord:
     """The ops a step actually executed, in the order they started."""
     num_stages: int
     events: List[ScheduleEvent] = field(default_factory=list)
+    # the weight halves of split backwards (kind "W"), run after their "B" event
+    weight_events: List[ScheduleEvent] = field(default_factory=list)
 
     def stage_order(self, stage: int) -> List[Tuple[str, int]]:
         """``[(kind, microbatch), ...]`` executed by ``stage``, in order."""
