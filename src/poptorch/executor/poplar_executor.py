@@ -194,7 +194,7 @@ class PoplarExecutor(ExecutorInspection):
             self._weights_and_optimizer(device)
             # Only training needs the other processes; an inference model runs on its
             # own (a program may evaluate on process 0 alone).
-            cross = self._join_processes(device) if self._training else None
+            cross = self._join_processes(device, runner) if self._training else None
             runner = local_replica_runner(self, runner, plan, cross)
             if cross is not None:
                 runner = cross.wrap_runner(runner, plan.per_step, device)
@@ -281,10 +281,10 @@ class PoplarExecutor(ExecutorInspection):
         self._optimizer_sync = sync
         self._fast = None  # built again with this sync
 
-    def _join_processes(self, device: torch.device):
+    def _join_processes(self, device: torch.device, runner: Any = None):
         return join_processes(self._options, self._model, self._training,
                               self._device_optimizer, self._model_name(),
-                              device)
+                              device, runner)
 
     def _build_program(self, plan: BatchPlan, runner, device, cross=None) -> DeviceProgram:
         config = self._config  # the options as compiled (RuntimeConfig)
@@ -416,7 +416,9 @@ class PoplarExecutor(ExecutorInspection):
         """Copy the device weights (and buffers) to the user's model."""
         if self._loaded_not_run():
             return
-        self._require_compiled("copyWeightsToHost")
+        program = self._require_compiled("copyWeightsToHost")
+        if hasattr(program.runner, "gather_weights"):  # stages on processes: collective
+            program.runner.gather_weights()
         self._weights.to_host()
 
     def _loaded_not_run(self) -> bool:

@@ -20,13 +20,15 @@ from .._runtime.distributed.replicas import CrossProcessReplicas
 
 def join_processes(options: Any, model: torch.nn.Module, training: bool,
                    optimizer: Optional[torch.optim.Optimizer], name: str,
-                   device: torch.device) -> Optional[CrossProcessReplicas]:
+                   device: torch.device, runner: Any = None) -> Any:
     """The cross-process side of a compiled model; None in a single process."""
     world = distributed_world.join(options.Distributed.processId,
                                    options.Distributed.numProcesses, device)
     if not world.distributed:
         return None
     check_same_everywhere(world, program_signature(options, model, training))
+    if hasattr(runner, "cross_processes"):  # stages on processes: their own reduction
+        return runner.cross_processes(bool(options.broadcast_buffers))
     params = [p for p in model.parameters() if p.requires_grad]
     cross = CrossProcessReplicas(world, model, params, bool(options.broadcast_buffers))
     cross.start_identical(optimizer)

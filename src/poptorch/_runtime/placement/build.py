@@ -63,6 +63,9 @@ def build_runner(model: torch.nn.Module, options: Any, training: bool,
     call), the model is captured and split now, so its devices and the placement of its
     weights are known before the weight sync and the optimizer are built; without it
     (or when the model cannot be captured) on the first call."""
+    if options.Distributed.stages_on_processes:  # one process per stage (torchrun)
+        from .processes import StageProcessRunner  # pylint: disable=import-outside-toplevel
+        return StageProcessRunner(model, options, training, example)  # type: ignore
     if options.execution_strategy is None and not (
             has_static_annotations(model) or _forward_uses_blocks(model)):
         return None

@@ -1,0 +1,47 @@
+"""The program tests/test_stage_processes.py starts under torchrun: a 2-stage pipelined
+model whose stages run on the 2 processes (``Distributed.stagesOnProcesses``).
+
+    torchrun --standalone --nproc_per_node=2 tests/stage_process_worker.py OUT_DIR
+
+For each schedule (GPipe, 1F1B) every process trains the model (each process starts
+from a different random initialisation: the run must start from process 0's), then
+writes the losses and outputs it returned and, after ``copyWeightsToHost``, the full
+``state_dict`` to ``OUT_DIR/<schedule>_rank<rank>.pt``; the test compares them with
+plain PyTorch.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+import torch
+
+import poptorch
+from _stage_process_cases import CALLS, SCHEDULES, batch, make_model, options
+
+RANK = int(os.environ["RANK"])
+
+
+def main(out: pathlib.Path) -> None:
+    torch.set_num_threads(1)
+    for schedule in SCHEDULES:
+        model = make_model(seed=1000 + RANK, annotate=True)
+        strategy = poptorch.PipelinedExecution().setSchedule(schedule)
+        training = poptorch.trainingModel(model, options(strategy, stage_processes=True),
+                                          torch.optim.SGD(model.parameters(), lr=0.1))
+        losses, outputs = [], []
+        for call in range(CALLS):
+            output, loss = training(*batch(call))
+            outputs.append(output)
+            losses.append(loss)
+        training.copyWeightsToHost()
+        record = strategy.last_schedule
+        torch.save({"state": model.state_dict(), "losses": losses, "outputs": outputs,
+                    "schedule": [record.stage_order(s) for s in range(2)]},
+                   out / f"{schedule}_rank{RANK}.pt")
+        training.destroy()
+
+
+if __name__ == "__main__":
+    main(pathlib.Path(sys.argv[1]))

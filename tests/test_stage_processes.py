@@ -1,0 +1,123 @@
+"""Stages on processes (``Options.Distributed.stagesOnProcesses``): a 2-stage pipelined
+model trained by ``torchrun --standalone --nproc_per_node=2`` (gloo, one thread per
+process; tests/stage_process_worker.py), one stage per process, compared with plain
+PyTorch on the same data from the same initial weights; and the inputs it refuses.
+"""
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import poptorch
+from _stage_process_cases import (CALLS, G, SCHEDULES, Net, batch, make_model, options,
+                                  plain_reference)
+from test_distributed import _check, _env
+
+HERE = pathlib.Path(__file__).resolve().parent
+WORKER = HERE / "stage_process_worker.py"
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("stages")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node=2", str(WORKER), str(out)]
+    result = subprocess.run(cmd, cwd=HERE, env=_env(), capture_output=True, text=True,
+                            timeout=120)
+    _check(result)
+    assert "Warning" not in result.stderr, result.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_stage_processes_train_like_plain_pytorch(trained, schedule):
+    reference = make_model(1000, annotate=False)  # process 0's initial weights
+    outputs, losses = plain_reference(reference)
+    expected = reference.state_dict()
+    for rank in (0, 1):
+        got = torch.load(trained / f"{schedule}_rank{rank}.pt", weights_only=False)
+        # every stage's trained weights on every process (copyWeightsToHost gathers)
+        assert got["state"].keys() == expected.keys()
+        for name, value in expected.items():
+            diff = (got["state"][name] - value).abs().max().item()
+            assert diff <= TOL, f"rank {rank}: {name} differs by {diff}"
+        # every micro-batch's output and loss, on every process (OutputMode.All)
+        assert len(got["losses"]) == CALLS
+        for call in range(CALLS):
+            assert got["losses"][call].shape == (G, )
+            assert (got["losses"][call] - losses[call]).abs().max().item() <= TOL
+            assert (got["outputs"][call] - outputs[call]).abs().max().item() <= TOL
+        # the schedule the processes ran, on the user's strategy object
+        order = got["schedule"][1]
+        if schedule == "GPipe":
+            assert order == [("F", m) for m in range(G)] + [("B", m) for m in range(G)]
+        else:
+            assert order[:2] == [("F", 0), ("B", 0)]
+
+
+def _train(model, strategy, **kwargs):
+    opts = options(strategy, stage_processes=True)
+    for name, value in kwargs.items():
+        getattr(opts, name)(value)
+    training = poptorch.trainingModel(model, opts,
+                                      torch.optim.SGD(model.parameters(), lr=0.1))
+    return training
+
+
+def test_one_process_for_two_stages_is_refused():
+    model = make_model(0, annotate=True)
+    training = _train(model, poptorch.PipelinedExecution())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(poptorch.Error, match=r"2 stages but the run has 1 process.*"
+                       r"multiple of the stages.*nproc_per_node=2"):
+        training(*batch(0))
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), f"{name} changed"
+
+
+def test_a_strategy_that_is_not_pipelined_is_refused():
+    training = _train(make_model(0, annotate=True), poptorch.ShardedExecution())
+    with pytest.raises(poptorch.Error, match="needs a pipelined model.*ShardedExecution"):
+        training(*batch(0))
+
+
+def test_local_replicas_are_refused():
+    training = _train(make_model(0, annotate=True), poptorch.PipelinedExecution(),
+                      replicationFactor=2)
+    with pytest.raises(poptorch.Error, match=r"replicationFactor\(2\).*more processes"):
+        x, y = batch(0)
+        training(torch.cat([x, x]), torch.cat([y, y]))
+
+
+class DataDependent(Net):
+    def forward(self, x, y):
+        h = torch.relu(self.l1(x))
+        if h.sum() > 0:  # control flow on a tensor's value: not capturable
+            h = h * 2
+        out = self.l3(torch.tanh(self.l2(h)))
+        return out, torch.nn.functional.cross_entropy(out, y)
+
+
+def test_a_model_that_cannot_be_captured_is_refused():
+    torch.manual_seed(0)
+    model = DataDependent()
+    poptorch.BeginBlock(model.l1, "s0", ipu_id=0)
+    poptorch.BeginBlock(model.l2, "s1", ipu_id=1)
+    training = _train(model, poptorch.PipelinedExecution())
+    with pytest.raises(poptorch.Error, match="cannot be captured.*traceable by torch.fx"):
+        training(*batch(0))
+
+
+def test_the_option_is_ours_and_off_by_default():
+    opts = poptorch.Options()
+    assert opts.Distributed.stages_on_processes is False
+    assert "stages_on_processes" not in opts.toDict()["Distributed"]
+    opts.Distributed.stagesOnProcesses()
+    assert opts.Distributed.stages_on_processes is True
+    with pytest.raises(poptorch.Error, match="expected True or False"):
+        poptorch.Options().Distributed.stagesOnProcesses("yes")
