@@ -41,6 +41,10 @@ def main(out: pathlib.Path) -> None:
                     "schedule": [record.stage_order(s) for s in range(2)]},
                    out / f"{schedule}_rank{RANK}.pt")
         training.destroy()
+    # leave the process group together: a rank tearing gloo down while its peer still
+    # writes can abort the peer
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

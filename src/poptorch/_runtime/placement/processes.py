@@ -29,6 +29,7 @@ from .. import context
 from ..distributed import stage_processes, world as world_module
 from ..distributed.collectives import failures_as_errors
 from ..distributed.consistency import check_same_everywhere
+from ..distributed.output_broadcast import OutputBroadcast
 from ..torch_internals import pytree
 from ...errors import Error
 from . import recompute
@@ -167,6 +168,8 @@ class StageProcessRunner:
                        for a in self.adapters]
         self._schedules: dict = {}
         self._inputs_checked = False
+        self._broadcast = OutputBroadcast(self.layout.last_rank, self.layout.pipeline_group,
+                                          self.device)
         self._loss_of: Optional[LossOf] = None
         # every process starts from process 0's weights; this stage's go to its device
         tensors = list(model.parameters()) + list(model.buffers())
@@ -222,7 +225,7 @@ class StageProcessRunner:
                 stage.clear_runtime_states()
                 schedule._step_microbatches([()] * len(inputs), kwarg_mbs, targets, None,
                                             return_outputs=True)
-                outputs = self._outputs(stage)
+                outputs = self._outputs(stage, inputs)
         finally:
             self._loss_of = None
         self._keep(len(inputs), training)
@@ -265,25 +268,17 @@ class StageProcessRunner:
         assert loss_of is not None  # (set for the duration of a training step)
         return loss_of(model_output)
 
-    def _outputs(self, stage: Any) -> List[Any]:
+    def _outputs(self, stage: Any, inputs: List[dict]) -> List[Any]:
         """Every micro-batch's output, on every process of the pipeline: the last stage
-        has them and broadcasts them (to host memory) to the others."""
-        layout = self.layout
-        box: list = [None]
+        has them and broadcasts them to the others."""
+        outputs = None
         if stage.is_last:
             outputs = [self._rebuild(chunk)[0] for chunk in stage.output_chunks]
             stage.output_chunks.clear()
-            box[0] = [pytree.tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), out)
-                      for out in outputs]
-        if layout.stages > 1:
-            dist.broadcast_object_list(box, src=layout.last_rank, group=layout.pipeline_group,
-                                       device=self._object_device())
-        if stage.is_last:
-            return outputs
-        return box[0]
-
-    def _object_device(self) -> Optional[torch.device]:
-        return self.device if self.device.type == "cuda" else None
+        key = (len(inputs), stage.has_backward, tuple(
+            (name, tuple(t.shape), t.dtype) for name in sorted(inputs[0])
+            for t in pytree.tree_leaves(inputs[0][name]) if isinstance(t, torch.Tensor)))
+        return self._broadcast(key, outputs)
 
     def _check_same_inputs(self, inputs: List[dict]) -> None:
         """The processes of a pipeline must be fed the same batch (each stage reads the
