@@ -39,10 +39,15 @@ def batch(call: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, 3, (G * M, ), generator=g))
 
 
-def options(strategy, stage_processes: bool = False) -> poptorch.Options:
+# per schedule: the output mode its run returns (All: every micro-batch's)
+OUTPUT_MODES = {"GPipe": "All", "1F1B": "Default"}
+
+
+def options(strategy, stage_processes: bool = False,
+            output_mode: str = "All") -> poptorch.Options:
     opts = poptorch.Options()
     opts.Training.gradientAccumulation(G)
-    opts.outputMode(poptorch.OutputMode.All)
+    opts.outputMode(getattr(poptorch.OutputMode, output_mode))
     opts.showCompilationProgressBar(False)
     opts.setExecutionStrategy(strategy)
     if stage_processes:

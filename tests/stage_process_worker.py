@@ -6,7 +6,8 @@ model whose stages run on the 2 processes (``Distributed.stagesOnProcesses``).
 For each schedule (GPipe, 1F1B) every process trains the model (each process starts
 from a different random initialisation: the run must start from process 0's), then
 writes the losses and outputs it returned and, after ``copyWeightsToHost``, the full
-``state_dict`` to ``OUT_DIR/<schedule>_rank<rank>.pt``; the test compares them with
+``state_dict`` to ``OUT_DIR/<schedule>_rank<rank>.pt``; then the trained model runs as
+an inference model (``OUT_DIR/inference_rank<rank>.pt``). The test compares them with
 plain PyTorch.
 """
 from __future__ import annotations
@@ -18,7 +19,8 @@ import sys
 import torch
 
 import poptorch
-from _stage_process_cases import CALLS, SCHEDULES, batch, make_model, options
+from _stage_process_cases import (CALLS, OUTPUT_MODES, SCHEDULES, batch, make_model,
+                                  options)
 
 RANK = int(os.environ["RANK"])
 
@@ -28,7 +30,8 @@ def main(out: pathlib.Path) -> None:
     for schedule in SCHEDULES:
         model = make_model(seed=1000 + RANK, annotate=True)
         strategy = poptorch.PipelinedExecution().setSchedule(schedule)
-        training = poptorch.trainingModel(model, options(strategy, stage_processes=True),
+        opts = options(strategy, stage_processes=True, output_mode=OUTPUT_MODES[schedule])
+        training = poptorch.trainingModel(model, opts,
                                           torch.optim.SGD(model.parameters(), lr=0.1))
         losses, outputs = [], []
         for call in range(CALLS):
@@ -41,6 +44,16 @@ def main(out: pathlib.Path) -> None:
                     "schedule": [record.stage_order(s) for s in range(2)]},
                    out / f"{schedule}_rank{RANK}.pt")
         training.destroy()
+    # inference of the trained model (every process holds all of it after the copy):
+    # 2 device iterations of G micro-batches, every output returned
+    opts = poptorch.Options().deviceIterations(2).showCompilationProgressBar(False)
+    opts.setExecutionStrategy(poptorch.PipelinedExecution())
+    opts.Distributed.stagesOnProcesses()
+    inference = poptorch.inferenceModel(model, opts)
+    x, y = batch(CALLS)
+    x, y = torch.cat([x, x * 2]), torch.cat([y, y])
+    torch.save(inference(x, y), out / f"inference_rank{RANK}.pt")
+    inference.destroy()
     # leave the process group together: a rank tearing gloo down while its peer still
     # writes can abort the peer
     torch.distributed.barrier()

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import poptorch
-from _stage_process_cases import (CALLS, G, SCHEDULES, Net, batch, make_model, options,
-                                  plain_reference)
+from _stage_process_cases import (CALLS, G, M, OUTPUT_MODES, SCHEDULES, Net, batch,
+                                  make_model, options, plain_reference)
 from test_distributed import _check, _env
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -46,18 +46,39 @@ def test_stage_processes_train_like_plain_pytorch(trained, schedule):
         for name, value in expected.items():
             diff = (got["state"][name] - value).abs().max().item()
             assert diff <= TOL, f"rank {rank}: {name} differs by {diff}"
-        # every micro-batch's output and loss, on every process (OutputMode.All)
+        # the outputs and losses PopTorch returns, on every process: every micro-batch's
+        # (OutputMode.All), or the last one's (Final, the default for training)
         assert len(got["losses"]) == CALLS
+        final = OUTPUT_MODES[schedule] != "All"
         for call in range(CALLS):
-            assert got["losses"][call].shape == (G, )
-            assert (got["losses"][call] - losses[call]).abs().max().item() <= TOL
-            assert (got["outputs"][call] - outputs[call]).abs().max().item() <= TOL
+            want_loss = losses[call][-1] if final else losses[call]
+            want_out = outputs[call][-M:] if final else outputs[call]
+            assert got["losses"][call].shape == want_loss.shape
+            assert got["outputs"][call].shape == want_out.shape
+            assert (got["losses"][call] - want_loss).abs().max().item() <= TOL
+            assert (got["outputs"][call] - want_out).abs().max().item() <= TOL
         # the schedule the processes ran, on the user's strategy object
         order = got["schedule"][1]
         if schedule == "GPipe":
             assert order == [("F", m) for m in range(G)] + [("B", m) for m in range(G)]
         else:
             assert order[:2] == [("F", 0), ("B", 0)]
+
+
+def test_stage_processes_infer_like_plain_pytorch(trained):
+    reference = make_model(1000, annotate=False)
+    plain_reference(reference)  # the weights the inference model was made from
+    x, y = batch(CALLS)
+    x, y = torch.cat([x, x * 2]), torch.cat([y, y])
+    rows = G * M  # one micro-batch per device iteration
+    with torch.no_grad():
+        expected = [reference(x[i * rows:(i + 1) * rows], y[i * rows:(i + 1) * rows])
+                    for i in range(2)]
+    for rank in (0, 1):
+        out, loss = torch.load(trained / f"inference_rank{rank}.pt", weights_only=False)
+        assert out.shape == (2 * rows, 3) and loss.shape == (2, )
+        assert (out - torch.cat([o for o, _ in expected])).abs().max().item() <= TOL
+        assert (loss - torch.stack([l for _, l in expected])).abs().max().item() <= TOL
 
 
 def _train(model, strategy, **kwargs):

@@ -31,6 +31,7 @@ from ..distributed.collectives import failures_as_errors
 from ..distributed.consistency import check_same_everywhere
 from ..distributed.output_broadcast import OutputBroadcast
 from ..torch_internals import pytree
+from ...enums import OutputMode
 from ...errors import Error
 from . import recompute
 from .capture import CapturedModel, _capture
@@ -168,6 +169,7 @@ class StageProcessRunner:
                        for a in self.adapters]
         self._schedules: dict = {}
         self._inputs_checked = False
+        self._final_only = options.output_mode == OutputMode.Final.value
         self._broadcast = OutputBroadcast(self.layout.last_rank, self.layout.pipeline_group,
                                           self.device)
         self._loss_of: Optional[LossOf] = None
@@ -270,15 +272,22 @@ class StageProcessRunner:
 
     def _outputs(self, stage: Any, inputs: List[dict]) -> List[Any]:
         """Every micro-batch's output, on every process of the pipeline: the last stage
-        has them and broadcasts them to the others."""
-        outputs = None
+        has them and broadcasts them to the others (with ``OutputMode.Final``, only the
+        last micro-batch's, the one the program returns)."""
+        outputs = all_outputs = None
         if stage.is_last:
-            outputs = [self._rebuild(chunk)[0] for chunk in stage.output_chunks]
+            outputs = all_outputs = [self._rebuild(chunk)[0] for chunk in stage.output_chunks]
             stage.output_chunks.clear()
         key = (len(inputs), stage.has_backward, tuple(
             (name, tuple(t.shape), t.dtype) for name in sorted(inputs[0])
             for t in pytree.tree_leaves(inputs[0][name]) if isinstance(t, torch.Tensor)))
-        return self._broadcast(key, outputs)
+        if self._final_only and outputs is not None:
+            outputs = outputs[-1:]
+        received = self._broadcast(key, outputs)
+        if stage.is_last:
+            return all_outputs
+        # OutputMode.Final reads only the last micro-batch's output: only it travels
+        return received * len(inputs) if self._final_only else received
 
     def _check_same_inputs(self, inputs: List[dict]) -> None:
         """The processes of a pipeline must be fed the same batch (each stage reads the
