@@ -142,3 +142,75 @@ def test_the_option_is_ours_and_off_by_default():
     assert opts.Distributed.stages_on_processes is True
     with pytest.raises(poptorch.Error, match="expected True or False"):
         poptorch.Options().Distributed.stagesOnProcesses("yes")
+
+
+class Skip3(torch.nn.Module):
+    """Three stages; stage 2 reads stage 0's output (it must pass through stage 1)."""
+
+    def __init__(self, size_crosses: bool = False) -> None:
+        super().__init__()
+        self.l1 = torch.nn.Linear(4, 4)
+        self.l2 = torch.nn.Linear(4, 4)
+        self.l3 = torch.nn.Linear(4, 2)
+        self.size_crosses = size_crosses
+        poptorch.BeginBlock(self.l1, "s0", ipu_id=0)
+        poptorch.BeginBlock(self.l2, "s1", ipu_id=1)
+        poptorch.BeginBlock(self.l3, "s2", ipu_id=2)
+
+    def forward(self, x, y):
+        a = torch.relu(self.l1(x))
+        n = a.size(0)  # an int made in stage 0
+        b = torch.tanh(self.l2(a))
+        if self.size_crosses:
+            b = b.reshape(n, -1)  # ... read by stage 1: cannot travel between processes
+        out = self.l3(b) + a[:, :2]  # (after l3 starts stage 2)
+        return out, torch.nn.functional.mse_loss(out, y)
+
+
+def _adapters(model, x, y):
+    from poptorch._runtime.placement.capture import capture
+    from poptorch._runtime.placement.partition import resolve_partition
+    from poptorch._runtime.placement.processes import _plan_adapters
+    from poptorch._runtime.placement.stages import split_stages
+    strategy = poptorch.PipelinedExecution()
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(8)
+    captured = capture(model, (x, y), {}, strategy)
+    part = resolve_partition(captured.trace, strategy, opts, True, 0)
+    return _plan_adapters(split_stages(captured, part))
+
+
+def _chain(adapters, inputs):
+    carried: tuple = ()
+    for adapter in adapters:
+        needs = {name: inputs[name] for kind, name in adapter.in_plan if kind == "input"}
+        carried = adapter(*carried, **needs)
+    return carried
+
+
+def test_stage_adapters_pass_skipped_values_through_the_stages_between():
+    # three stages chained in one process as the processes would run them: stage 1 hands
+    # on stage 0's value that stage 2 reads; gradients flow back through the hand-on
+    torch.manual_seed(0)
+    model = Skip3()
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+    adapters = _adapters(model, x, y)
+    assert [kind for kind, _ in adapters[1].out_plan].count("carry") == 1
+    out, loss = _chain(adapters, {"x": x, "y": y})
+    expected_out, expected_loss = model(x, y)
+    assert torch.allclose(out, expected_out) and torch.allclose(loss, expected_loss)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    expected_loss.backward()
+    for got, want in zip(grads, [p.grad for p in model.parameters()], strict=True):
+        assert torch.allclose(got, want)
+
+
+def test_a_non_tensor_crossing_stages_is_refused():
+    torch.manual_seed(0)
+    model = Skip3(size_crosses=True)
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+    with pytest.raises(poptorch.Error, match="stage 0 hands int 3 to a later stage.*"
+                       "only tensors travel between processes"):
+        _chain(_adapters(model, x, y), {"x": x, "y": y})

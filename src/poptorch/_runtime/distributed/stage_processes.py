@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ...errors import Error
 from .collectives import broadcast_, failures_as_errors
 from .reducer import GradientReducer
-from .world import World
+from .world import World, timeout
 
 
 @dataclass(frozen=True)
@@ -80,11 +80,13 @@ def make_layout(world: World, stages: int) -> StageLayout:
     stage_group = None
     with failures_as_errors("Creating the pipeline process groups"):
         for r in range(replicas):
-            group = dist.new_group([r * stages + s for s in range(stages)])
+            group = dist.new_group([r * stages + s for s in range(stages)],
+                                   timeout=timeout())
             if r == replica:
                 pipeline_group = group
         for s in range(stages):
-            group = dist.new_group([r * stages + s for r in range(replicas)])
+            group = dist.new_group([r * stages + s for r in range(replicas)],
+                                   timeout=timeout())
             if s == stage:
                 stage_group = group
     return StageLayout(world, stages, stage, replica, pipeline_group,

@@ -225,8 +225,13 @@ class StageProcessRunner:
             with failures_as_errors("Running the pipeline stages", runs_model=True):
                 stage.has_backward = training
                 stage.clear_runtime_states()
-                schedule._step_microbatches([()] * len(inputs), kwarg_mbs, targets, None,
-                                            return_outputs=True)
+                try:
+                    schedule._step_microbatches([()] * len(inputs), kwarg_mbs, targets,
+                                                None, return_outputs=True)
+                except RuntimeError as exc:  # torch wraps the stage's errors: ours back
+                    if isinstance(exc.__cause__, Error):
+                        raise exc.__cause__ from None
+                    raise
                 outputs = self._outputs(stage, inputs)
         finally:
             self._loss_of = None
