@@ -289,7 +289,7 @@ class StageProcessRunner:
         if self._final_only and outputs is not None:
             outputs = outputs[-1:]
         received = self._broadcast(key, outputs)
-        if stage.is_last:
+        if all_outputs is not None:  # the last stage
             return all_outputs
         # OutputMode.Final reads only the last micro-batch's output: only it travels
         return received * len(inputs) if self._final_only else received
