@@ -5,7 +5,8 @@ stage; every process of the pipeline returns them. The first time a structure of
 outputs is sent (per ``key``: the caller's input signature) it travels as a pickled
 object and both sides remember its layout (tree structure, shapes, dtypes, constant
 leaves); afterwards only the tensors travel, as one flat buffer per dtype, which is
-what NCCL and gloo send fastest.
+what NCCL and gloo send fastest; the sender does not wait for them to arrive (it waits
+before its next send), so the last stage starts its next step at once.
 """
 from __future__ import annotations
 
@@ -26,14 +27,22 @@ class OutputBroadcast:
         self.group = group
         self.device = device
         self._layouts: dict = {}  # key -> (spec, leaves: tensor meta or constant)
+        self._sending: list = []  # the sender's broadcasts in flight (work, buffer)
 
     def __call__(self, key: Hashable, outputs: Optional[List[Any]]) -> List[Any]:
         """``outputs`` on the sender (None elsewhere); the outputs on every process."""
         with failures_as_errors("Sending the pipeline's outputs"):
+            self.wait()
             layout = self._layouts.get(key)
             if layout is None:
                 return self._first(key, outputs)
             return self._tensors(layout, outputs)
+
+    def wait(self) -> None:
+        """Wait until the sender's last outputs have left (before the next ones)."""
+        while self._sending:
+            work, _ = self._sending.pop(0)
+            work.wait()
 
     def _first(self, key: Hashable, outputs: Optional[List[Any]]) -> List[Any]:
         box: list = [None]
@@ -54,9 +63,11 @@ class OutputBroadcast:
         dtypes = sorted({m[2] for m in metas if m[0] == "tensor"}, key=str)
         if outputs is not None:
             leaves = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)]
-            for dtype in dtypes:
+            for dtype in dtypes:  # sent while the sender goes on (waited for next time)
                 flat = torch.cat([t.detach().reshape(-1) for t in leaves if t.dtype == dtype])
-                dist.broadcast(flat.to(self.device), src=self.src, group=self.group)
+                flat = flat.to(self.device)
+                work = dist.broadcast(flat, src=self.src, group=self.group, async_op=True)
+                self._sending.append((work, flat))
             return outputs
         received: dict = {}
         for dtype in dtypes:
