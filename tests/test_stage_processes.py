@@ -115,6 +115,16 @@ def test_local_replicas_are_refused():
         training(torch.cat([x, x]), torch.cat([y, y]))
 
 
+def test_automatic_loss_scaling_is_refused():
+    model = make_model(0, annotate=True)
+    opts = options(poptorch.PipelinedExecution(), stage_processes=True)
+    opts.Training.setAutomaticLossScaling(True)
+    training = poptorch.trainingModel(
+        model, opts, poptorch.optim.SGD(model.parameters(), lr=0.1, loss_scaling=8.0))
+    with pytest.raises(poptorch.Error, match="AutomaticLossScaling.*fixed loss scale"):
+        training(*batch(0))
+
+
 class DataDependent(Net):
     def forward(self, x, y):
         h = torch.relu(self.l1(x))

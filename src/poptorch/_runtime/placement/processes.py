@@ -133,6 +133,12 @@ class StageProcessRunner:
                 f"{options.replication_factor}): a process runs one stage of one replica. "
                 "Replicate the pipeline with more processes instead (processes = stages x "
                 "replicas) and keep replicationFactor(1).")
+        if training and options.Training.automatic_loss_scaling:
+            raise Error(
+                "Distributed.stagesOnProcesses with Training.setAutomaticLossScaling(True): "
+                "each process would decide on its own stage's gradients whether to skip a "
+                "step, and the stages would drift apart. Use a fixed loss scale "
+                "(the optimizer's loss_scaling) or leave stagesOnProcesses off.")
         if example is None:
             raise Error("Distributed.stagesOnProcesses: the model must be compiled with "
                         "example inputs (call it, or compile(*inputs)).")
