@@ -14,7 +14,11 @@ micro-batches, then one SGD step) through:
   against the unsplit model's;
 * ``torch-gpipe`` / ``torch-1f1b``: ``torch.distributed.pipelining``
   (``ScheduleGPipe`` / ``Schedule1F1B``) over 2 processes (gloo, one thread each),
-  the peer a PyTorch user would pick.
+  the peer a PyTorch user would pick;
+* ``procs-gpipe`` / ``procs-1f1b`` (2 stages): ``PipelinedExecution`` with
+  ``Options.Distributed.stagesOnProcesses()``, one stage per process on the same 2
+  processes (built on ``torch.distributed.pipelining``; every process also receives
+  the outputs), printed with its ratio to torch's pipeline.
 
 Workloads: an MLP (8 x ``Linear(512, 512)``, micro-batch 32) and a small transformer
 (4 ``TransformerEncoderLayer``, d_model 128, sequence 32, micro-batch 16), 2 stages
@@ -120,7 +124,7 @@ class EagerLoop:
 
 
 class PopTorch:
-    def __init__(self, name, g, stages=0, strategy=None, ipus=None):
+    def __init__(self, name, g, stages=0, strategy=None, ipus=None, processes=False):
         import poptorch
         model = make_model(name)
         if stages:
@@ -128,6 +132,8 @@ class PopTorch:
         opts = poptorch.Options()
         opts.Training.gradientAccumulation(g)
         opts.show_compilation_progress_bar = False
+        if processes:
+            opts.Distributed.stagesOnProcesses()
         if strategy is not None:
             opts.setExecutionStrategy(strategy)
         self.strategy = strategy
@@ -153,8 +159,9 @@ def _free_port():
 
 
 def _peer_main(rank, port, conn):
-    """A rank of the torch.distributed.pipelining peer: builds stage ``rank`` of the
-    requested model and runs the requested steps when rank 0 is told to."""
+    """A rank of the 2-process pipelines: builds stage ``rank`` of the requested model
+    (``torch.distributed.pipelining`` by hand, or poptorch with stages on processes for
+    kinds ``procs-*``) and runs the requested steps when rank 0 is told to."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -168,7 +175,13 @@ def _peer_main(rank, port, conn):
             break
         name, g, kind, steps = cmd[0]
         key = (name, g, kind)
-        if key not in cache:
+        if key not in cache and kind.startswith("procs-"):
+            import poptorch
+            strategy = poptorch.PipelinedExecution().setSchedule(
+                "GPipe" if kind == "procs-gpipe" else "1F1B")
+            run = PopTorch(name, g, 2, strategy, processes=True)
+            cache[key] = (run, None, (None, None))
+        elif key not in cache:
             model = make_model(name)
             half = len(model.layers) // 2
             layers = model.layers[rank * half:(rank + 1) * half]
@@ -186,6 +199,9 @@ def _peer_main(rank, port, conn):
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(steps):
+            if opt is None:  # poptorch: the executor runs the schedule and the step
+                schedule.step()
+                continue
             opt.zero_grad()
             if rank == 0:
                 schedule.step(x)
@@ -257,9 +273,11 @@ def measure(name, g, stages, rounds, steps, peer):
         run.step()
     times = {k: [] for k in runs}
     peer_kinds = ["gpipe", "1f1b"] if peer is not None and stages == 2 else []
+    peer_kinds += [f"procs-{k}" for k in peer_kinds]
+    label = {k: k if k.startswith("procs-") else f"torch-{k}" for k in peer_kinds}
     for kind in peer_kinds:
-        times[f"torch-{kind}"] = []
-        peer.timed(name, g, kind, 1)  # build + warm up
+        times[label[kind]] = []
+        peer.timed(name, g, kind, 2)  # build + warm up
     for _ in range(rounds):
         for k, run in runs.items():
             t0 = time.perf_counter()
@@ -267,7 +285,7 @@ def measure(name, g, stages, rounds, steps, peer):
                 run.step()
             times[k].append((time.perf_counter() - t0) / steps)
         for kind in peer_kinds:
-            times[f"torch-{kind}"].append(peer.timed(name, g, kind, steps) / steps)
+            times[label[kind]].append(peer.timed(name, g, kind, steps) / steps)
     rate = {k: samples / statistics.median(v) for k, v in times.items()}
     base = rate["eager-1t"]
     print(f"\n{name}, {stages} stages (interleaved: 4 on 2 IPUs), g={g}, "
@@ -279,6 +297,9 @@ def measure(name, g, stages, rounds, steps, peer):
     if torch_best:
         print(f"  pipelined (best) / torch 2-process pipeline (best): "
               f"{pipe_best / torch_best:.2f}x")
+        for kind in ("gpipe", "1f1b"):
+            print(f"  procs-{kind} / torch-{kind} (stages on processes / torch's own): "
+                  f"{rate[f'procs-{kind}'] / rate[f'torch-{kind}']:.2f}x")
     phased = runs["phased"].runner()
     full = sum(p.numel() * p.element_size() for p in runs["unsplit"].model.parameters())
     mem = phased.streaming

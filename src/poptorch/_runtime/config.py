@@ -90,6 +90,7 @@ class DistributedConfig:
     input_group_size: int
     input_cgt: CommGroupType
     strategy_name: str | None  # the class of the execution strategy set, or None
+    stages_on_processes: bool  # Distributed.stagesOnProcesses: one process per stage
 
     @classmethod
     def of(cls, options: Any) -> "DistributedConfig":
@@ -101,7 +102,8 @@ class DistributedConfig:
             broadcast_buffers=bool(options.broadcast_buffers),
             input_group_size=int(options.input_group_size),
             input_cgt=CommGroupType(options.input_cgt),
-            strategy_name=None if strategy is None else type(strategy).__name__)
+            strategy_name=None if strategy is None else type(strategy).__name__,
+            stages_on_processes=bool(options.Distributed.stages_on_processes))
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,7 @@ def compile_model(parts: ModelParts, args: tuple, kwargs: dict,
     # Only training needs the other processes; an inference model runs on its own
     # (a program may evaluate on process 0 alone).
     cross = join_processes(config, model, training, device_optimizer, parts.name,
-                           device) if training else None
+                           device, runner) if training else None
     runner, replica_buffers = local_replica_runner(
         model, opts, config, parts.groupings, runner, plan, cross)
     if cross is not None:

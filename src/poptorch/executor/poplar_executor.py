@@ -295,7 +295,11 @@ class PoplarExecutor(ExecutorInspection):
         """Copy the device weights (and buffers) to the user's model."""
         if self._loaded_not_run():
             return
-        self._require_compilation("copyWeightsToHost").weights.to_host()
+        compiled = self._require_compilation("copyWeightsToHost")
+        runner = compiled.program.runner
+        if hasattr(runner, "gather_weights"):  # stages on processes: a collective
+            runner.gather_weights()
+        compiled.weights.to_host()
 
     def _loaded_not_run(self) -> bool:
         """A model from ``poptorch.load`` compiles at its first call; until then its

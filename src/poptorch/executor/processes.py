@@ -8,7 +8,7 @@ process 0's weights and optimizer state. The engine side is
 from __future__ import annotations
 
 import hashlib
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -21,14 +21,17 @@ from .._runtime.distributed.replicas import CrossProcessReplicas
 
 def join_processes(config: RuntimeConfig, model: torch.nn.Module, training: bool,
                    optimizer: Optional[torch.optim.Optimizer], name: str,
-                   device: torch.device) -> Optional[CrossProcessReplicas]:
+                   device: torch.device, runner: Any = None) -> Any:
     """The cross-process side of a compiled model; None in a single process.
-    ``config`` holds the options as compiled."""
+    ``config`` holds the options as compiled; a runner with its own reduction across
+    processes (stages on processes) provides it."""
     processes = config.distributed
     world = distributed_world.join(processes.process_id, processes.num_processes, device)
     if not world.distributed:
         return None
     check_same_everywhere(world, program_signature(config, model, training))
+    if hasattr(runner, "cross_processes"):  # stages on processes: their own reduction
+        return runner.cross_processes(processes.broadcast_buffers)
     params = [p for p in model.parameters() if p.requires_grad]
     cross = CrossProcessReplicas(world, model, params, processes.broadcast_buffers)
     cross.start_identical(optimizer)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 from ..errors import Error
-from .store import OptionsDict, check_int, check_str
+from .store import OptionsDict, check_bool, check_int, check_str
 
 
 class _DistributedOptions(OptionsDict):
@@ -20,7 +20,7 @@ class _DistributedOptions(OptionsDict):
 
     def __init__(self) -> None:
         super().__init__(num_distributed_processes=1, distributed_process_id=0,
-                         ipuof_configs={})
+                         ipuof_configs={}, stages_on_processes=False)
         if "OMPI_COMM_WORLD_SIZE" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
             self.setEnvVarNames("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
         elif "WORLD_SIZE" in os.environ or "RANK" in os.environ:
@@ -53,6 +53,23 @@ class _DistributedOptions(OptionsDict):
                   maximum=num_processes - 1)
         self.set(distributed_process_id=process_id, num_distributed_processes=num_processes)
         return self
+
+    def stagesOnProcesses(self, enabled: bool = True) -> "_DistributedOptions":
+        """Run each stage of a ``PipelinedExecution`` model in a process of its own
+        (an OpenPopTorch addition). The processes of the run (``torchrun``) are then
+        ``stages x replicas``: process ``p`` runs stage ``p % stages`` of pipeline replica
+        ``p // stages``, activations and gradients travel between the processes with
+        ``torch.distributed.pipelining``, and a pipeline can span machines. See
+        ``docs/parallel.md``. Read back as ``opts.Distributed.stages_on_processes``."""
+        self.set(stages_on_processes=check_bool("Distributed.stagesOnProcesses", enabled))
+        return self
+
+    def toDict(self) -> dict:
+        """The option values; ``stages_on_processes`` (ours) only once enabled."""
+        out = super().toDict()
+        if not out.get("stages_on_processes"):
+            out.pop("stages_on_processes", None)
+        return out
 
     @property
     def processId(self) -> int:

@@ -67,6 +67,9 @@ def build_runner(model: torch.nn.Module, config: RuntimeConfig | Any, training: 
     cannot be captured) on the first call."""
     if not isinstance(config, RuntimeConfig):
         config = RuntimeConfig.of(config)
+    if config.distributed.stages_on_processes:  # one process per stage (torchrun)
+        from .processes import StageProcessRunner  # pylint: disable=import-outside-toplevel
+        return StageProcessRunner(model, config, training, example)  # type: ignore
     if not config.placement.strategy_given and not (
             has_static_annotations(model) or _forward_uses_blocks(model)):
         return None

@@ -1,0 +1,143 @@
+"""Where the stages of a pipeline live when each runs in a process of its own.
+
+With ``Options.Distributed.stagesOnProcesses()`` the processes of a run are
+``stages x replicas``: process ``p`` runs stage ``p % stages`` of pipeline replica
+``p // stages``. Two kinds of process groups follow from that layout:
+
+* a *pipeline group* per replica (its ``stages`` consecutive processes, in stage
+  order): ``torch.distributed.pipelining`` sends activations and gradients inside it;
+* a *stage group* per stage (that stage's process in every replica): the gradients of
+  a stage are summed over it before each optimizer step, as replicas' are.
+
+Every process creates every group (``dist.new_group`` is collective), in the same order.
+This module also holds what a run of stage processes does across processes besides the
+schedule: start from process 0's weights, reduce a stage's gradients over its replicas,
+and gather every stage's trained weights onto every process (``copyWeightsToHost``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ...errors import Error
+from .collectives import broadcast_, failures_as_errors
+from .reducer import GradientReducer
+from .world import World, timeout
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """This process's place in a run of stage processes (module docstring)."""
+
+    world: World
+    stages: int
+    stage: int  # the stage this process runs
+    replica: int  # the pipeline replica it belongs to
+    pipeline_group: Any  # the processes of this replica, stage order (None: the world)
+    stage_world: World  # this stage's processes over the replicas (rank: the replica)
+
+    @property
+    def replicas(self) -> int:
+        return self.world.size // self.stages
+
+    def rank_of(self, replica: int, stage: int) -> int:
+        """The global rank running ``stage`` of pipeline ``replica``."""
+        return replica * self.stages + stage
+
+    @property
+    def last_rank(self) -> int:
+        """The global rank of the last stage of this process's pipeline."""
+        return self.rank_of(self.replica, self.stages - 1)
+
+
+def check_world(world: World, stages: int) -> None:
+    """The run must have a whole number of pipelines of ``stages`` processes."""
+    if stages < 2:
+        raise Error(
+            "Distributed.stagesOnProcesses: the model has a single pipeline stage, so there "
+            "is nothing to place on separate processes. Split it with poptorch.BeginBlock / "
+            "Block into stages on different IPUs, or leave stagesOnProcesses off.")
+    if world.size % stages != 0:
+        raise Error(
+            f"Distributed.stagesOnProcesses: the pipeline has {stages} stages but the run "
+            f"has {world.size} process(es); the processes must be a multiple of the stages "
+            f"(stages x pipeline replicas): start {stages} processes per replica, for "
+            f"example torchrun --nproc_per_node={stages} (one replica), or leave "
+            "stagesOnProcesses off to run every stage in each process.")
+
+
+def make_layout(world: World, stages: int) -> StageLayout:
+    """The layout of this process; creates the process groups (collective)."""
+    check_world(world, stages)
+    replicas = world.size // stages
+    stage, replica = world.rank % stages, world.rank // stages
+    if replicas == 1:
+        return StageLayout(world, stages, stage, 0, world.group, World(0, 1, None))
+    pipeline_group = None
+    stage_group = None
+    with failures_as_errors("Creating the pipeline process groups"):
+        for r in range(replicas):
+            group = dist.new_group([r * stages + s for s in range(stages)],
+                                   timeout=timeout())
+            if r == replica:
+                pipeline_group = group
+        for s in range(stages):
+            group = dist.new_group([r * stages + s for r in range(replicas)],
+                                   timeout=timeout())
+            if s == stage:
+                stage_group = group
+    return StageLayout(world, stages, stage, replica, pipeline_group,
+                       World(replica, replicas, stage_group))
+
+
+def start_from_process_0(world: World, tensors: Sequence[torch.Tensor]) -> None:
+    """Give every process process 0's weights and buffers (all stages), so the stages
+    of every replica start from one model whichever process built which."""
+    broadcast_([t.data for t in tensors], world.group)
+
+
+def gather_stages(layout: StageLayout, tensors_of_stage: List[List[torch.Tensor]]) -> None:
+    """Every process receives every stage's tensors from replica 0's process of that
+    stage (all processes call this together)."""
+    for s, tensors in enumerate(tensors_of_stage):
+        broadcast_([t.data for t in tensors], layout.world.group, src=layout.rank_of(0, s))
+
+
+class StageReplicas:
+    """The cross-process side of a training model whose stages run on processes, as the
+    device program sees it (the interface of ``replicas.CrossProcessReplicas``): the
+    gradients of this process's stage are summed over its replicas (the stage group);
+    ``world`` is that group, so the program's Mean divides by the replicas' micro-batches."""
+
+    def __init__(self, layout: StageLayout, params: List[torch.nn.Parameter],
+                 buffers: List[torch.Tensor], broadcast_buffers: bool) -> None:
+        self.world = layout.stage_world
+        self.reducer = GradientReducer(self.world, params)
+        self.buffers = buffers if broadcast_buffers else []
+        self.averaged_over = 1  # the reducer sums
+        self.source = layout.rank_of(0, layout.stage)  # global rank of replica 0's
+
+    def wrap_runner(self, runner: Any, per_step: int, device: torch.device) -> Any:
+        return runner  # the schedule already decides when each backward runs
+
+    def release(self) -> None:
+        return None
+
+    def begin_step(self) -> None:
+        return None
+
+    def start_identical(self, optimizer: Optional[Any]) -> None:
+        """Nothing left to do: the weights came from process 0 at compile time, and the
+        optimizer holds state only for this stage's parameters once it steps."""
+        return None
+
+    def reduce_gradients(self) -> None:
+        self.reducer()
+
+    def sync_buffers(self) -> None:
+        """Replica 0's buffers of this stage to its other replicas (broadcastBuffers)."""
+        if self.buffers:
+            broadcast_([b.data for b in self.buffers], self.world.group, src=self.source)

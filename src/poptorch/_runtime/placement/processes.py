@@ -1,0 +1,362 @@
+"""A pipelined model whose stages run in separate processes (``torchrun``).
+
+With ``Options.Distributed.stagesOnProcesses()`` the model is captured and split into
+stage modules once, at compile time, exactly as for the in-process engine
+(:mod:`.capture`, :mod:`.stages`); then process ``p`` keeps stage ``p % stages`` of
+pipeline replica ``p // stages`` (:mod:`..distributed.stage_processes`) and runs it with
+``torch.distributed.pipelining``: a ``PipelineStage`` and a ``ScheduleGPipe`` /
+``Schedule1F1B`` over the step's micro-batches. Activations and their gradients travel
+between neighbouring processes (gloo on the CPU, NCCL between GPUs), so a pipeline
+can span machines and, on the CPU, each stage has a Python interpreter of its own.
+
+``torch.distributed.pipelining`` only links neighbouring stages, so each stage module
+is wrapped (:class:`_StageAdapter`) to forward the values a later stage reads from an
+earlier one; model inputs are not sent: every process of a pipeline is called with the
+same batch and each stage reads the inputs it needs as keyword arguments (which the
+schedule hands to every stage). The last stage assembles the model's output, computes
+the loss (PopTorch's, through the program's ``loss_of``) and broadcasts the outputs to
+the other processes of its pipeline, so every process returns what PopTorch returns.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import context
+from ..distributed import stage_processes, world as world_module
+from ..distributed.collectives import failures_as_errors
+from ..distributed.consistency import check_same_everywhere
+from ..distributed.output_broadcast import OutputBroadcast
+from ..config import RuntimeConfig
+from ..torch_internals import pytree
+from ...enums import OutputMode
+from ...errors import Error
+from . import recompute
+from .capture import CapturedModel, _capture
+from .partition import Partition, resolve_partition
+from .pipeline import ScheduleRecord, gpipe_schedule, one_f_one_b_schedule
+from .stages import StagedModel, split_stages
+from .strategy import PIPELINED, kind_of
+
+LossOf = Callable[[Any], torch.Tensor]
+
+
+class _StageAdapter(torch.nn.Module):
+    """One stage as ``torch.distributed.pipelining`` runs it: positional inputs are the
+    values carried from the previous stage, keyword inputs the model inputs it reads;
+    the outputs are the values the next stage needs (the last stage: the tensors of the
+    model's output and of its marked losses)."""
+
+    def __init__(self, stage: Any, in_plan: list, out_plan: list, recording: bool) -> None:
+        super().__init__()
+        self.stage = stage.module
+        self.index = stage.index
+        self.in_plan = in_plan  # per stage-module input: ("carry", i) or ("input", name)
+        self.out_plan = out_plan  # per output: ("own", pos), ("carry", i), ("arg", i)
+        self.recording = recording  # recomputation checkpoints in this stage
+
+    def forward(self, *carried: Any, **inputs: Any) -> tuple:
+        args = [carried[x] if kind == "carry" else inputs[x] for kind, x in self.in_plan]
+        if self.recording and torch.is_grad_enabled():
+            with recompute.recording(self.stage):
+                out = self.stage(*args)
+        else:
+            out = self.stage(*args)
+        result = []
+        for kind, x in self.out_plan:
+            if kind == "own":
+                value = out[x]
+            else:
+                value = carried[x] if kind == "carry" else args[x]
+                if isinstance(value, torch.Tensor) and value.requires_grad:
+                    value = value.view_as(value)  # passed on: a new autograd node
+            if not isinstance(value, torch.Tensor):
+                raise Error(
+                    f"Distributed.stagesOnProcesses: stage {self.index} hands "
+                    f"{type(value).__name__} {value!r} to a later stage or to the "
+                    "model's output; only tensors travel between processes. Move the "
+                    "block boundary so that a stage passes on tensors only, or compute "
+                    "the value in the stage that uses it.")
+            result.append(value)
+        return tuple(result)
+
+
+def _plan_adapters(staged: StagedModel) -> List[_StageAdapter]:
+    """The adapters of every stage (module docstring): which values cross each
+    boundary, and where each stage finds its inputs and its outputs."""
+    stages = staged.stages
+    n = len(stages)
+    carry: List[list] = []  # carry[k]: values (producer, position) crossing k -> k + 1
+    for k in range(n - 1):
+        values: list = []
+        for later in stages[k + 1:]:
+            for src in later.sources:
+                if src[0] == "stage" and src[1] <= k and (src[1], src[2]) not in values:
+                    values.append((src[1], src[2]))
+        carry.append(values)
+    adapters = []
+    for k, stage in enumerate(stages):
+        incoming = carry[k - 1] if k else []
+        in_plan = [("input", src[1]) if src[0] == "input"
+                   else ("carry", incoming.index((src[1], src[2]))) for src in stage.sources]
+        if k < n - 1:
+            out_plan = [("own", pos) if p == k else ("carry", incoming.index((p, pos)))
+                        for p, pos in carry[k]]
+        else:
+            out_plan = []
+            for src in staged.output_sources + staged.loss_sources:
+                if src[0] == "import":
+                    out_plan.append(("arg", src[1]))
+                elif src[0] == "stage":
+                    out_plan.append(("own", src[2]))
+        adapters.append(_StageAdapter(stage, in_plan, out_plan, stage.checkpoints))
+    return adapters
+
+
+class StageProcessRunner:
+    """The step runner of a model whose stages run on processes (module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, config: RuntimeConfig, training: bool,
+                 example: Optional[tuple]) -> None:
+        strategy = config.placement.strategy
+        if kind_of(strategy) != PIPELINED:
+            raise Error(
+                f"Distributed.stagesOnProcesses needs a pipelined model, but the execution "
+                f"strategy is {type(strategy).__name__}: use poptorch.PipelinedExecution "
+                "(opts.setExecutionStrategy(poptorch.PipelinedExecution(...))), or leave "
+                "stagesOnProcesses off.")
+        if config.replication_factor != 1:
+            raise Error(
+                f"Distributed.stagesOnProcesses with replicationFactor("
+                f"{config.replication_factor}): a process runs one stage of one replica. "
+                "Replicate the pipeline with more processes instead (processes = stages x "
+                "replicas) and keep replicationFactor(1).")
+        if training and config.training.automatic_loss_scaling:
+            raise Error(
+                "Distributed.stagesOnProcesses with Training.setAutomaticLossScaling(True): "
+                "each process would decide on its own stage's gradients whether to skip a "
+                "step, and the stages would drift apart. Use a fixed loss scale "
+                "(the optimizer's loss_scaling) or leave stagesOnProcesses off.")
+        if example is None:
+            raise Error("Distributed.stagesOnProcesses: the model must be compiled with "
+                        "example inputs (call it, or compile(*inputs)).")
+        from ... import _devices  # pylint: disable=import-outside-toplevel
+        self.model = model
+        self.config = config
+        self.training = training
+        self.strategy = strategy
+        self.device = _devices.acquire_devices(config.placement.device_options, 1)[0]
+        self.input_device = self.output_device = self.device
+        self.last_schedule: Optional[ScheduleRecord] = None
+        captured = _capture_or_explain(model, example, strategy)
+        part = resolve_partition(captured.trace, strategy, config, training, 0)
+        world = world_module.join(config.distributed.process_id,
+                                  config.distributed.num_processes, self.device)
+        stage_processes.check_world(world, part.num_stages)
+        try:
+            staged = split_stages(captured, part)
+        except ValueError as exc:
+            raise Error(f"Distributed.stagesOnProcesses: the model cannot be split into "
+                        f"pipeline stages ({exc}).") from None
+        check_same_everywhere(world, {
+            "pipeline stages": part.num_stages, "training": training,
+            "Training.gradientAccumulation": config.training.gradient_accumulation,
+            "deviceIterations": config.device_iterations,
+            "schedule": _schedule_name(strategy)})
+        self.layout = stage_processes.make_layout(world, part.num_stages)
+        self.captured: CapturedModel = captured
+        self.partition: Partition = part
+        self.staged = staged
+        self.adapters = _plan_adapters(staged)
+        self.adapter = self.adapters[self.layout.stage]
+        self._needs = [sorted({x for kind, x in a.in_plan if kind == "input"})
+                       for a in self.adapters]
+        self._schedules: dict = {}
+        self._inputs_checked = False
+        self._final_only = config.output_mode == OutputMode.Final.value
+        self._broadcast = OutputBroadcast(self.layout.last_rank, self.layout.pipeline_group,
+                                          self.device)
+        self._loss_of: Optional[LossOf] = None
+        # every process starts from process 0's weights; this stage's go to its device
+        tensors = list(model.parameters()) + list(model.buffers())
+        stage_processes.start_from_process_0(world, tensors)
+        self._stage_tensors = [[t for t in tensors if part.weight_stage.get(id(t)) == s]
+                               for s in range(part.num_stages)]
+        with torch.no_grad():
+            for t in self._stage_tensors[self.layout.stage]:
+                if t.device != self.device:
+                    t.data = t.data.to(self.device)
+
+    # ------------------------------------------------------------------ processes
+    def cross_processes(self, broadcast_buffers: bool) -> Any:
+        """The cross-process side of a training program: this stage's gradients summed
+        over its replicas (None with one replica: nothing to reduce)."""
+        if self.layout.replicas == 1:
+            return None
+        mine = self._stage_tensors[self.layout.stage]
+        params = [t for t in mine if isinstance(t, torch.nn.Parameter) and t.requires_grad]
+        buffers = [t for t in mine if not isinstance(t, torch.nn.Parameter)]
+        return stage_processes.StageReplicas(self.layout, params, buffers,
+                                             broadcast_buffers)
+
+    def gather_weights(self) -> None:
+        """Give every process every stage's weights and buffers (from replica 0): a
+        collective, called by ``copyWeightsToHost`` on every process."""
+        stage_processes.gather_stages(self.layout, self._stage_tensors)
+
+    # ------------------------------------------------------------------ run
+    def __call__(self, microbatches: List[tuple], loss_of: Optional[LossOf]) -> List[Any]:
+        inputs = []
+        for args, kwargs in microbatches:
+            values = self.captured.inputs_of(args, kwargs)
+            if values is None:
+                raise Error("Distributed.stagesOnProcesses: a non-tensor argument of the "
+                            "model differs from the one it was compiled with; compile a "
+                            "new model for it.")
+            inputs.append(values)
+        if not self._inputs_checked:
+            self._check_same_inputs(inputs)
+        training = loss_of is not None
+        schedule, stage = self._schedule(len(inputs), training)
+        s = self.layout.stage
+        kwarg_mbs = [{name: values[name] for name in self._needs[s]} for values in inputs]
+        kwarg_mbs = [pytree.tree_map_only(torch.Tensor, lambda t: t.to(self.device), kw)
+                     for kw in kwarg_mbs]
+        # torch's last stage wants a target per micro-batch: the loss needs none
+        targets = [torch.zeros(()) for _ in inputs] if training else None
+        self._loss_of = loss_of
+        try:
+            with failures_as_errors("Running the pipeline stages", runs_model=True):
+                stage.has_backward = training
+                stage.clear_runtime_states()
+                try:
+                    schedule._step_microbatches([()] * len(inputs), kwarg_mbs, targets,
+                                                None, return_outputs=True)
+                except RuntimeError as exc:  # torch wraps the stage's errors: ours back
+                    if isinstance(exc.__cause__, Error):
+                        raise exc.__cause__ from None
+                    raise
+                outputs = self._outputs(stage, inputs)
+        finally:
+            self._loss_of = None
+        self._keep(len(inputs), training)
+        return outputs
+
+    def _schedule(self, count: int, training: bool) -> tuple:
+        """The stage and schedule for ``count`` micro-batches (made at the first such
+        call: torch's schedule infers the shapes crossing the stages then)."""
+        key = (count, training)
+        made = self._schedules.get(key)
+        if made is None:
+            from torch.distributed.pipelining import (  # pylint: disable=import-outside-toplevel
+                PipelineStage, Schedule1F1B, ScheduleGPipe)
+            layout = self.layout
+            stage = PipelineStage(self.adapter, layout.stage, layout.stages, self.device,
+                                  group=layout.pipeline_group)
+            one_f_one_b = training and _schedule_name(self.strategy) == "1F1B"
+            cls = Schedule1F1B if one_f_one_b else ScheduleGPipe
+            schedule = cls(stage, n_microbatches=count,
+                           loss_fn=self._loss if training else None, scale_grads=False)
+            made = self._schedules[key] = (schedule, stage)
+        return made
+
+    def _rebuild(self, values: Any) -> tuple:
+        """The model's output and its marked losses from the last stage's outputs."""
+        values = (values, ) if isinstance(values, torch.Tensor) else tuple(values)
+        it = iter(values)
+        staged = self.staged
+        leaves = [src[1] if src[0] == "const" else next(it) for src in staged.output_sources]
+        losses = [src[1] if src[0] == "const" else next(it) for src in staged.loss_sources]
+        return pytree.tree_unflatten(leaves, staged.output_spec), losses
+
+    def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss function: PopTorch's loss of the model's output (also
+        called once on copies while torch's schedule infers the shapes it sends)."""
+        model_output, losses = self._rebuild(output)
+        for loss in losses:
+            context.mark_loss(loss)
+        loss_of = self._loss_of
+        assert loss_of is not None  # (set for the duration of a training step)
+        return loss_of(model_output)
+
+    def _outputs(self, stage: Any, inputs: List[dict]) -> List[Any]:
+        """Every micro-batch's output, on every process of the pipeline: the last stage
+        has them and broadcasts them to the others (with ``OutputMode.Final``, only the
+        last micro-batch's, the one the program returns)."""
+        outputs = all_outputs = None
+        if stage.is_last:
+            outputs = all_outputs = [self._rebuild(chunk)[0] for chunk in stage.output_chunks]
+            stage.output_chunks.clear()
+        key = (len(inputs), stage.has_backward, tuple(
+            (name, tuple(t.shape), t.dtype) for name in sorted(inputs[0])
+            for t in pytree.tree_leaves(inputs[0][name]) if isinstance(t, torch.Tensor)))
+        if self._final_only and outputs is not None:
+            outputs = outputs[-1:]
+        received = self._broadcast(key, outputs)
+        if all_outputs is not None:  # the last stage
+            return all_outputs
+        # OutputMode.Final reads only the last micro-batch's output: only it travels
+        return received * len(inputs) if self._final_only else received
+
+    def _check_same_inputs(self, inputs: List[dict]) -> None:
+        """The processes of a pipeline must be fed the same batch (each stage reads the
+        inputs it needs from its own call): compared once, at the first call."""
+        digest = hashlib.sha1()
+        for values in inputs:
+            for name in sorted(values):
+                for leaf in pytree.tree_leaves(values[name]):
+                    if isinstance(leaf, torch.Tensor):
+                        digest.update(leaf.detach().cpu().contiguous().numpy().tobytes())
+        layout = self.layout
+        seen: list = [None] * layout.stages
+        with failures_as_errors("Comparing the inputs of the pipeline's processes"):
+            dist.all_gather_object(seen, digest.hexdigest(), group=layout.pipeline_group)
+        if len(set(seen)) > 1:
+            raise Error(
+                "Distributed.stagesOnProcesses: the processes of a pipeline were called "
+                "with different inputs. Every process of pipeline replica r must be given "
+                "the same batch (that replica's): with poptorch.DataLoader, give it options "
+                "whose Distributed.configureProcessId is (r, replicas), where r = process "
+                "// stages.")
+        self._inputs_checked = True
+
+    def _keep(self, count: int, training: bool) -> None:
+        """Publish the schedule the processes ran, on the runner and the user's
+        strategy object (every stage's action order, as torch's schedule runs it)."""
+        n = self.layout.stages
+        if training and _schedule_name(self.strategy) == "1F1B":
+            lanes = one_f_one_b_schedule(n, count)
+        else:
+            lanes = gpipe_schedule(n, count, training)
+        from .pipeline import ScheduleEvent  # pylint: disable=import-outside-toplevel
+        record = ScheduleRecord(n)
+        for s, lane in enumerate(lanes):
+            record.events += [ScheduleEvent(s, kind, st, m, 0.0) for kind, st, m in lane]
+        self.last_schedule = record
+        self.strategy.last_schedule = record
+        origin = getattr(self.strategy, "_origin", None)
+        if origin is not None:
+            origin.last_schedule = record
+
+
+def _capture_or_explain(model: torch.nn.Module, example: tuple, strategy: Any) -> CapturedModel:
+    """The captured model, or an error saying why it cannot be split over processes."""
+    args, kwargs = example
+    try:
+        return _capture(model, args, kwargs, strategy)
+    except Error:
+        raise
+    except Exception as exc:  # pylint: disable=broad-except
+        raise Error(
+            f"Distributed.stagesOnProcesses: {type(model).__name__} cannot be captured as "
+            f"a graph ({type(exc).__name__}: {exc}), so it cannot be split into stage "
+            "processes. The forward pass must be traceable by torch.fx: no control flow "
+            "that depends on tensor values, no *args / **kwargs. Simplify forward, or "
+            "leave stagesOnProcesses off to run every stage in each process.") from None
+
+
+def _schedule_name(strategy: Any) -> str:
+    return getattr(strategy, "pipeline_schedule", "1F1B")
