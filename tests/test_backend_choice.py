@@ -214,15 +214,15 @@ def test_trial_decides_after_one_round_when_the_paths_differ_clearly(compiled_fa
 
 
 def test_trial_measures_more_when_close_and_decides_on_all_calls():
-    """Minimums within CLOSE of each other: more rounds are timed, and a faster call in
-    a later round decides; a tie that stays close is decided after MAX_ROUNDS."""
+    """Paths within CLOSE of each other: more rounds are timed and the pairs of all
+    rounds decide; a tie that stays close is decided after MAX_ROUNDS."""
     compiled = _Compiled()
     compiled.trial = trial = BackendTrial(compiled)
     per_round = trial.CALLS
     # first round: the compiled program 1% faster (close); second round: the eager
-    # loop shows a call 10% faster than any compiled one
+    # loop 10% faster, which tips the median of all pairs
     compiled_times = [9.0] + [0.99] * 40
-    eager_times = [9.0] + [1.0] * per_round + [0.9] + [1.0] * 40
+    eager_times = [9.0] + [1.0] * per_round + [0.9] * 40
     calls = _feed(trial, compiled_times, eager_times)
     assert calls == 2 * (trial.SKIP + 2 * per_round)
     assert compiled.program.compiled is None and compiled.failed
@@ -232,3 +232,14 @@ def test_trial_measures_more_when_close_and_decides_on_all_calls():
     calls = _feed(trial, [9.0] + [0.99] * 80, [9.0] + [1.0] * 80)
     assert calls == 2 * (trial.SKIP + trial.MAX_ROUNDS * per_round)
     assert compiled.program.compiled is compiled and not compiled.failed
+
+
+def test_trial_is_not_decided_by_one_fast_outlier():
+    """A path that is usually 10% slower but had one lucky call is not chosen (the
+    minimum of each side would choose it; the median of paired ratios does not)."""
+    compiled = _Compiled()
+    compiled.trial = trial = BackendTrial(compiled)
+    compiled_times = [9.0, 0.5] + [1.1] * 40
+    calls = _feed(trial, compiled_times, [9.0] + [1.0] * 40)
+    assert calls == 2 * (trial.SKIP + trial.CALLS)
+    assert compiled.program.compiled is None and compiled.failed
