@@ -148,9 +148,11 @@ def tensor_inputs_check(tensors: tuple) -> Any:
     model's call). None where this torch has no such guard."""
     try:
         from torch._C._dynamo.guards import TensorGuards
-        guard = TensorGuards(*tensors,
-                             dynamic_dims_sizes=[list(t.shape) for t in tensors],
-                             dynamic_dims_strides=[list(t.stride()) for t in tensors])
+        # (one list of static sizes / strides per tensor; the stub's type is narrower)
+        sizes: Any = [list(t.shape) for t in tensors]
+        strides: Any = [list(t.stride()) for t in tensors]
+        guard = TensorGuards(*tensors, dynamic_dims_sizes=sizes,
+                             dynamic_dims_strides=strides)
     except Exception:  # noqa: BLE001  (a torch without it, or another signature)
         return None
     return guard.check
