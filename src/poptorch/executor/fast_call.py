@@ -31,9 +31,7 @@ import torch
 from .._runtime import context
 from .._runtime.numerics.autocast import NOT_TOP
 from .._runtime.program.device_loop import detach_needed
-from .._runtime.program.step import infer_step  # noqa: F401  (inlined below)
-from .._runtime.torch_internals import set_grad_enabled
-from .._runtime.torch_internals import tensor_inputs_check
+from .._runtime.torch_internals import set_grad_enabled, tensor_inputs_check
 
 MISS = object()  # FastCall's answer when the call must take the general path
 
@@ -131,7 +129,7 @@ def _put_back(buffers: Any, saved: list) -> None:
 
 def _eager_inference(executor: Any, args: tuple) -> Callable[[tuple, dict], Any]:
     """:py:class:`FastCall` of an inference model on the eager backend, with the one
-    micro-batch of ``DeviceProgram.run_single`` (``step.infer_step``) called directly: this is the call whose host
+    micro-batch of ``DeviceProgram.run_single`` (``step.infer_step``, inlined) run directly: this is the call whose host
     overhead shows most (a small model's forward takes tens of microseconds).
 
     Every line below runs on each call; what can be looked up once is (closure
