@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import poptorch
 from poptorch._runtime.program import backend_choice
+from poptorch._runtime.program.compiled_step import BackendTrial
 from poptorch.executor.call_support import backend_name
 from _backend_trial import settle_trial  # noqa: E402
 
@@ -90,7 +91,7 @@ def test_without_a_cpp_compiler_the_automatic_backend_is_eager(automatic, monkey
 
 @pytest.mark.parametrize("d,g", [(1, 1), (2, 3)])
 def test_training_trial_matches_eager_and_plain_pytorch_and_decides_once(automatic, caplog,
-                                                                         d, g):
+                                                                         monkeypatch, d, g):
     """Calls alternate between the compiled step and the eager loop while measured: the
     outputs, weights and optimizer state stay exactly those of the eager backend (the
     same kernels under aot_eager) and those of plain PyTorch (within the rounding of
@@ -107,7 +108,9 @@ def test_training_trial_matches_eager_and_plain_pytorch_and_decides_once(automat
     eager = poptorch.trainingModel(eager_model, eager_opts, make_opt(eager_model))
     ref_opt = make_opt(ref)
     n = 4 * g
-    calls = 24  # 1 eager, 1 compiling, 18 of the trial, 4 after
+    # one round of the trial (its extension when close is tested with fed timings)
+    monkeypatch.setattr(BackendTrial, "MAX_ROUNDS", 1)
+    calls = 24  # 1 eager, 1 compiling, 14 of the trial, 8 after
     poptorch.setLogLevel("INFO")
     try:
         with caplog.at_level(logging.INFO, logger="poptorch"):
@@ -170,3 +173,73 @@ def test_training_trial_keeps_the_faster_path(automatic, compiled_faster):
     for _ in range(3):
         out, _ = pop(x, y)
         torch.testing.assert_close(out, ref_step(), rtol=1e-5, atol=1e-5)
+
+
+class _Program:
+    def __init__(self):
+        self.compiled = None
+
+
+class _Compiled:
+    """What BackendTrial reads of a CompiledCall."""
+
+    def __init__(self):
+        self.failed, self._fn, self.name = False, object(), "model"
+        self.program = _Program()
+        self.program.compiled = self
+        self.trial = None
+
+
+def _feed(trial, compiled_times, eager_times):
+    """Alternate calls as ready() does, recording the given times (skipped ones
+    first); returns how many calls the trial took to decide."""
+    calls = 0
+    compiled_times, eager_times = iter(compiled_times), iter(eager_times)
+    while trial.compiled.trial is trial:
+        use = trial.next_turn()
+        trial.record(use, next(compiled_times if use else eager_times))
+        calls += 1
+    return calls
+
+
+@pytest.mark.parametrize("compiled_faster", [True, False])
+def test_trial_decides_after_one_round_when_the_paths_differ_clearly(compiled_faster):
+    compiled = _Compiled()
+    compiled.trial = trial = BackendTrial(compiled)
+    fast, slow = [1.0] * 40, [1.2] * 40
+    calls = _feed(trial, fast if compiled_faster else slow, slow if compiled_faster else fast)
+    assert calls == 2 * (trial.SKIP + trial.CALLS)
+    assert (compiled.program.compiled is compiled) == compiled_faster
+    assert compiled.failed != compiled_faster
+
+
+def test_trial_measures_more_when_close_and_decides_on_all_calls():
+    """Paths within CLOSE of each other: more rounds are timed and the pairs of all
+    rounds decide; a tie that stays close is decided after MAX_ROUNDS."""
+    compiled = _Compiled()
+    compiled.trial = trial = BackendTrial(compiled)
+    per_round = trial.CALLS
+    # first round: the compiled program 1% faster (close); second round: the eager
+    # loop 10% faster, which tips the median of all pairs
+    compiled_times = [9.0] + [0.99] * 40
+    eager_times = [9.0] + [1.0] * per_round + [0.9] * 40
+    calls = _feed(trial, compiled_times, eager_times)
+    assert calls == 2 * (trial.SKIP + 2 * per_round)
+    assert compiled.program.compiled is None and compiled.failed
+
+    compiled = _Compiled()
+    compiled.trial = trial = BackendTrial(compiled)
+    calls = _feed(trial, [9.0] + [0.99] * 80, [9.0] + [1.0] * 80)
+    assert calls == 2 * (trial.SKIP + trial.MAX_ROUNDS * per_round)
+    assert compiled.program.compiled is compiled and not compiled.failed
+
+
+def test_trial_is_not_decided_by_one_fast_outlier():
+    """A path that is usually 10% slower but had one lucky call is not chosen (the
+    minimum of each side would choose it; the median of paired ratios does not)."""
+    compiled = _Compiled()
+    compiled.trial = trial = BackendTrial(compiled)
+    compiled_times = [9.0, 0.5] + [1.1] * 40
+    calls = _feed(trial, compiled_times, [9.0] + [1.0] * 40)
+    assert calls == 2 * (trial.SKIP + trial.CALLS)
+    assert compiled.program.compiled is None and compiled.failed

@@ -32,7 +32,7 @@ from .._runtime import context
 from .._runtime.compilation import Compilation
 from .._runtime.numerics.autocast import NOT_TOP
 from .._runtime.program.device_loop import detach_needed
-from .._runtime.program.step import infer_step
+from .._runtime.torch_internals import set_grad_enabled, tensor_inputs_check
 from .._runtime.weights.modelcopy import TrainingMode
 
 MISS = object()  # FastCall's answer when the call must take the general path
@@ -53,6 +53,19 @@ def _inputs_match(args: tuple, dtypes: tuple, shapes: tuple) -> bool:
     return True
 
 
+def _input_check(args: tuple) -> Callable[..., bool]:
+    """``check(*inputs)`` for inputs as many as ``args``: True when they are plain
+    tensors like ``args`` (type, dtype, shape, and, with dynamo's C++ guard, device and
+    strides; none requiring grad). The guard takes about a fifth of the time of
+    :py:func:`_inputs_match`."""
+    check = tensor_inputs_check(args)
+    if check is not None and check(*args):
+        return check
+    dtypes = tuple(a.dtype for a in args)
+    shapes = tuple(a.shape for a in args)
+    return lambda *inputs: _inputs_match(inputs, dtypes, shapes)
+
+
 class FastCall:
     """One compiled model's fast path (see module docstring)."""
 
@@ -60,8 +73,8 @@ class FastCall:
         self._calls = state.calls
         self._program = state.program
         self._compiled = self._program.compiled
-        self._dtypes = tuple(a.dtype for a in args)
-        self._shapes = tuple(a.shape for a in args)
+        self._count = len(args)
+        self._check = _input_check(args)
         constants = state.tensor_constants
         self._constants = constants if constants else None
         self._mode = mode
@@ -72,7 +85,7 @@ class FastCall:
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         program = self._program
-        if kwargs or not _inputs_match(args, self._dtypes, self._shapes):
+        if kwargs or len(args) != self._count or not self._check(*args):
             return MISS
         if program.compiled is not self._compiled:  # the fastest backend chose eager
             self._calls.fast = None  # built again after this call
@@ -118,7 +131,7 @@ def _put_back(buffers: Any, saved: list) -> None:
 def _eager_inference(state: Compilation, mode: TrainingMode, args: tuple
                      ) -> Callable[[tuple, dict], Any]:
     """:py:class:`FastCall` of an inference model on the eager backend, with the one
-    micro-batch of ``DeviceProgram.run_single`` (``step.infer_step``) called directly: this is the call whose host
+    micro-batch of ``DeviceProgram.run_single`` (``step.infer_step``, inlined) run directly: this is the call whose host
     overhead shows most (a small model's forward takes tens of microseconds).
 
     Every line below runs on each call; what can be looked up once is (closure
@@ -128,8 +141,8 @@ def _eager_inference(state: Compilation, mode: TrainingMode, args: tuple
     program = state.program
     runner: Any = program.runner  # (a SequentialRunner: program.single_ready())
     forward = runner.forward
-    dtypes = tuple(a.dtype for a in args)
-    shapes = tuple(a.shape for a in args)
+    count = len(args)
+    check = _input_check(args)
     constants = state.tensor_constants or None
     flags = mode.plain_flags()  # the modules' __dict__s: their training flags
     training = mode.training
@@ -144,12 +157,12 @@ def _eager_inference(state: Compilation, mode: TrainingMode, args: tuple
     thread_state = context.thread_state()
     buffers = state.buffers or None
     perf_counter = time.perf_counter
-    infer = infer_step
-    no_kwargs: dict = {}  # (a fast call has no keyword arguments)
+    grad_enabled = torch.is_grad_enabled
+    set_grad = set_grad_enabled
     tensor = _Tensor
 
     def fast_inference(args: tuple, kwargs: dict) -> Any:
-        if kwargs or not _inputs_match(args, dtypes, shapes):
+        if kwargs or len(args) != count or not check(*args):
             return MISS
         if rng.enabled:  # the rng_state setter turned the program's own stream on
             calls.fast = None  # built again (as a FastCall) after this call
@@ -162,29 +175,39 @@ def _eager_inference(state: Compilation, mode: TrainingMode, args: tuple
         try:
             if constants is not None:
                 constants.restore()
+            flipped = None
             if flags is None:
                 mode.__enter__()
             else:
-                flipped = [d for d in flags if d["training"] != training]
-                for d in flipped:
-                    d["training"] = training
+                for d in flags:  # (a loop that finds none: cheaper than a list)
+                    if d["training"] != training:
+                        flipped = [d for d in flags if d["training"] != training]
+                        for d in flipped:
+                            d["training"] = training
+                        break
             losses = thread_state.losses
             if losses:
                 losses.clear()  # marks left by runs outside the executor
             thread_state.depth += 1
             saved = None if buffers is None else [b.clone() for b in buffers]
             t_start = perf_counter()
+            # step.infer_step, inlined: the forward without gradients
+            grad = grad_enabled()
+            if grad:
+                set_grad(False)
             try:
-                output = infer(forward, args, no_kwargs)
+                output = forward(*args)
             except BaseException:
                 if saved is not None:  # a failed call changes nothing
                     _put_back(buffers, saved)
                 raise
             finally:
+                if grad:
+                    set_grad(True)
                 thread_state.depth -= 1
                 if flags is None:
                     mode.__exit__(None, None, None)
-                else:
+                elif flipped is not None:
                     for d in flipped:
                         d["training"] = not training
         finally:

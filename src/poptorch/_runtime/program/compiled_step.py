@@ -34,6 +34,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import os
+import statistics
 import sys
 import time
 import types
@@ -393,18 +394,25 @@ class BackendTrial:
     """The ``fastest`` backend's choice for one model (docs/options.md), in inference
     and in training (each call runs whole on one path: a step is never half compiled).
 
-    Once the compiled program is traced, the next ``2 * (SKIP + CALLS)`` calls alternate
-    between it and the eager device loop, each timed whole (inputs to outputs; the first
-    ``SKIP`` of each side, with cold caches, are not counted); then the one with the
-    lower minimum stays for good (machine noise only adds time: on a shared machine
-    the minimum of interleaved calls tells the paths' own cost best, a median can
-    flip with a burst of load): the compiled program, or the eager loop
-    (the program is dropped: ``program.compiled`` becomes None). One INFO line gives
-    both times. Every call of the trial is a real call with correct outputs (the two
-    paths agree within the compiled kernels' rounding)."""
+    Once the compiled program is traced, the next calls alternate between it and the
+    eager device loop, each timed whole (inputs to outputs; the first ``SKIP`` of each
+    side, with cold caches, are not counted). After ``CALLS`` timed calls of each, the
+    paths are compared call pair by call pair: the median of the ratios of each
+    compiled call's time to the eager call next to it. Pairing cancels load that
+    drifts while the trial runs, and the median ignores a burst that hits a few calls
+    (the minimum of each side favours the path whose times spread more, which a
+    compiled training step does on a busy machine). When the median ratio is within
+    ``CLOSE`` of 1 the decision is not trusted yet: ``CALLS`` more of each are timed,
+    up to ``MAX_ROUNDS`` times, and the pairs of all of them decide. The chosen path
+    stays for good: the compiled program, or the eager loop (the program is dropped:
+    ``program.compiled`` becomes None). One INFO line gives both paths' median times.
+    Every call of the trial is a real call with correct outputs (the two paths agree
+    within the compiled kernels' rounding)."""
 
-    CALLS = 8
+    CALLS = 6
     SKIP = 1
+    CLOSE = 0.03
+    MAX_ROUNDS = 3
 
     def __init__(self, compiled: "CompiledCall") -> None:
         self.compiled = compiled
@@ -412,6 +420,7 @@ class BackendTrial:
         self._skip = {True: self.SKIP, False: self.SKIP}
         self.pending: bool | None = None  # the path ready() chose for this call
         self._next = True
+        self._rounds = 1
 
     def next_turn(self) -> bool:
         """The path of the coming call (True: the compiled program)."""
@@ -428,15 +437,22 @@ class BackendTrial:
             self._skip[used_compiled] -= 1
             return
         self.times[used_compiled].append(seconds)
-        if min(len(t) for t in self.times.values()) < self.CALLS:
+        if min(len(t) for t in self.times.values()) < self.CALLS * self._rounds:
             return
-        fast, slow = min(self.times[True]), min(self.times[False])
+        ratio = statistics.median(
+            c / e for c, e in zip(self.times[True], self.times[False], strict=False))
+        if abs(ratio - 1.0) < self.CLOSE and self._rounds < self.MAX_ROUNDS:
+            self._rounds += 1  # too close to call yet: measure both some more
+            return
         compiled = self.compiled
         compiled.trial = None
-        keep = fast < slow
+        keep = ratio < 1.0
         logger.info("%s: the compiled program takes %.0f us per call, the eager device "
-                    "loop %.0f us: %s.", compiled.name, fast * 1e6, slow * 1e6,
-                    "keeping the compiled program" if keep else
+                    "loop %.0f us (medians of %d interleaved calls each; compiled / eager "
+                    "%.3f): %s.", compiled.name,
+                    statistics.median(self.times[True]) * 1e6,
+                    statistics.median(self.times[False]) * 1e6, len(self.times[True]),
+                    ratio, "keeping the compiled program" if keep else
                     "running the eager loop from now on")
         if not keep:
             compiled.failed = True

@@ -17,7 +17,8 @@ loss with scaling, the optimizer's fast step) and the compiled program
 traces ``torch.autograd.grad`` and the optimizer's unwrapped ``step``). The per-call
 fast path (``executor/fast_call.py``) is a decision cached once, not another step: a
 training call goes through the eager driver (``DeviceProgram.run_single``), an
-inference call through :py:func:`infer_step`, the forward of one micro-batch that
+inference call through :py:func:`infer_step` (its three lines inlined there: a
+small model's call is that path's whole cost), the forward of one micro-batch that
 ``run_single`` runs too.
 """
 from __future__ import annotations
