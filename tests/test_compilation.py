@@ -130,7 +130,8 @@ def test_precision_locations_and_processes_are_compiled_into_the_config():
     assert config.locations.optimizer["onChip"] is False and not config.locations.phased
     assert config.distributed == DistributedConfig(
         process_id=0, num_processes=1, broadcast_buffers=False, input_group_size=1,
-        input_cgt=poptorch.CommGroupType.Consecutive, strategy_name=None)
+        input_cgt=poptorch.CommGroupType.Consecutive, strategy_name=None,
+        stages_on_processes=False)
     with pytest.raises(TypeError):
         config.locations.optimizer["onChip"] = True  # type: ignore[index]
     with pytest.raises(dataclasses.FrozenInstanceError):
