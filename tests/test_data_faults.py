@@ -252,3 +252,30 @@ def test_program_end_leaves_nothing(tmp_path, ending):
         assert process.returncode == 0, stderr
     assert wait_until(lambda: not any(pid_alive(p) for p in pids))
     assert not shm_entries(pids + [process.pid])
+
+
+def test_shared_memory_names_of_a_dead_worker_are_released():
+    """A worker killed between creating a batch's shared memory and unlinking its name
+    leaves /dev/shm/torch_<pid>_...; stopping the workers removes the names of the dead
+    ones, never those of a live process."""
+    import multiprocessing
+    import types
+    from poptorch.data.faults import stop_torch_workers
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this system")
+    dead = multiprocessing.get_context("fork").Process(target=os._exit, args=(0,))
+    dead.start()
+    dead.join()
+    left = f"/dev/shm/torch_{dead.pid}_0_poptorch_test"
+    live = f"/dev/shm/torch_{os.getpid()}_0_poptorch_test"
+    for path in (left, live):
+        with open(path, "wb") as f:
+            f.write(b"x")
+    try:
+        stop_torch_workers(types.SimpleNamespace(_workers=[dead]))
+        assert not os.path.exists(left)
+        assert os.path.exists(live)
+    finally:
+        for path in (left, live):
+            if os.path.exists(path):
+                os.unlink(path)

@@ -10,16 +10,18 @@
 """
 from __future__ import annotations
 
+import os
 import pickle
 import re
 import signal
 import time
-from typing import Any
+from typing import Any, Iterable
 
 from ..errors import Error
 
 __all__ = ["WorkerDiedError", "exit_code_description", "as_worker_death",
-           "rebuild_worker_exception", "start_failure", "stop_torch_workers", "install_sigchld_translation"]
+           "rebuild_worker_exception", "start_failure", "stop_torch_workers", "install_sigchld_translation",
+           "release_shared_memory"]
 
 
 class WorkerDiedError(Error, RuntimeError):
@@ -188,14 +190,39 @@ def stop_torch_workers(iterator: Any) -> None:
     except Exception:  # noqa: BLE001 - torch internals moved: still shut down below
         pass
     shutdown = getattr(iterator, "_shutdown_workers", None)
-    for _ in range(3):  # a signal handler may interrupt it once; try again
-        if shutdown is None:
-            return
-        try:
-            shutdown()
-            return
-        except Exception:  # noqa: BLE001 - best effort: the death is being reported
-            continue
+    if shutdown is not None:
+        for _ in range(3):  # a signal handler may interrupt it once; try again
+            try:
+                shutdown()
+                break
+            except Exception:  # noqa: BLE001 - best effort: the death is being reported
+                continue
+    workers = getattr(getattr(iterator, "_inner", iterator), "_workers", [])
+    release_shared_memory(w.pid for w in workers if w.exitcode is not None)
+
+
+def release_shared_memory(pids: Iterable[int | None]) -> None:
+    """Remove the ``/dev/shm`` names left by worker processes that have ended. torch
+    names a batch's shared memory ``torch_<pid>_...`` and unlinks the name once the
+    segment is mapped; a worker killed in between leaves the name behind, holding its
+    memory until reboot. Only for processes that are gone: a live one may be about to
+    unlink its own."""
+    prefixes = tuple(f"torch_{pid}_" for pid in pids if pid is not None)
+    if not prefixes:
+        return
+    try:
+        names = os.listdir(_SHM_DIR)
+    except OSError:  # no /dev/shm (macOS): nothing is left there
+        return
+    for name in names:
+        if name.startswith(prefixes):
+            try:
+                os.unlink(os.path.join(_SHM_DIR, name))
+            except OSError:  # already gone, or not ours to remove
+                pass
+
+
+_SHM_DIR = "/dev/shm"
 
 
 def install_sigchld_translation() -> None:
