@@ -211,6 +211,13 @@ def _peer_main(rank, port, conn):
         dist.barrier()
         if rank == 0:
             conn.send(time.perf_counter() - t0)
+    # Release what holds the process groups (poptorch's stage runners and their
+    # groups, torch's stages) on both ranks, then leave together: a rank tearing gloo
+    # down while its peer still holds pairs can abort the peer.
+    cache.clear()
+    import gc
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
