@@ -28,7 +28,7 @@ from typing import Any, Callable, List, Optional
 import torch
 
 from .strategy import (PARALLEL_PHASED, PIPELINED, SHARDED, ExecutionStrategy, is_phased,
-                       kind_of)
+                       kind_of, publish_schedule, schedule_name)
 from .. import context
 from ..config import PlacementConfig, RuntimeConfig
 from ..._logging import logger
@@ -39,8 +39,7 @@ from .partition import (Partition, has_static_annotations, is_pipelined, resolve
                         trace_blocks)
 from .phased import StreamingMemory, parallel_phased_schedule
 from .pipeline import (BACKWARD, FORWARD, LaneScheduler, ScheduleEvent, ScheduleRecord,
-                       gpipe_schedule, one_f_one_b_schedule, run_workers,
-                       sequential_schedule)
+                       run_workers, sequential_schedule, stage_schedules)
 from . import recompute
 from .stagerun import StageRun, listening
 from .stages import split_stages
@@ -242,13 +241,10 @@ class ModelParallelRunner:
             outputs = engine.run_in_order(sharded_actions(n, count, training), inputs,
                                           loss_of, record)
         else:
-            key = (count, training, _schedule_name(self.strategy))
+            key = (count, training, schedule_name(self.strategy))
             lanes = self._lanes_cache.get(key)
             if lanes is None:
-                if training and key[2] == "1F1B":
-                    per_stage = one_f_one_b_schedule(n, count)
-                else:
-                    per_stage = gpipe_schedule(n, count, training)
+                per_stage = stage_schedules(key[2], n, count, training)
                 if training:
                     per_stage = defer_weight_halves(per_stage, engine.producers)
                 lanes = device_lanes(per_stage, engine.stage_device, len(self.devices),
@@ -314,10 +310,7 @@ class ModelParallelRunner:
         part = self.partition
         n, count = part.num_stages, len(microbatches)
         training = loss_of is not None
-        if training and _schedule_name(self.strategy) == "1F1B":
-            lanes = one_f_one_b_schedule(n, count)
-        else:
-            lanes = gpipe_schedule(n, count, training)
+        lanes = stage_schedules(schedule_name(self.strategy), n, count, training)
         gate = LaneScheduler(lanes, n)
         units = list(range(n))
         outputs = self._run_threads(microbatches, loss_of, gate, units)
@@ -383,10 +376,7 @@ class ModelParallelRunner:
         """Publish the schedule just run, on the runner and on the strategy object the
         user made (the options hold a copy of it; see ``strategies._origin``)."""
         self.last_schedule = record
-        self.strategy.last_schedule = record
-        origin = getattr(self.strategy, "_origin", None)
-        if origin is not None:
-            origin.last_schedule = record
+        publish_schedule(self.strategy, record)
 
 
 def _dedupe(trail: List[int]) -> List[int]:
@@ -395,10 +385,6 @@ def _dedupe(trail: List[int]) -> List[int]:
         if not out or out[-1] != s:
             out.append(s)
     return out
-
-
-def _schedule_name(strategy: ExecutionStrategy) -> str:
-    return getattr(strategy, "pipeline_schedule", "1F1B")
 
 
 def _ipu_device(ipu: int, placement: PlacementConfig) -> torch.device:

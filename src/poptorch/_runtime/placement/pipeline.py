@@ -58,6 +58,16 @@ def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> List[List[Op
     return lanes
 
 
+
+def stage_schedules(schedule: str, num_stages: int, num_microbatches: int,
+                    training: bool) -> List[List[Op]]:
+    """Each stage's actions for the named schedule (``strategy.schedule_name``): 1F1B
+    when training asks for it, GPipe otherwise (inference has no backwards to
+    interleave)."""
+    if training and schedule == "1F1B":
+        return one_f_one_b_schedule(num_stages, num_microbatches)
+    return gpipe_schedule(num_stages, num_microbatches, training)
+
 def sequential_schedule(stage_order: List[int], num_microbatches: int,
                         training: bool) -> List[List[Op]]:
     """One lane running stage after stage, all micro-batches of a stage together

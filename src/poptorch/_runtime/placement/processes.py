@@ -37,9 +37,9 @@ from ...errors import Error
 from . import recompute
 from .capture import CapturedModel, _capture
 from .partition import Partition, resolve_partition
-from .pipeline import ScheduleRecord, gpipe_schedule, one_f_one_b_schedule
+from .pipeline import ScheduleEvent, ScheduleRecord, stage_schedules
 from .stages import StagedModel, split_stages
-from .strategy import PIPELINED, kind_of
+from .strategy import PIPELINED, kind_of, publish_schedule, schedule_name
 
 LossOf = Callable[[Any], torch.Tensor]
 
@@ -165,7 +165,7 @@ class StageProcessRunner:
             "pipeline stages": part.num_stages, "training": training,
             "Training.gradientAccumulation": config.training.gradient_accumulation,
             "deviceIterations": config.device_iterations,
-            "schedule": _schedule_name(strategy)})
+            "schedule": schedule_name(strategy)})
         self.layout = stage_processes.make_layout(world, part.num_stages)
         self.captured: CapturedModel = captured
         self.partition: Partition = part
@@ -256,7 +256,7 @@ class StageProcessRunner:
             layout = self.layout
             stage = PipelineStage(self.adapter, layout.stage, layout.stages, self.device,
                                   group=layout.pipeline_group)
-            one_f_one_b = training and _schedule_name(self.strategy) == "1F1B"
+            one_f_one_b = training and schedule_name(self.strategy) == "1F1B"
             cls = Schedule1F1B if one_f_one_b else ScheduleGPipe
             schedule = cls(stage, n_microbatches=count,
                            loss_fn=self._loss if training else None, scale_grads=False)
@@ -327,19 +327,12 @@ class StageProcessRunner:
         """Publish the schedule the processes ran, on the runner and the user's
         strategy object (every stage's action order, as torch's schedule runs it)."""
         n = self.layout.stages
-        if training and _schedule_name(self.strategy) == "1F1B":
-            lanes = one_f_one_b_schedule(n, count)
-        else:
-            lanes = gpipe_schedule(n, count, training)
-        from .pipeline import ScheduleEvent  # pylint: disable=import-outside-toplevel
+        lanes = stage_schedules(schedule_name(self.strategy), n, count, training)
         record = ScheduleRecord(n)
         for s, lane in enumerate(lanes):
             record.events += [ScheduleEvent(s, kind, st, m, 0.0) for kind, st, m in lane]
         self.last_schedule = record
-        self.strategy.last_schedule = record
-        origin = getattr(self.strategy, "_origin", None)
-        if origin is not None:
-            origin.last_schedule = record
+        publish_schedule(self.strategy, record)
 
 
 def _capture_or_explain(model: torch.nn.Module, example: tuple, strategy: Any) -> CapturedModel:
@@ -356,7 +349,3 @@ def _capture_or_explain(model: torch.nn.Module, example: tuple, strategy: Any) -
             "processes. The forward pass must be traceable by torch.fx: no control flow "
             "that depends on tensor values, no *args / **kwargs. Simplify forward, or "
             "leave stagesOnProcesses off to run every stage in each process.") from None
-
-
-def _schedule_name(strategy: Any) -> str:
-    return getattr(strategy, "pipeline_schedule", "1F1B")

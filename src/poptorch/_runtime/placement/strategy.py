@@ -43,3 +43,17 @@ def kind_of(strategy: ExecutionStrategy) -> str:
 def is_phased(strategy: ExecutionStrategy) -> bool:
     """True for the serial and parallel phased strategies."""
     return strategy.schedule_kind in PHASED_KINDS
+
+
+def schedule_name(strategy: ExecutionStrategy) -> str:
+    """The pipeline schedule a pipelined strategy asks for ("1F1B" or "GPipe")."""
+    return getattr(strategy, "pipeline_schedule", "1F1B")
+
+
+def publish_schedule(strategy: ExecutionStrategy, record: Any) -> None:
+    """Show the schedule just run as ``last_schedule`` on the strategy in force and on
+    the strategy object the user made (the options hold a copy of it: ``_origin``)."""
+    strategy.last_schedule = record
+    origin = getattr(strategy, "_origin", None)
+    if origin is not None:
+        origin.last_schedule = record
