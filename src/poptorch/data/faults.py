@@ -20,8 +20,8 @@ from typing import Any, Iterable
 from ..errors import Error
 
 __all__ = ["WorkerDiedError", "exit_code_description", "as_worker_death",
-           "rebuild_worker_exception", "start_failure", "stop_torch_workers", "install_sigchld_translation",
-           "release_shared_memory"]
+           "rebuild_worker_exception", "start_failure", "stop_torch_workers",
+           "install_sigchld_translation", "release_shared_memory"]
 
 
 class WorkerDiedError(Error, RuntimeError):

@@ -70,8 +70,9 @@ class CallRollback:
 
     ``weights=False`` keeps only the buffers: enough for a call of one optimizer step
     (one device iteration: any number of micro-batches), which changes the parameters
-    and the optimizer state only once every forward and backward has succeeded. The loss scaler's state is kept as well (the program's
-    random stream rolls itself back, see ``RngScope``)."""
+    and the optimizer state only once every forward and backward has succeeded. The
+    loss scaler's state is kept as well (the program's random stream rolls itself
+    back, see ``RngScope``)."""
 
     __slots__ = ("tensors", "optimizer", "opt_values", "opt_groups", "scaler",
                  "scaler_state")
@@ -93,8 +94,9 @@ class CallRollback:
     @classmethod
     def for_call(cls, program: Any, buffers: list) -> "CallRollback | None":
         """What a call of ``program`` must be able to undo: everything when it runs
-        more than one optimizer step (or checks its outputs after the step); the buffers (which a forward may update
-        before it fails) otherwise; None when there is nothing to undo."""
+        more than one optimizer step (or checks its outputs after the step); the buffers
+        (which a forward may update before it fails) otherwise; None when there is
+        nothing to undo."""
         plan = program.plan
         # Several updates per call, or a check that may fail after the update.
         weights = program.training and plan.factor > 1 and (

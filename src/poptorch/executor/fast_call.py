@@ -131,8 +131,9 @@ def _put_back(buffers: Any, saved: list) -> None:
 def _eager_inference(state: Compilation, mode: TrainingMode, args: tuple
                      ) -> Callable[[tuple, dict], Any]:
     """:py:class:`FastCall` of an inference model on the eager backend, with the one
-    micro-batch of ``DeviceProgram.run_single`` (``step.infer_step``, inlined) run directly: this is the call whose host
-    overhead shows most (a small model's forward takes tens of microseconds).
+    micro-batch of ``DeviceProgram.run_single`` (``step.infer_step``, inlined) run
+    directly: this is the call whose host overhead shows most (a small model's forward
+    takes tens of microseconds).
 
     Every line below runs on each call; what can be looked up once is (closure
     variables), and the executor drops this path (``calls.fast = None``) whenever the
