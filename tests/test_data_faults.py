@@ -279,3 +279,29 @@ def test_shared_memory_names_of_a_dead_worker_are_released():
         for path in (left, live):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_terminate_releases_the_shared_memory_names_its_workers_left():
+    """Sync mode's terminate() stops torch's workers (killing one that does not stop in
+    time): the /dev/shm names such a worker leaves are removed with it."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this system")
+    before = children()
+    loader = loader_for(Slow(delay=0.02), DataLoaderMode.Sync, 2)
+    iterator = iter(loader)
+    next(iterator)
+    workers = children() - before
+    assert workers
+    left = [f"/dev/shm/torch_{pid}_0_poptorch_test" for pid in workers]
+    for path in left:
+        with open(path, "wb") as f:
+            f.write(b"x")
+    try:
+        loader.terminate()
+        assert not [path for path in left if os.path.exists(path)]
+    finally:
+        for path in left:
+            if os.path.exists(path):
+                os.unlink(path)
+        del iterator, loader
+        gc.collect()

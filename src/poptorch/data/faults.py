@@ -21,7 +21,7 @@ from ..errors import Error
 
 __all__ = ["WorkerDiedError", "exit_code_description", "as_worker_death",
            "rebuild_worker_exception", "start_failure", "stop_torch_workers",
-           "install_sigchld_translation", "release_shared_memory"]
+           "install_sigchld_translation", "release_ended_workers", "release_shared_memory"]
 
 
 class WorkerDiedError(Error, RuntimeError):
@@ -197,6 +197,12 @@ def stop_torch_workers(iterator: Any) -> None:
                 break
             except Exception:  # noqa: BLE001 - best effort: the death is being reported
                 continue
+    release_ended_workers(iterator)
+
+
+def release_ended_workers(iterator: Any) -> None:
+    """:func:`release_shared_memory` of the ended workers of a torch iterator (or of an
+    iterator wrapping one as ``_inner``), after its workers were stopped."""
     workers = getattr(getattr(iterator, "_inner", iterator), "_workers", [])
     release_shared_memory(w.pid for w in workers if w.exitcode is not None)
 

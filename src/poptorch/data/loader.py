@@ -18,7 +18,8 @@ import torch.utils.data
 
 from .accessor import AsynchronousDataAccessor
 from .combine import MicroBatchJoiner
-from .faults import as_worker_death, install_sigchld_translation, stop_torch_workers
+from .faults import (as_worker_death, install_sigchld_translation, release_ended_workers,
+                     stop_torch_workers)
 from .resume import STATE_VERSION, ResumableIndexSampler, check_state
 from .samplers import CombinedBatchSampler, DistributedPartitionSampler
 from .._runtime.distributed.world import shared_random_seed
@@ -481,7 +482,8 @@ class DataLoader(torch.utils.data.DataLoader):
         elif self._iterator is not None:
             shutdown = getattr(self._iterator, "_shutdown_workers", None)
             if shutdown is not None:
-                shutdown()
+                shutdown()  # (a worker that does not stop in time is killed)
+                release_ended_workers(self._iterator)
             self._iterator = None
 
     def __getstate__(self) -> dict:
