@@ -21,6 +21,7 @@ from .local_replicas import local_replica_runner
 from .processes import join_processes
 from .._runtime.compilation import Compilation, OptimizerBinding
 from .._runtime.config import RuntimeConfig
+from .._runtime.memory.host_heap import keep_freed_memory
 from .._runtime.batching.plan import BatchPlan, resolve_output_mode, split_inputs
 from .._runtime.batching.signature import InputSignature
 from .._runtime.program.device_loop import DeviceProgram, RngScope
@@ -77,6 +78,8 @@ def compile_model(parts: ModelParts, args: tuple, kwargs: dict,
     config = RuntimeConfig.of(opts)  # what the engine reads from here on
     progress.update()
     runner, device, backend = _build_runner(parts, config, (args, kwargs))
+    if device.type == "cpu":  # the heap is this IPU's memory: kept between steps
+        keep_freed_memory()
     progress.update()
     weights, binding = _weights_and_optimizer(parts, device)
     device_optimizer = None if binding is None else binding.device
