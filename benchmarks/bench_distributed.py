@@ -113,13 +113,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--worker")
-    parser.add_argument("--rounds", type=int, default=31)
-    parser.add_argument("--calls", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=41)
+    parser.add_argument("--calls", type=int, default=2)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.rounds, args.calls)
         return
-    rounds, calls = (15, 2) if args.quick else (args.rounds, args.calls)
+    rounds, calls = (25, 1) if args.quick else (args.rounds, args.calls)
     results = {n: launch(n, rounds, calls) for n in (1, 2)}
     print(f"{'workload':<10}{'processes':>10}{'DDP samples/s':>16}{'ours samples/s':>16}"
           f"{'ours/DDP':>10}   (ours/DDP: median of per-round ratios)")
