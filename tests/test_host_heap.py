@@ -18,9 +18,11 @@ glibc = pytest.mark.skipif(host_heap._glibc_malloc() is None,
                            reason="the allocator is not glibc's malloc (nothing to set)")
 
 
-def _run(setting):
-    env = dict(os.environ, POPTORCH_HOST_HEAP=setting, POPTORCH_LOG_LEVEL="INFO",
-               OMP_NUM_THREADS="1")
+def _run(setting, **environment):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    env.update(POPTORCH_HOST_HEAP=setting, POPTORCH_LOG_LEVEL="INFO", OMP_NUM_THREADS="1",
+               **environment)
     done = subprocess.run([sys.executable, WORKER], env=env, capture_output=True,
                           text=True, timeout=120, check=True)
     return json.loads(done.stdout), done.stderr
@@ -38,6 +40,16 @@ def test_a_step_takes_its_memory_from_the_heap_not_the_kernel():
     assert sum(kept["faults"][-6:]) <= 64, kept
     assert "freed memory is kept for the next step" in log
     assert "left as they are (POPTORCH_HOST_HEAP=system)" in system_log
+
+
+@glibc
+@pytest.mark.parametrize("name,value", [("MALLOC_MMAP_THRESHOLD_", "131072"),
+                                        ("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0")])
+def test_malloc_settings_of_the_environment_are_left_alone(name, value):
+    chosen, log = _run("keep", **{name: value})
+    assert f"left as they are ({name} is set)" in log
+    assert chosen["max_diff"] == 0.0
+    assert sum(chosen["faults"]) > 2000, chosen  # memory goes back to the kernel
 
 
 def test_an_unknown_setting_is_an_error_naming_the_choices(monkeypatch):

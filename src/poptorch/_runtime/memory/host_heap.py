@@ -16,9 +16,12 @@ glibc's thresholds (``mallopt``) the way its dynamic adjustment ends up on a lon
 blocks up to 32 MiB (glibc's own ceiling for that adjustment) come from the heap, and up
 to 256 MiB of free heap is kept for reuse instead of being returned after every step.
 The process's memory then stays at its peak between steps, as an IPU's does. One INFO
-line says so; ``POPTORCH_HOST_HEAP=system`` leaves ``malloc`` as it is. Nothing is done
-where the allocator is not glibc's (musl, macOS, or jemalloc / tcmalloc preloaded,
-which keep freed memory themselves).
+line says so; ``POPTORCH_HOST_HEAP=system`` leaves ``malloc`` as it is, and so does a
+process started with glibc's own settings (``MALLOC_MMAP_THRESHOLD_``,
+``MALLOC_TRIM_THRESHOLD_``, ... or ``glibc.malloc`` tunables in ``GLIBC_TUNABLES``: the
+memory benchmarks set them so that peak RSS follows live memory). Nothing is done where
+the allocator is not glibc's (musl, macOS, or jemalloc / tcmalloc preloaded, which keep
+freed memory themselves).
 """
 from __future__ import annotations
 
@@ -42,7 +45,19 @@ _M_TRIM_THRESHOLD = -1  # glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
 
 _CHOICES = ("keep", "system")
+_MALLOC_ENVIRONMENT = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+                       "MALLOC_MMAP_MAX_")
 _done = False
+
+
+def _chosen_by_environment() -> str | None:
+    """The environment variable that gave glibc's malloc its settings, if one did."""
+    for name in _MALLOC_ENVIRONMENT:
+        if name in os.environ:
+            return name
+    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+        return "GLIBC_TUNABLES"
+    return None
 
 
 def _glibc_malloc() -> ctypes.CDLL | None:
@@ -71,9 +86,11 @@ def keep_freed_memory() -> bool:
                     f"of {', '.join(_CHOICES)}: 'keep' (the default) keeps memory freed by "
                     "a step for the next one, 'system' leaves malloc's settings alone.")
     _done = True
-    if choice == "system":
+    chosen = "POPTORCH_HOST_HEAP=system" if choice == "system" else \
+        _chosen_by_environment()
+    if chosen is not None:
         info_once("host-heap", "Host memory: malloc's settings are left as they are "
-                  "(POPTORCH_HOST_HEAP=system).")
+                  "(%s%s).", chosen, " is set" if "=" not in chosen else "")
         return False
     libc = _glibc_malloc()
     if libc is None:
