@@ -284,7 +284,34 @@ def epoch(out: pathlib.Path) -> None:
     save(out, "epoch", seen)
 
 
-SCENARIOS = {"train": train, "dynamic": dynamic, "groups": groups,
+class BreaksOnRankOne(torch.nn.Module):
+    """``Net`` whose forward cannot be one graph on process 1 only (a graph break,
+    which ``fullgraph`` capture refuses; a no-op when run eagerly)."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, y):
+        if RANK == 1:
+            torch._dynamo.graph_break()
+        return self.net(x, y)
+
+
+def compiled(out: pathlib.Path, calls: str, break_on_rank_one: str = "0") -> None:
+    """Training with the backend the test sets (POPTORCH_BACKEND): the compiled device
+    program on each process, the processes agreeing on the path."""
+    cfg = {"r": 1, "reduction": "Mean", "optimizer": "SGD", "processes": WORLD}
+    net = make_model(1000 + RANK)
+    model = BreaksOnRankOne(net) if break_on_rank_one == "1" else net
+    training, losses = run_poptorch(model, cfg, RANK, calls=int(calls))
+    program = training._program
+    save(out, "compiled", {"state": net.state_dict(), "losses": losses,
+                           "compiled_kept": program.compiled is not None,
+                           "ddp_reduces": program.cross.reducer is None})
+
+
+SCENARIOS = {"train": train, "compiled": compiled, "dynamic": dynamic, "groups": groups,
              "unused_later": unused_later,
              "strategies": strategies, "buffers": buffers, "checkpoint": checkpoint,
              "mismatch": mismatch, "kill": kill, "fault": fault,

@@ -188,6 +188,11 @@ class _Compiled:
         self.program = _Program()
         self.program.compiled = self
         self.trial = None
+        self.agreement = None  # one process
+
+    def leave(self):
+        self.failed, self._fn, self.trial = True, None, None
+        self.program.compiled = None
 
 
 def _feed(trial, compiled_times, eager_times):

@@ -36,12 +36,12 @@ def _env() -> dict:
 
 
 def torchrun(scenario: str, out: pathlib.Path, *args: str, launcher: list | None = None,
-             timeout: float = 120) -> subprocess.CompletedProcess:
+             timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
     launcher = launcher or ["--standalone", "--nproc_per_node=2"]
     cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, str(WORKER), scenario,
            str(out), *args]
-    return subprocess.run(cmd, cwd=HERE, env=_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(cmd, cwd=HERE, env={**_env(), **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def _check(result: subprocess.CompletedProcess) -> None:
@@ -101,6 +101,47 @@ def test_training_matches_one_process_and_plain_pytorch(trained, cfg):
     _assert_close(rank0["state"], plain.state_dict(), "plain PyTorch")
     # each process's losses are its own replicas' (not the same numbers)
     assert not torch.equal(rank0["losses"][-1], rank1["losses"][-1])
+
+
+COMPILED_CALLS = 48  # enough for the fastest backend's trial to decide (up to 3 rounds)
+
+
+def _compiled_run(tmp_path, backend: str, *args: str):
+    """The "compiled" scenario with ``backend``: the compiled program captured without
+    code generation (aot_eager: the same graph, eager kernels)."""
+    result = torchrun("compiled", tmp_path, str(COMPILED_CALLS), *args,
+                      env={"POPTORCH_BACKEND": backend, "POPTORCH_LOG_LEVEL": "INFO",
+                           "POPTORCH_TORCH_COMPILE_BACKEND": "aot_eager"})
+    _check(result)
+    rank0, rank1 = _load(tmp_path, "compiled")
+    _assert_identical(rank0["state"], rank1["state"], "weights")
+    plain = make_model(1000)
+    plain_reference(plain, {"r": 1, "reduction": "Mean", "optimizer": "SGD"}, replicas=2,
+                    calls=COMPILED_CALLS)
+    _assert_close(rank0["state"], plain.state_dict(), "plain PyTorch")
+    return rank0, rank1, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("backend", ["inductor", "fastest"])
+def test_compiled_training_over_two_processes_matches_plain_pytorch(tmp_path, backend):
+    rank0, rank1, log = _compiled_run(tmp_path, backend)
+    assert log.count("device program compiled") == 2, log[-3000:]
+    assert rank0["compiled_kept"] == rank1["compiled_kept"]
+    if backend == "inductor":  # kept for good; the reducer, not DDP, sums gradients
+        assert rank0["compiled_kept"] and not rank0["ddp_reduces"]
+    else:  # one decision, on the mean of both processes' ratios, taken by both
+        decisions = [line for line in log.splitlines() if "the mean over 2 processes" in line]
+        assert len(decisions) == 2, log[-3000:]
+        kept = "keeping the compiled program" in decisions[0]
+        assert kept == ("keeping the compiled program" in decisions[1])
+        assert rank0["compiled_kept"] == kept and rank0["ddp_reduces"] == (not kept)
+
+
+def test_a_capture_failing_on_one_process_moves_both_to_the_eager_loop(tmp_path):
+    rank0, rank1, log = _compiled_run(tmp_path, "inductor", "1")
+    assert "could not be compiled on every process" in log, log[-3000:]
+    for rank in (rank0, rank1):  # both left together, and DDP took the reduction over
+        assert not rank["compiled_kept"] and rank["ddp_reduces"]
 
 
 def test_parameters_unused_in_the_last_micro_batch_are_reduced(tmp_path):

@@ -10,7 +10,7 @@ process); one that got a gradient on some process only is reduced with zeros els
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Sequence
 
 import torch
 
@@ -25,14 +25,18 @@ class GradientReducer:
         self.group = world.group
         self.params = params
 
-    def __call__(self) -> None:
+    def __call__(self, extra: Sequence[float] = ()) -> list[float]:
+        """Reduce the gradients; ``extra`` values travel with them and come back summed
+        over the processes (the compiled program's agreement,
+        ``program/compiled_step.CrossProcessAgreement``: no collective of its own)."""
         params = self.params
         if not params:
-            return
+            return list(extra)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        present = torch.tensor([p.grad is not None for p in params], dtype=torch.float32,
-                               device=params[0].device)
+        present = torch.tensor([p.grad is not None for p in params] + list(extra),
+                               dtype=torch.float32, device=params[0].device)
         reduced = all_reduce_sum(grads + [present], self.group)
         counts = reduced[-1].tolist()
         for p, grad, count in zip(params, reduced, counts, strict=False):
             p.grad = grad if count > 0 else None
+        return counts[len(params):]

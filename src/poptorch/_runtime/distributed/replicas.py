@@ -52,6 +52,13 @@ class CrossProcessReplicas:
         # How many processes the reduced gradients were divided by: DDP averages, the
         # reducer sums. The device program scales the result to PopTorch's Mean / Sum.
         self.averaged_over = 1
+        # While a compiled device program may run a step (its backward pass does not go
+        # through DDP's hooks), every step reduces with the reducer, the one collective
+        # both paths share; ``agreement`` (compiled_step.CrossProcessAgreement) sends
+        # its values with each step's gradients and releases the hold once every
+        # process has left the compiled program.
+        self.hold_ddp = False
+        self.agreement: Any = None
 
     def wrap_runner(self, runner: Any, per_step: int, device: torch.device) -> Any:
         """Give a sequential runner (running the model itself, not a compiled copy)
@@ -111,7 +118,12 @@ class CrossProcessReplicas:
         the backward pass when the runner uses it)."""
         if self.reducer is None:
             return
-        self.reducer()
+        agreement = self.agreement
+        totals = self.reducer(agreement.local_values() if agreement is not None else ())
+        if agreement is not None:
+            agreement.settle(totals)
+        if self.hold_ddp:
+            return
         runner = self.ddp_runner
         if runner is not None and runner.ddp is None and runner.last_used is not None:
             used = torch.tensor(runner.last_used, dtype=torch.float32)

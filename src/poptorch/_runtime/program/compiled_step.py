@@ -19,12 +19,18 @@ How the step is captured (PyTorch's own machinery, nothing hand-written):
   model draws the same numbers as the eager path; on CUDA the program is replayed as a
   CUDA graph (inductor's ``triton.cudagraphs``).
 
+With replicas over several processes, each step's forward and backward passes are the
+compiled program and the rest of the step (the gradient sum over the processes, the
+update) runs eagerly; :py:class:`CrossProcessAgreement` keeps every process on the same
+path.
+
 A training model runs its first call (and the first call after ``setOptimizer``) on the
 eager path: it creates the optimizer state and tells which parameters receive gradients,
 so the program is traced once, with the state it will keep, at the next call.
 
 Capture is refused, and the call falls back to the eager device loop with one INFO line
-saying why, when the step cannot be one graph: model parallelism, anchored tensors,
+saying why, when the step cannot be one graph: model parallelism (or several replicas
+per process over several processes), anchored tensors,
 precision casting or profiling wrappers, floating-point checks, loss scaling (whose
 skipped steps are data-dependent), optimizer step hooks, or any model code that
 ``torch.compile`` cannot capture whole (data-dependent control flow, host ops).
@@ -61,9 +67,11 @@ def capture_blocker(program: Any, runner: Any) -> str | None:
 
     Only reasons fixed at compile time; :py:meth:`CompiledCall.blocker` adds those that
     can change between calls (loss scaling, optimizer hooks)."""
-    if getattr(program, "cross", None) is not None:
-        return "replicas in several processes reduce gradients between processes"
-    if not isinstance(runner, SequentialRunner):
+    cross = getattr(program, "cross", None)
+    # Across processes the runner is the DDP wrapper of the sequential runner
+    # (``distributed.ddp.SyncOnLastMicrobatch``); the compiled step bypasses it.
+    inner = runner.inner if cross is not None and runner is cross.ddp_runner else runner
+    if not isinstance(inner, SequentialRunner):
         return ("model parallelism or per-replica buffers run micro-batches outside one "
                 "device graph")
     if program.wrappers:
@@ -174,6 +182,11 @@ def _device_function(program: Any, model: torch.nn.Module,
         outputs = train_step(program, microbatches, traced_backward, traced_loss, update)
         return [_detach(out) for out in outputs]
 
+    def device_backward(microbatches: list) -> list:
+        # across processes: the step's forward and backward passes only; the rest of
+        # train_step (the reduction every process shares, the update) runs eagerly
+        return [_detach(out) for out in traced_backward(microbatches, traced_loss)]
+
     def device_call(args: tuple, kwargs: dict) -> Any:
         with torch.no_grad():
             steps = split_inputs(plan, args, kwargs)
@@ -188,7 +201,8 @@ def _device_function(program: Any, model: torch.nn.Module,
 
     # A code object of its own: torch.compile caches per code object, and every
     # executor must have its own cache entries (not share the recompile limit).
-    fn = device_step if training else device_call
+    fn = device_call if not training else \
+        device_step if program.cross is None else device_backward
     name = f"poptorch_{fn.__name__}_{next(_names)}"
     code = fn.__code__.replace(co_name=name)
     if sys.version_info >= (3, 11):  # (code objects have a qualified name from 3.11 on)
@@ -228,6 +242,9 @@ class CompiledCall:
         # Backend "fastest" (the automatic choice, backend_choice.py): the first calls
         # after tracing time this program against the eager loop; the faster one stays.
         self.trial = BackendTrial(self) if measure else None
+        # Replicas over several processes: every process takes the same path.
+        cross = getattr(program, "cross", None)
+        self.agreement = None if cross is None else CrossProcessAgreement(self, cross)
 
     # ------------------------------------------------------------------ per call
     def blocker(self) -> str | None:
@@ -284,6 +301,8 @@ class CompiledCall:
         (with nothing run) when it cannot be captured."""
         if not self.program.training:
             return self._run(self._fn, args, kwargs)
+        if self.agreement is not None:
+            return self._call_across_processes(args, kwargs)
         program = self.program
         steps = split_inputs(program.plan, args, kwargs)
         if program.plan.factor == 1:  # one micro-batch: its output, in every mode
@@ -306,6 +325,42 @@ class CompiledCall:
 
     def _eager_step(self, microbatches: list) -> list:
         return [_detach(out) for out in self.program._train_step(microbatches)]
+
+    def _call_across_processes(self, args: tuple, kwargs: dict) -> Any:
+        """A training call of replicas over several processes: per step, the compiled
+        forward and backward passes, then the rest of ``train_step`` run eagerly: the
+        gradient reduction (the reducer's, which the eager path runs too while the
+        compiled program may run, so every process calls the same collectives
+        whichever path it takes), PopTorch's Mean / Sum, the update and the buffers'
+        sync. Once the processes leave the compiled program (agreed during a step's
+        reduction), the call's remaining steps run eagerly."""
+        program = self.program
+        steps = split_inputs(program.plan, args, kwargs)
+        collector = OutputCollector(program.plan, program.output_mode,
+                                    program.output_return_period)
+        for i, microbatches in enumerate(steps):
+            if self.failed:
+                outputs = self._eager_step(microbatches)
+            else:
+                def backward(microbatches: list, loss_of: Any, first: bool = i == 0) -> list:
+                    return self._backward_of_step(microbatches, loss_of, first)
+                outputs = [_detach(out) for out in train_step(
+                    program, microbatches, backward, program._loss_of, program._update)]
+            for n, out in enumerate(outputs):
+                if collector.wants(i, n):
+                    collector.add(n, out)
+        return collector.result()
+
+    def _backward_of_step(self, microbatches: list, loss_of: Any, first: bool) -> list:
+        """The compiled forward and backward passes of one step (gradients in
+        ``.grad``); eagerly when capture fails in a later step of the call."""
+        self._restore_grads()  # the reduction of the previous step replaced them
+        outputs = self._run(self._fn, microbatches, first=first)
+        if outputs is None:
+            for p in self.program.params:
+                p.grad = None
+            outputs = self.program.runner(microbatches, loss_of)
+        return outputs
 
     def _run(self, fn: Callable[..., Any], *inputs: Any, first: bool = True) -> Any:
         """Run ``fn``. A failed (re)trace raises nothing mid-graph: it abandons the
@@ -348,7 +403,8 @@ class CompiledCall:
         self._traced = True
         logger.info("%s: device program compiled in %.1f s (torch.compile, whole %s)",
                     self.name, time.perf_counter() - t0,
-                    "optimizer step" if self.program.training else "call")
+                    "call" if not self.program.training else "optimizer step"
+                    if self.agreement is None else "forward and backward passes of a step")
         return result
 
     # ------------------------------------------------------------------ compile
@@ -380,7 +436,19 @@ class CompiledCall:
             if p.grad is not grad:
                 p.grad = grad
 
+    def leave(self) -> None:
+        """Run the eager loop from now on (the trial chose it, or the processes agreed
+        to leave the compiled program): the program is dropped."""
+        self.failed = True
+        self._fn = None
+        self.trial = None
+        self.program.compiled = None
+        if self.agreement is not None:
+            self.agreement.release()
+
     def _fail(self, error: BaseException) -> None:
+        # Across processes the others learn of it at the next step's reduction
+        # (CrossProcessAgreement), and every process leaves together there.
         self.failed = True
         self._fn = None
         first = str(error).strip().splitlines()
@@ -421,6 +489,7 @@ class BackendTrial:
         self.pending: bool | None = None  # the path ready() chose for this call
         self._next = True
         self._rounds = 1
+        self._voted = False  # across processes: the ratio is sent, the decision pending
 
     def next_turn(self) -> bool:
         """The path of the coming call (True: the compiled program)."""
@@ -431,7 +500,8 @@ class BackendTrial:
     def record(self, used_compiled: bool, seconds: float) -> None:
         """The time of a call that followed :py:meth:`next_turn`; decides at the end."""
         pending, self.pending = self.pending, None
-        if pending is None or pending != used_compiled or self.compiled.failed:
+        if pending is None or pending != used_compiled or self.compiled.failed \
+                or self._voted:
             return
         if self._skip[used_compiled]:
             self._skip[used_compiled] -= 1
@@ -444,20 +514,80 @@ class BackendTrial:
         if abs(ratio - 1.0) < self.CLOSE and self._rounds < self.MAX_ROUNDS:
             self._rounds += 1  # too close to call yet: measure both some more
             return
+        agreement = self.compiled.agreement
+        if agreement is not None:  # every process decides on the mean of the ratios
+            self._voted = True
+            agreement.vote(ratio)
+            return
+        self.decide(ratio)
+
+    def decide(self, ratio: float, processes: int = 1) -> None:
+        """Keep the compiled program if ``ratio`` (compiled / eager; across processes
+        the mean of theirs) is below 1, else run the eager loop from now on."""
         compiled = self.compiled
         compiled.trial = None
         keep = ratio < 1.0
         logger.info("%s: the compiled program takes %.0f us per call, the eager device "
                     "loop %.0f us (medians of %d interleaved calls each; compiled / eager "
-                    "%.3f): %s.", compiled.name,
+                    "%.3f%s): %s.", compiled.name,
                     statistics.median(self.times[True]) * 1e6,
                     statistics.median(self.times[False]) * 1e6, len(self.times[True]),
-                    ratio, "keeping the compiled program" if keep else
+                    ratio, f", the mean over {processes} processes" if processes > 1 else "",
+                    "keeping the compiled program" if keep else
                     "running the eager loop from now on")
         if not keep:
-            compiled.failed = True
-            compiled._fn = None
-            compiled.program.compiled = None
+            compiled.leave()
+
+
+class CrossProcessAgreement:
+    """Keeps the processes of a replicated training program on one path.
+
+    Each process may take the compiled program or the eager loop for a call (the trial
+    alternates them; a capture can fail on one process only), so while the compiled
+    program may run, every step reduces its gradients with the reducer, the one
+    collective both paths call alike (DDP's hooks would see only the eager path's
+    backward passes). What the processes must agree on travels with each step's
+    gradients (``GradientReducer``'s extra values), not in collectives of its own:
+    whether some process's capture failed, and each process's trial ratio. Every
+    process sees the same sums at the same step, so all leave the compiled program, or
+    keep it, together; once they leave, DDP takes over the reduction (``replicas``)."""
+
+    def __init__(self, compiled: CompiledCall, cross: Any) -> None:
+        self.compiled = compiled
+        self.cross = cross
+        self.processes = cross.world.size
+        self.ratio: float | None = None
+        cross.hold_ddp = True
+        cross.agreement = self
+
+    def vote(self, ratio: float) -> None:
+        """This process's trial ratio (compiled / eager), sent from the next step on."""
+        self.ratio = ratio
+
+    def local_values(self) -> tuple[float, float, float]:
+        """(capture failed here, voted, ratio): summed over the processes."""
+        ratio = self.ratio
+        return (1.0 if self.compiled.failed else 0.0, 0.0 if ratio is None else 1.0,
+                0.0 if ratio is None else ratio)
+
+    def settle(self, totals: list[float]) -> None:
+        """What every process concludes from the summed values of this step."""
+        failed, votes, ratios = totals
+        compiled = self.compiled
+        if failed > 0:
+            if not compiled.failed:
+                logger.info("%s: the device program could not be compiled on every "
+                            "process; all run the eager device loop from now on.",
+                            compiled.name)
+            compiled.leave()
+        elif votes >= self.processes and compiled.trial is not None:
+            self.ratio = None
+            compiled.trial.decide(ratios / self.processes, self.processes)
+
+    def release(self) -> None:
+        """The processes left the compiled program: DDP may take the reduction over."""
+        self.cross.hold_ddp = False
+        self.cross.agreement = None
 
 
 class CaptureFailed(Exception):
