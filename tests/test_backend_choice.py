@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import poptorch
 from poptorch._runtime.program import backend_choice
-from poptorch._runtime.program.compiled_step import BackendTrial
+from poptorch._runtime.program.backend_trial import BackendTrial
 from poptorch.executor.call_support import backend_name
 from _backend_trial import settle_trial  # noqa: E402
 

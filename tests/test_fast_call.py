@@ -1,5 +1,5 @@
 """The per-call fast path (``executor/fast_call.py``) and the ``fastest`` backend's
-choice (``compiled_step.BackendTrial``), against plain PyTorch.
+choice (``backend_trial.BackendTrial``), against plain PyTorch.
 
 Every test first checks that its calls really take the fast path (``_compiled.calls.fast``
 is built),

@@ -35,7 +35,7 @@ def backend_name(options: Options, device: torch.device) -> str:
     """The backend that runs the model: Options.Jit.backend, POPTORCH_BACKEND, else the
     automatic choice (``_runtime/program/backend_choice.py``): ``fastest``, the
     compiled program kept only where its first calls show it beats the eager loop
-    (``compiled_step.BackendTrial``), or eager where no compiler is present."""
+    (``backend_trial.BackendTrial``), or eager where no compiler is present."""
     name = options.Jit.backend_name  # (POPTORCH_BACKEND is parsed there, only there)
     if name is None:
         return automatic_backend(device)

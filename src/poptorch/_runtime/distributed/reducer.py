@@ -28,7 +28,7 @@ class GradientReducer:
     def __call__(self, extra: Sequence[float] = ()) -> list[float]:
         """Reduce the gradients; ``extra`` values travel with them and come back summed
         over the processes (the compiled program's agreement,
-        ``program/compiled_step.CrossProcessAgreement``: no collective of its own)."""
+        ``program/backend_trial.CrossProcessAgreement``: no collective of its own)."""
         params = self.params
         if not params:
             return list(extra)

@@ -54,7 +54,7 @@ class CrossProcessReplicas:
         self.averaged_over = 1
         # While a compiled device program may run a step (its backward pass does not go
         # through DDP's hooks), every step reduces with the reducer, the one collective
-        # both paths share; ``agreement`` (compiled_step.CrossProcessAgreement) sends
+        # both paths share; ``agreement`` (backend_trial.CrossProcessAgreement) sends
         # its values with each step's gradients and releases the hold once every
         # process has left the compiled program.
         self.hold_ddp = False

@@ -3,7 +3,7 @@
 A PopTorch program accepts a compile at its first call in order to be fast afterwards,
 so with neither ``Options.Jit.backend`` nor ``POPTORCH_BACKEND`` set the model is run the
 way its own first calls show to be fastest. That is the ``fastest`` backend
-(``compiled_step.BackendTrial``): the whole call is compiled as one program, and once it
+(``backend_trial.BackendTrial``): the whole call is compiled as one program, and once it
 is traced the next calls alternate between it and the eager device loop, each timed
 whole; the faster path stays for good, with one INFO line giving both times. An
 inference model and a training model are measured alike. Each call of the trial runs

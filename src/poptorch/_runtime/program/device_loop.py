@@ -352,7 +352,7 @@ class DeviceProgram:
                     kwargs: dict) -> Any:
         """A call through the compiled program when it is ready, else through ``loop``
         (the eager path); timed for the compiled program's backend trial while it
-        runs (``compiled_step.BackendTrial``)."""
+        runs (``backend_trial.BackendTrial``)."""
         from .compiled_step import CaptureFailed
         compiled = self.compiled
         use = compiled.ready()
