@@ -298,10 +298,11 @@ class BreaksOnRankOne(torch.nn.Module):
         return self.net(x, y)
 
 
-def compiled(out: pathlib.Path, calls: str, break_on_rank_one: str = "0") -> None:
+def compiled(out: pathlib.Path, calls: str, reduction: str, optimizer: str,
+             break_on_rank_one: str = "0") -> None:
     """Training with the backend the test sets (POPTORCH_BACKEND): the compiled device
     program on each process, the processes agreeing on the path."""
-    cfg = {"r": 1, "reduction": "Mean", "optimizer": "SGD", "processes": WORLD}
+    cfg = {"r": 1, "reduction": reduction, "optimizer": optimizer, "processes": WORLD}
     net = make_model(1000 + RANK)
     model = BreaksOnRankOne(net) if break_on_rank_one == "1" else net
     training, losses = run_poptorch(model, cfg, RANK, calls=int(calls))

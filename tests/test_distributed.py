@@ -106,25 +106,28 @@ def test_training_matches_one_process_and_plain_pytorch(trained, cfg):
 COMPILED_CALLS = 48  # enough for the fastest backend's trial to decide (up to 3 rounds)
 
 
-def _compiled_run(tmp_path, backend: str, *args: str):
+def _compiled_run(tmp_path, backend: str, reduction: str = "Mean", optimizer: str = "SGD",
+                  *args: str):
     """The "compiled" scenario with ``backend``: the compiled program captured without
     code generation (aot_eager: the same graph, eager kernels)."""
-    result = torchrun("compiled", tmp_path, str(COMPILED_CALLS), *args,
+    result = torchrun("compiled", tmp_path, str(COMPILED_CALLS), reduction, optimizer, *args,
                       env={"POPTORCH_BACKEND": backend, "POPTORCH_LOG_LEVEL": "INFO",
                            "POPTORCH_TORCH_COMPILE_BACKEND": "aot_eager"})
     _check(result)
     rank0, rank1 = _load(tmp_path, "compiled")
     _assert_identical(rank0["state"], rank1["state"], "weights")
     plain = make_model(1000)
-    plain_reference(plain, {"r": 1, "reduction": "Mean", "optimizer": "SGD"}, replicas=2,
-                    calls=COMPILED_CALLS)
+    plain_reference(plain, {"r": 1, "reduction": reduction, "optimizer": optimizer},
+                    replicas=2, calls=COMPILED_CALLS)
     _assert_close(rank0["state"], plain.state_dict(), "plain PyTorch")
     return rank0, rank1, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("backend", ["inductor", "fastest"])
-def test_compiled_training_over_two_processes_matches_plain_pytorch(tmp_path, backend):
-    rank0, rank1, log = _compiled_run(tmp_path, backend)
+@pytest.mark.parametrize("backend,reduction,optimizer", [
+    ("inductor", "Mean", "SGD"), ("inductor", "Sum", "Adam"), ("fastest", "Mean", "SGD")])
+def test_compiled_training_over_two_processes_matches_plain_pytorch(
+        tmp_path, backend, reduction, optimizer):
+    rank0, rank1, log = _compiled_run(tmp_path, backend, reduction, optimizer)
     assert log.count("device program compiled") == 2, log[-3000:]
     assert rank0["compiled_kept"] == rank1["compiled_kept"]
     if backend == "inductor":  # kept for good; the reducer, not DDP, sums gradients
@@ -138,7 +141,7 @@ def test_compiled_training_over_two_processes_matches_plain_pytorch(tmp_path, ba
 
 
 def test_a_capture_failing_on_one_process_moves_both_to_the_eager_loop(tmp_path):
-    rank0, rank1, log = _compiled_run(tmp_path, "inductor", "1")
+    rank0, rank1, log = _compiled_run(tmp_path, "inductor", "Mean", "SGD", "1")
     assert "could not be compiled on every process" in log, log[-3000:]
     for rank in (rank0, rank1):  # both left together, and DDP took the reduction over
         assert not rank["compiled_kept"] and rank["ddp_reduces"]
