@@ -34,10 +34,13 @@ def test_a_step_takes_its_memory_from_the_heap_not_the_kernel():
     system, system_log = _run("system")
     # the same training as plain torch, whatever the heap does
     assert kept["max_diff"] == 0.0 and system["max_diff"] == 0.0
-    # with malloc's own settings the 4 MiB activations freed at the end of a step are
-    # given back and faulted in again (~1,000 faults per step); kept, they are reused
-    assert sum(system["faults"]) > 2000, system
-    assert sum(kept["faults"][-6:]) <= 64, kept
+    # Over the last 16 of 32 steps: with malloc's own settings the 4 MiB activations
+    # freed at the end of a step are given back and faulted in again (20,000 to 75,000
+    # faults measured); kept, they are reused (0 to 3,072: the heap still grows now and
+    # then, when fragmentation leaves no free block large enough)
+    assert sum(system["faults"]) > 10_000, system
+    assert sum(kept["faults"]) <= 8192 and 4 * sum(kept["faults"]) < sum(system["faults"]), \
+        (kept, system)
     assert "freed memory is kept for the next step" in log
     assert "left as they are (POPTORCH_HOST_HEAP=system)" in system_log
 
@@ -49,7 +52,7 @@ def test_malloc_settings_of_the_environment_are_left_alone(name, value):
     chosen, log = _run("keep", **{name: value})
     assert f"left as they are ({name} is set)" in log
     assert chosen["max_diff"] == 0.0
-    assert sum(chosen["faults"]) > 2000, chosen  # memory goes back to the kernel
+    assert sum(chosen["faults"]) > 10_000, chosen  # memory goes back to the kernel
 
 
 def test_an_unknown_setting_is_an_error_naming_the_choices(monkeypatch):
