@@ -33,7 +33,9 @@ class BackendTrial:
     stays for good: the compiled program, or the eager loop (the program is dropped:
     ``program.compiled`` becomes None). One INFO line gives both paths' median times.
     Every call of the trial is a real call with correct outputs (the two paths agree
-    within the compiled kernels' rounding)."""
+    within the compiled kernels' rounding). With replicas over several processes each
+    process sends its ratio instead of deciding (:py:class:`CrossProcessAgreement`),
+    and every process decides on the mean of them at the same step."""
 
     CALLS = 6
     SKIP = 1
