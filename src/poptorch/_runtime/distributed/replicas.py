@@ -53,11 +53,10 @@ class CrossProcessReplicas:
         # reducer sums. The device program scales the result to PopTorch's Mean / Sum.
         self.averaged_over = 1
         # While a compiled device program may run a step (its backward pass does not go
-        # through DDP's hooks), every step reduces with the reducer, the one collective
-        # both paths share; ``agreement`` (backend_trial.CrossProcessAgreement) sends
-        # its values with each step's gradients and releases the hold once every
-        # process has left the compiled program.
-        self.hold_ddp = False
+        # through DDP's hooks), ``agreement`` (backend_trial.CrossProcessAgreement) is
+        # set: every step reduces with the reducer, the one collective both paths
+        # share, with the agreement's values, and DDP is not attached. The agreement
+        # removes itself once every process has left the compiled program.
         self.agreement: Any = None
 
     def wrap_runner(self, runner: Any, per_step: int, device: torch.device) -> Any:
@@ -122,8 +121,8 @@ class CrossProcessReplicas:
         totals = self.reducer(agreement.local_values() if agreement is not None else ())
         if agreement is not None:
             agreement.settle(totals)
-        if self.hold_ddp:
-            return
+            if self.agreement is not None:  # the compiled program may still run
+                return
         runner = self.ddp_runner
         if runner is not None and runner.ddp is None and runner.last_used is not None:
             used = torch.tensor(runner.last_used, dtype=torch.float32)

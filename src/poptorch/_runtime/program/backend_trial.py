@@ -117,8 +117,7 @@ class CrossProcessAgreement:
         self.cross = cross
         self.processes = cross.world.size
         self.ratio: float | None = None
-        cross.hold_ddp = True
-        cross.agreement = self
+        cross.agreement = self  # (no DDP while it is set)
 
     def vote(self, ratio: float) -> None:
         """This process's trial ratio (compiled / eager), sent from the next step on."""
@@ -146,5 +145,4 @@ class CrossProcessAgreement:
 
     def release(self) -> None:
         """The processes left the compiled program: DDP may take the reduction over."""
-        self.cross.hold_ddp = False
         self.cross.agreement = None

@@ -37,6 +37,7 @@ skipped steps are data-dependent), optimizer step hooks, or any model code that
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import os
@@ -342,8 +343,7 @@ class CompiledCall:
             if self.failed:
                 outputs = self._eager_step(microbatches)
             else:
-                def backward(microbatches: list, loss_of: Any, first: bool = i == 0) -> list:
-                    return self._backward_of_step(microbatches, loss_of, first)
+                backward = functools.partial(self._backward_of_step, first=i == 0)
                 outputs = [_detach(out) for out in train_step(
                     program, microbatches, backward, program._loss_of, program._update)]
             for n, out in enumerate(outputs):
