@@ -1,18 +1,25 @@
 """Shared by the tests of the ``fastest`` backend's trial (test_backend_choice.py,
-test_fast_call.py): settle a traced model's trial with chosen timings."""
+test_fast_call.py): settle a model's trial with chosen timings."""
 
 
 def settle_trial(pop, compiled_faster: bool):
-    """Feed the trial of ``pop``'s compiled program timings that make the compiled path
-    the faster one (or the slower one) and return that compiled program; the trial is
+    """Feed the trial of ``pop``'s backend selector timings that make the compiled
+    backend the faster one (or the slower one) and return the selector; the trial is
     then over."""
-    compiled = pop._program.compiled
-    trial = compiled.trial
-    assert compiled._traced and trial is not None
+    selector = pop._program.selector
+    trial = selector.trial
+    assert trial is not None, pop.backendInUse
     fast, slow = (1e-4, 2e-4) if compiled_faster else (2e-4, 1e-4)
     for _ in range(trial.SKIP + trial.CALLS):
         for use in (True, False):
             trial.pending = use
             trial.record(use, fast if use else slow)
-    assert compiled.trial is None
-    return compiled
+    assert selector.trial is None
+    assert pop.backendInUse == ("compiled" if compiled_faster else "eager")
+    return selector
+
+
+def compiled_running(pop) -> bool:
+    """Whether ``pop``'s calls run the compiled backend (its probation included)."""
+    return pop.backendInUse in ("compiled", "compiling") and \
+        pop._program.selector.compiled is not None

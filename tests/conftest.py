@@ -15,7 +15,8 @@ running them on the CPU unnoticed.
 automatic choice compiles and measures every model at its first calls, which would make
 the suite take hours on the CPU. ``.ci/run`` runs the equivalence tests once more with
 ``POPTORCH_BACKEND=auto`` (the default a user gets); tests/test_backend_choice.py tests
-the automatic choice itself.
+the automatic choice itself. Its stored decisions are turned off
+(``POPTORCH_BACKEND_DECISIONS=off``) unless a test sets a folder.
 """
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ import torch
 
 os.environ.setdefault("POPTORCH_LOG_LEVEL", "WARN")
 os.environ.setdefault("POPTORCH_BACKEND", "eager")
+# The automatic backend's decisions (_runtime/executable/decisions.py) are not kept
+# between tests: each test measures for itself (tests of the store set a folder).
+os.environ.setdefault("POPTORCH_BACKEND_DECISIONS", "off")
 
 TEST_DEVICE = os.environ.get("POPTORCH_TEST_DEVICE", "cpu").strip().lower() or "cpu"
 if TEST_DEVICE not in ("cpu", "cuda"):

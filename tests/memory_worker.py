@@ -35,7 +35,7 @@ def main(out: pathlib.Path) -> None:
         model = make_model(1000 + RANK)  # process 0's weights reach every process
         optimizer = adamw(model)
         training = train(model, options(1, sharded), optimizer, range(half), 1, RANK, WORLD)
-        managed = training._program.step_override
+        managed = training._program.managed_step
         if sharded == 3:  # the state's moves to and from host memory (GPUs), forced
             from poptorch._runtime.memory.offload import StateStorage
             managed.storage = StateStorage(True, force_stream=True)

@@ -17,7 +17,7 @@ import poptorch
 from poptorch._runtime.program import backend_choice
 from poptorch._runtime.program.backend_trial import BackendTrial
 from poptorch.executor.call_support import backend_name
-from _backend_trial import settle_trial  # noqa: E402
+from _backend_trial import compiled_running, settle_trial  # noqa: E402
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def _opts(d=1, g=1):
 
 def _decisions(caplog):
     return [r.getMessage() for r in caplog.records
-            if "per call" in r.getMessage() and "eager device loop" in r.getMessage()]
+            if "per call" in r.getMessage() and "eager backend" in r.getMessage()]
 
 
 def test_automatic_backend_is_measured_where_a_compiler_exists(automatic, monkeypatch):
@@ -79,7 +79,7 @@ def test_without_a_cpp_compiler_the_automatic_backend_is_eager(automatic, monkey
             out, _ = pop(x, y)
             with torch.no_grad():
                 torch.testing.assert_close(out, model(x, y)[0], rtol=0, atol=0)
-        assert pop._program.compiled is None  # the eager loop, nothing compiled
+        assert pop.backendInUse == "eager" and pop._program.selector.compiled is None
         lines = [r.getMessage() for r in caplog.records if "no C++ compiler" in
                  r.getMessage()]
         assert len(lines) <= 1 and all("Backend: eager" in line for line in lines)
@@ -92,10 +92,10 @@ def test_without_a_cpp_compiler_the_automatic_backend_is_eager(automatic, monkey
 @pytest.mark.parametrize("d,g", [(1, 1), (2, 3)])
 def test_training_trial_matches_eager_and_plain_pytorch_and_decides_once(automatic, caplog,
                                                                          monkeypatch, d, g):
-    """Calls alternate between the compiled step and the eager loop while measured: the
-    outputs, weights and optimizer state stay exactly those of the eager backend (the
-    same kernels under aot_eager) and those of plain PyTorch (within the rounding of
-    the mean over micro-batches, accumulated over 48 steps)."""
+    """Calls alternate between the compiled backend and the eager one while measured:
+    the outputs, weights and optimizer state stay exactly those of the eager backend
+    (the same kernels under aot_eager) and those of plain PyTorch (within the rounding
+    of the mean over micro-batches, accumulated over 48 steps)."""
     torch.manual_seed(1)
     model = Net()
     ref, eager_model = copy.deepcopy(model), copy.deepcopy(model)
@@ -110,17 +110,16 @@ def test_training_trial_matches_eager_and_plain_pytorch_and_decides_once(automat
     n = 4 * g
     # one round of the trial (its extension when close is tested with fed timings)
     monkeypatch.setattr(BackendTrial, "MAX_ROUNDS", 1)
-    calls = 24  # 1 eager, 1 compiling, 14 of the trial, 8 after
+    calls = 24  # 1 eager, 14 of the trial (the first compiled one compiles), 10 after
     poptorch.setLogLevel("INFO")
     try:
         with caplog.at_level(logging.INFO, logger="poptorch"):
             paths = []
             for _ in range(calls):
                 x, y = torch.randn(d * n, 6), torch.randint(0, 3, (d * n,))
-                compiled = pop._program.compiled if pop._program is not None else None
-                trial = compiled.trial if compiled is not None else None
-                paths.append(None if trial is None or not compiled._traced
-                             else trial._next)
+                trial = pop._program.selector.trial if pop._program is not None \
+                    else None
+                paths.append(None if trial is None else trial._next)
                 out, loss = pop(x, y)
                 eager_out, eager_loss = eager(x, y)
                 for i in range(d):
@@ -137,7 +136,7 @@ def test_training_trial_matches_eager_and_plain_pytorch_and_decides_once(automat
         poptorch.setLogLevel("WARN")
     lines = _decisions(caplog)
     assert len(lines) == 1, lines
-    assert pop._program.compiled is None or pop._program.compiled.trial is None
+    assert pop._program.selector.trial is None and pop.backendInUse in ("compiled", "eager")
     assert {True, False} <= set(paths)  # both paths really ran during the trial
     eager_opt = eager._optimizer
     for (name, p), e, r in zip(model.named_parameters(), eager_model.parameters(),
@@ -165,34 +164,28 @@ def test_training_trial_keeps_the_faster_path(automatic, compiled_faster):
         loss.backward()
         ref_opt.step()
         return out.detach()
-    for _ in range(2):  # the eager first call, then the compiling one
-        pop(x, y)
-        ref_step()
-    compiled = settle_trial(pop, compiled_faster)
-    assert (pop._program.compiled is compiled) == compiled_faster
+    pop(x, y)  # the eager first call: the trial starts
+    ref_step()
+    settle_trial(pop, compiled_faster)
+    assert compiled_running(pop) == compiled_faster
     for _ in range(3):
         out, _ = pop(x, y)
         torch.testing.assert_close(out, ref_step(), rtol=1e-5, atol=1e-5)
 
 
-class _Program:
-    def __init__(self):
-        self.compiled = None
-
-
-class _Compiled:
-    """What BackendTrial reads of a CompiledCall."""
+class _Decisions:
+    """What a BackendTrial tells its selector."""
 
     def __init__(self):
-        self.failed, self._fn, self.name = False, object(), "model"
-        self.program = _Program()
-        self.program.compiled = self
-        self.trial = None
-        self.agreement = None  # one process
+        self.ratio = None
 
-    def leave(self):
-        self.failed, self._fn, self.trial = True, None, None
-        self.program.compiled = None
+    def __call__(self, ratio, processes):
+        self.ratio = ratio
+
+
+def _trial():
+    decisions = _Decisions()
+    return BackendTrial(decisions), decisions
 
 
 def _feed(trial, compiled_times, eager_times):
@@ -200,7 +193,7 @@ def _feed(trial, compiled_times, eager_times):
     first); returns how many calls the trial took to decide."""
     calls = 0
     compiled_times, eager_times = iter(compiled_times), iter(eager_times)
-    while trial.compiled.trial is trial:
+    while trial.decide.ratio is None:
         use = trial.next_turn()
         trial.record(use, next(compiled_times if use else eager_times))
         calls += 1
@@ -209,20 +202,17 @@ def _feed(trial, compiled_times, eager_times):
 
 @pytest.mark.parametrize("compiled_faster", [True, False])
 def test_trial_decides_after_one_round_when_the_paths_differ_clearly(compiled_faster):
-    compiled = _Compiled()
-    compiled.trial = trial = BackendTrial(compiled)
+    trial, decisions = _trial()
     fast, slow = [1.0] * 40, [1.2] * 40
     calls = _feed(trial, fast if compiled_faster else slow, slow if compiled_faster else fast)
     assert calls == 2 * (trial.SKIP + trial.CALLS)
-    assert (compiled.program.compiled is compiled) == compiled_faster
-    assert compiled.failed != compiled_faster
+    assert (decisions.ratio < 1.0) == compiled_faster
 
 
 def test_trial_measures_more_when_close_and_decides_on_all_calls():
     """Paths within CLOSE of each other: more rounds are timed and the pairs of all
     rounds decide; a tie that stays close is decided after MAX_ROUNDS."""
-    compiled = _Compiled()
-    compiled.trial = trial = BackendTrial(compiled)
+    trial, decisions = _trial()
     per_round = trial.CALLS
     # first round: the compiled program 1% faster (close); second round: the eager
     # loop 10% faster, which tips the median of all pairs
@@ -230,21 +220,73 @@ def test_trial_measures_more_when_close_and_decides_on_all_calls():
     eager_times = [9.0] + [1.0] * per_round + [0.9] * 40
     calls = _feed(trial, compiled_times, eager_times)
     assert calls == 2 * (trial.SKIP + 2 * per_round)
-    assert compiled.program.compiled is None and compiled.failed
+    assert decisions.ratio > 1.0  # the eager backend stays
 
-    compiled = _Compiled()
-    compiled.trial = trial = BackendTrial(compiled)
+    trial, decisions = _trial()
     calls = _feed(trial, [9.0] + [0.99] * 80, [9.0] + [1.0] * 80)
     assert calls == 2 * (trial.SKIP + trial.MAX_ROUNDS * per_round)
-    assert compiled.program.compiled is compiled and not compiled.failed
+    assert decisions.ratio < 1.0  # the compiled backend stays
 
 
 def test_trial_is_not_decided_by_one_fast_outlier():
     """A path that is usually 10% slower but had one lucky call is not chosen (the
     minimum of each side would choose it; the median of paired ratios does not)."""
-    compiled = _Compiled()
-    compiled.trial = trial = BackendTrial(compiled)
+    trial, decisions = _trial()
     compiled_times = [9.0, 0.5] + [1.1] * 40
     calls = _feed(trial, compiled_times, [9.0] + [1.0] * 40)
     assert calls == 2 * (trial.SKIP + trial.CALLS)
-    assert compiled.program.compiled is None and compiled.failed
+    assert decisions.ratio > 1.0
+
+
+# ------------------------------------------------------------------ the kept decision
+def _trained(d=1):
+    torch.manual_seed(3)
+    model = Net()
+    return poptorch.trainingModel(model, _opts(d=d),
+                                  torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("compiled_faster", [True, False])
+def test_the_trial_decision_is_kept_for_the_next_run(automatic, monkeypatch, tmp_path,
+                                                     caplog, compiled_faster):
+    """A second model of the same program on this machine (a rerun, a resumed run)
+    takes the backend the first one's trial chose, without measuring, and gives the
+    same numbers; another program measures for itself."""
+    monkeypatch.setenv("POPTORCH_BACKEND_DECISIONS", str(tmp_path))
+    x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
+    first = _trained()
+    assert first.backendInUse is None  # not compiled yet
+    results = [first(x, y)]
+    assert first.backendInUse == "trial"
+    settle_trial(first, compiled_faster)
+    assert len(list(tmp_path.iterdir())) == 1
+    results += [first(x, y) for _ in range(4)]
+    poptorch.setLogLevel("INFO")
+    try:
+        with caplog.at_level(logging.INFO, logger="poptorch"):
+            again = _trained()
+            for want in results:
+                got = again(x, y)
+                assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+                assert again._program.selector.trial is None
+    finally:
+        poptorch.setLogLevel("WARN")
+    expected = "compiled" if compiled_faster else "eager"
+    assert again.backendInUse in ((expected, "compiling") if compiled_faster else (expected,))
+    assert any(f"backend {expected}, as an earlier run's trial decided" in r.getMessage()
+               for r in caplog.records)
+    other = _trained(d=2)  # another program: its own trial
+    other(torch.randn(8, 6), torch.randint(0, 3, (8,)))
+    assert other.backendInUse == "trial"
+
+
+def test_a_saved_model_carries_its_backend(automatic, tmp_path):
+    x, y = torch.randn(4, 6), torch.randint(0, 3, (4,))
+    pop = _trained()
+    pop(x, y)
+    settle_trial(pop, compiled_faster=False)
+    path = str(tmp_path / "model.poptorch")
+    pop.save(path)
+    loaded = poptorch.load(path)
+    loaded(x, y)
+    assert loaded.backendInUse == "eager" and loaded._program.selector.trial is None

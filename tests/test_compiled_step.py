@@ -1,9 +1,10 @@
-"""The compiled device program (``_runtime/compiled_step.py``) against plain PyTorch.
+"""The compiled backend (``_runtime/program/compiled_step.py``) against plain PyTorch.
 
-Most tests trace with torch.compile's ``aot_eager`` backend (the same whole-call capture
-as inductor, eager kernels: seconds instead of a C++ build); one test runs inductor.
-Every test also checks that the call really went through the compiled graph, so that a
-silent fallback cannot make it pass.
+Most tests trace with torch.compile's ``aot_eager`` backend (the same capture as
+inductor, eager kernels: seconds instead of a C++ build); one test runs inductor. Every
+test also checks that the calls really ran the compiled pieces (dynamo's frame counter
+moved, the backend in use is the compiled one), so that a silent fallback cannot make
+it pass.
 """
 import copy
 import logging
@@ -14,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import poptorch
+from _backend_trial import compiled_running  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -43,8 +45,13 @@ def _opts(d=1, g=1, backend="inductor"):
 
 
 def _compiled(pop):
-    compiled = pop._program.compiled
-    return compiled is not None and compiled._traced and not compiled.failed
+    return compiled_running(pop) and _frames() > 0
+
+
+def _frames():
+    """Frames dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+    return counters["frames"]["ok"]
 
 
 def _reference_step(model, opt, x, y, g):
@@ -141,7 +148,7 @@ def test_host_weight_writes_zero_grad_and_set_optimizer_stay_correct():
 
 
 class Branchy(nn.Module):
-    """Data-dependent control flow: cannot be one graph."""
+    """Data-dependent control flow: not one graph (dynamo splits it at the branch)."""
 
     def __init__(self):
         super().__init__()
@@ -154,41 +161,62 @@ class Branchy(nn.Module):
         return out
 
 
-def test_uncapturable_model_falls_back_with_one_info_line(caplog):
+def test_data_dependent_control_flow_stays_compiled_and_matches():
+    """The forward is compiled in pieces around the branch (torch.compile's graph
+    break), every call follows the branch its data takes."""
     torch.manual_seed(4)
     model = Branchy().eval()
     x = torch.randn(6, 4)
     with torch.no_grad():
         want = torch.cat([model(xs) for xs in x.chunk(3)])
     pop = poptorch.inferenceModel(model, _opts(d=3))
-    poptorch.setLogLevel("INFO")
-    try:
-        with caplog.at_level(logging.INFO, logger="poptorch"):
-            first = pop(x)
-            second = pop(x)
-    finally:
-        poptorch.setLogLevel("WARN")
-    torch.testing.assert_close(first, want)
-    torch.testing.assert_close(second, want)
-    assert pop._program.compiled.failed
-    lines = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
-    assert len(lines) == 1 and "cannot be compiled as one program" in lines[0]
+    for _ in range(4):
+        torch.testing.assert_close(pop(x), want)
+    assert _compiled(pop)
 
 
-def test_blocked_configuration_logs_why_and_uses_eager_loop(caplog):
+def test_anchored_tensors_are_read_after_compiled_steps():
+    """Anchors are read between device iterations by the device loop, around the
+    compiled pieces: the anchored gradient is the last step's, as eagerly."""
+    torch.manual_seed(8)
+    model = Net()
+    ref = copy.deepcopy(model)
+    opts = _opts(d=2)
+    opts.anchorTensor("grad_w", "Gradient___fc1.weight")
+    pop = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    for _ in range(4):
+        pop(x, y)
+        for rows in (slice(0, 4), slice(4, 8)):
+            _reference_step(ref, ref_opt, x[rows], y[rows], 1)
+        torch.testing.assert_close(pop.getAnchoredTensor("grad_w"), ref.fc1.weight.grad)
+    assert _compiled(pop)
+
+
+def test_blocked_configuration_logs_why_and_uses_the_eager_backend(caplog):
     model = Net()
     opts = _opts()
-    opts.anchorTensor("w", "fc1.weight")
+    opts.Precision.enableFloatingPointExceptions(True)
+    opts.Precision.setPartialsType(torch.float16)
     poptorch.setLogLevel("INFO")
     try:
         with caplog.at_level(logging.INFO, logger="poptorch"):
-            pop = poptorch.trainingModel(model, opts,
+            pop = poptorch.trainingModel(model, _profiled(opts),
                                          torch.optim.SGD(model.parameters(), lr=0.1))
-            pop(torch.randn(4, 6), torch.randint(0, 3, (4,)))
+            for _ in range(3):
+                pop(torch.randn(4, 6), torch.randint(0, 3, (4,)))
     finally:
         poptorch.setLogLevel("WARN")
-    assert pop._program.compiled is None
-    assert any("anchored tensors" in r.getMessage() for r in caplog.records)
+    assert pop.backendInUse == "eager" and pop._program.selector.compiled is None
+    assert any("the eager backend runs every call" in r.getMessage()
+               for r in caplog.records)
+
+
+def _profiled(opts):
+    import tempfile
+    opts.enableProfiling(tempfile.mkdtemp())
+    return opts
 
 
 def test_inductor_training_matches_plain_pytorch(monkeypatch):
@@ -232,10 +260,10 @@ class TwoHeads(nn.Module):
         return out, F.cross_entropy(out, y)
 
 
-def test_retrace_that_would_differ_from_eager_falls_back_and_matches():
-    """A parameter frozen between calls stops receiving gradients and must be skipped by
-    the optimizer (grad=None, as in PyTorch), which the graph cannot express: its
-    retrace gives up and the calls run eagerly with the same results."""
+def test_a_parameter_frozen_between_calls_is_skipped_as_in_pytorch():
+    """A parameter frozen between calls stops receiving gradients and is skipped by the
+    optimizer (grad=None, as in PyTorch): the compiled micro-batch compiles again for
+    it, its backward leaves that gradient None, and the update skips it."""
     torch.manual_seed(6)
     model = TwoHeads()
     ref = copy.deepcopy(model)
@@ -243,17 +271,16 @@ def test_retrace_that_would_differ_from_eager_falls_back_and_matches():
         model.parameters(), lr=0.1, momentum=0.9))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
-    for call in range(4):
+    for call in range(5):
         if call == 2:
             for frozen in (model.b, ref.b):
                 frozen.weight.requires_grad_(False)
         pop(x, y)
-        assert _compiled(pop) == (call == 1)
         for rows in (slice(0, 4), slice(4, 8)):
             ref_opt.zero_grad()
             ref(x[rows], y[rows])[1].backward()
             ref_opt.step()
-    assert pop._program.compiled.failed
+    assert _compiled(pop)
     for p, r in zip(model.parameters(), ref.parameters(), strict=False):
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
 
@@ -283,9 +310,8 @@ class Scaled(nn.Module):
 
 
 def test_retrace_after_a_guard_fails_stays_compiled_and_matches():
-    """The settings of our capture are scoped to the trace; a later retrace (here: a
-    number the forward reads changed) must get them too instead of giving up on the
-    compiled program, and the weights still follow plain PyTorch."""
+    """A number the forward reads changed: dynamo compiles the micro-batch again (a
+    guard on the value fails) and the weights still follow plain PyTorch."""
     torch.manual_seed(7)
     model = Scaled()
     ref = copy.deepcopy(model)

@@ -1,4 +1,4 @@
-"""The CUDA-graph device loop (``_runtime/program/cuda_graphs.py``).
+"""Calls replayed as CUDA graphs (``_runtime/program/cuda_graphs.py``).
 
 The decision (capturable or not, and why) and the graph's key (what makes it recorded
 again) are read from a program's configuration, so they are tested here on the CPU with
@@ -6,6 +6,7 @@ real programs; the capture and replay themselves run only on a GPU (the last tes
 skipped without CUDA, run by ``benchmarks/gpu_check.sh``).
 """
 import copy
+import dataclasses
 import logging
 
 import pytest
@@ -52,51 +53,54 @@ def _program(training=True, optimizer=None, opts=None, model=None):
     return pop
 
 
+def _blocker(program, **changes):
+    """``capture_blocker`` of ``program`` as if it ran on a GPU (with ``changes`` to its
+    spec)."""
+    spec = dataclasses.replace(program.spec, **{"device": CUDA, **changes})
+    return capture_blocker(spec, program.binding)
+
+
 def test_a_plain_program_on_a_gpu_is_capturable_and_the_cpu_is_not():
     for training in (False, True):
         program = _program(training)._program
-        assert capture_blocker(program, program.runner, CUDA) is None
-        assert "not a CUDA GPU" in capture_blocker(program, program.runner,
-                                                   torch.device("cpu"))
+        assert _blocker(program) is None
+        assert "not a CUDA GPU" in _blocker(program, device=torch.device("cpu"))
 
 
 def test_environment_turns_capture_off(monkeypatch):
     program = _program(False)._program
     monkeypatch.setenv("POPTORCH_CUDA_GRAPHS", "0")
-    assert "POPTORCH_CUDA_GRAPHS=0" in capture_blocker(program, program.runner, CUDA)
+    assert "POPTORCH_CUDA_GRAPHS=0" in _blocker(program)
 
 
 def test_adam_needs_capturable_state():
     model = Net()
     program = _program(True, torch.optim.Adam(model.parameters(), lr=1e-3),
                        model=model)._program
-    reason = capture_blocker(program, program.runner, CUDA)
+    reason = _blocker(program)
     assert "capturable=True" in reason and "Adam" in reason
     model = Net()
     program = _program(True, torch.optim.Adam(model.parameters(), lr=1e-3,
                                               capturable=True), model=model)._program
-    assert capture_blocker(program, program.runner, CUDA) is None
+    assert _blocker(program) is None
 
 
 def test_host_work_between_kernels_blocks_capture():
     model = Net()
     pop = _program(True, model=model)
     program = pop._program
-    handle = program.optimizer.register_step_pre_hook(lambda *a: None)
+    handle = program.binding.device.register_step_pre_hook(lambda *a: None)
     try:
-        assert "hooks" in capture_blocker(program, program.runner, CUDA)
+        assert "hooks" in _blocker(program)
     finally:
         handle.remove()
-    program.set_scaler(object())  # any loss scaler: the host decides on each step
-    assert "loss scaling" in capture_blocker(program, program.runner, CUDA)
-    program.set_scaler(None)
-    program.anchors = lambda i: None
-    assert "anchored" in capture_blocker(program, program.runner, CUDA)
-    program.anchors = None
-    program.finite_check = lambda *a: None
-    assert "floating-point" in capture_blocker(program, program.runner, CUDA)
-    program.finite_check = None
-    assert capture_blocker(program, program.runner, CUDA) is None
+    binding = program.binding
+    binding.bind(binding.device, binding.sync, object())  # any loss scaler: the host
+    assert "loss scaling" in _blocker(program)  # decides on each step
+    binding.bind(binding.device, binding.sync, None)
+    assert "anchored" in _blocker(program, anchors=lambda i: None)
+    assert "floating-point" in _blocker(program, finite_check=lambda *a: None)
+    assert _blocker(program) is None
 
 
 def test_pipelined_model_is_not_captured():
@@ -113,56 +117,57 @@ def test_pipelined_model_is_not_captured():
     opts.setExecutionStrategy(poptorch.PipelinedExecution())
     pop = _program(False, opts=opts, model=Two())
     program = pop._program
-    assert "model parallelism" in capture_blocker(program, program.runner, CUDA)
+    assert "model parallelism" in _blocker(program)
 
 
-def test_install_logs_why_once_and_leaves_the_program_alone(caplog, monkeypatch):
+def test_logs_why_once(caplog, monkeypatch):
     program = _program(False)._program
+    spec = dataclasses.replace(program.spec, device=CUDA)
     monkeypatch.setenv("POPTORCH_CUDA_GRAPHS", "off")
     poptorch.setLogLevel("INFO")
     try:
         with caplog.at_level(logging.INFO, logger="poptorch"):
             for _ in range(2):
-                assert cuda_graphs.install_cuda_graphs(program, program.runner, Net(),
-                                                       CUDA, "Net.inference") is None
+                assert cuda_graphs.cuda_graph_call(spec, program.binding) is None
     finally:
         poptorch.setLogLevel("WARN")
     lines = [r.getMessage() for r in caplog.records if "CUDA graph" in r.getMessage()]
     assert len(lines) == 1 and "POPTORCH_CUDA_GRAPHS=0" in lines[0]
-    assert program.compiled is None
     monkeypatch.delenv("POPTORCH_CUDA_GRAPHS")
-    loop = cuda_graphs.install_cuda_graphs(program, program.runner, Net(), CUDA, "n")
-    assert isinstance(loop, cuda_graphs.CudaGraphLoop) and program.compiled is loop
-    # a CPU program keeps the eager loop, silently
-    other = _program(False)._program
-    assert cuda_graphs.install_cuda_graphs(other, other.runner, Net(),
-                                           torch.device("cpu"), "n") is None
+    graphs = cuda_graphs.cuda_graph_call(spec, program.binding)
+    assert isinstance(graphs, cuda_graphs.CudaGraphCall)
+    # a CPU program runs without, silently
+    assert cuda_graphs.cuda_graph_call(program.spec, program.binding) is None
 
 
 def test_graph_key_records_again_on_what_a_graph_bakes_in():
     model = Net()
     pop = _program(True, model=model)
     program = pop._program
-    device_model = pop._model
+    binding = program.binding
+    tensors = list(program.spec.params) + list(program.spec.buffers)
+    backend = program.selector.eager
     x, y = _data()
-    key = GraphKey(program, device_model, (x, y), {})
-    assert key.stale(program, device_model) is None
+    key = GraphKey(backend, binding, tensors, (x, y), {})
+    assert key.stale(backend, binding, tensors) is None
     assert key.same_inputs(_data()[0:2], {})
     assert not key.same_inputs(_data(8), {})  # another shape: that call runs eagerly
     assert not key.same_inputs((x.double(), y), {})
     assert not key.same_inputs((x,), {"y": y})
-    program.optimizer.param_groups[0]["lr"] = 0.5  # a learning rate synced from the host
-    assert "hyperparameters" in key.stale(program, device_model)
-    program.optimizer.param_groups[0]["lr"] = 0.1
-    assert key.stale(program, device_model) is None
+    assert "backend" in key.stale(object(), binding, tensors)
+    binding.device.param_groups[0]["lr"] = 0.5  # a learning rate synced from the host
+    assert "hyperparameters" in key.stale(backend, binding, tensors)
+    binding.device.param_groups[0]["lr"] = 0.1
+    assert key.stale(backend, binding, tensors) is None
+    device_model = pop._model
     with torch.no_grad():
         device_model.fc1.weight.add_(1.0)  # in place: the graph reads the same memory
-    assert key.stale(program, device_model) is None
+    assert key.stale(backend, binding, tensors) is None
     device_model.fc1.weight.data = device_model.fc1.weight.data.clone()
-    assert "storage" in key.stale(program, device_model)
-    key = GraphKey(program, device_model, (x, y), {})
+    assert "storage" in key.stale(backend, binding, tensors)
+    key = GraphKey(backend, binding, tensors, (x, y), {})
     pop.setOptimizer(torch.optim.SGD(model.parameters(), lr=0.2))
-    assert "optimizer" in key.stale(program, device_model)
+    assert "optimizer" in key.stale(backend, binding, tensors)
 
 
 # ------------------------------------------------------------------ on a GPU only
@@ -197,9 +202,9 @@ def test_cuda_graph_training_matches_plain_pytorch(d, g):
                 (ref_loss / g).backward()
             ref_opt.step()
         torch.testing.assert_close(out, ref_out.detach().cpu(), rtol=1e-4, atol=1e-4)
-    loop = pop._program.compiled
-    assert isinstance(loop, cuda_graphs.CudaGraphLoop) and loop.replays >= 4
-    assert loop.captures == 1
+    graphs = pop._program._graphs
+    assert isinstance(graphs, cuda_graphs.CudaGraphCall) and graphs.replays >= 4
+    assert graphs.captures == 1
     for p, r in zip(pop.model.parameters(), ref.parameters(), strict=False):
         torch.testing.assert_close(p, r.detach().cpu(), rtol=1e-4, atol=1e-4)
 
@@ -217,7 +222,7 @@ def test_cuda_graph_inference_and_fallback_for_host_ops(caplog):
         want = torch.cat([model(a, b)[0] for a, b in zip(x.chunk(4), y.chunk(4), strict=False)])
     for _ in range(cuda_graphs.WARMUP_CALLS + 3):
         torch.testing.assert_close(pop(x, y)[0], want, rtol=1e-4, atol=1e-4)
-    assert pop._program.compiled.replays >= 3
+    assert pop._program._graphs.replays >= 3
 
     class HostOp(Net):
         def forward(self, x, y):
@@ -235,6 +240,6 @@ def test_cuda_graph_inference_and_fallback_for_host_ops(caplog):
                 torch.testing.assert_close(pop(x, y)[0], want, rtol=1e-4, atol=1e-4)
     finally:
         poptorch.setLogLevel("WARN")
-    assert pop._program.compiled.failed
+    assert pop._program._graphs.failed
     assert any("cannot be captured as a CUDA graph" in r.getMessage()
                for r in caplog.records)

@@ -39,7 +39,7 @@ def test_two_local_replicas_equal_unsharded_and_plain_pytorch():
         model = make_model()
         optimizer = adamw(model)
         training = train(model, options(2, sharded), optimizer, range(CALLS), 2)
-        managed = training._program.step_override
+        managed = training._program.managed_step
         assert (managed is not None) == sharded
         results[sharded] = (_weights(model), optimizer.state_dict())
     reference = plain_reference(make_model(), range(CALLS), 2)
@@ -53,7 +53,7 @@ def test_pieces_are_held_by_the_step_and_gathered_for_state_dict():
     model = make_model()
     optimizer = adamw(model)
     training = train(model, options(2, True), optimizer, range(2), 2)
-    managed = training._program.step_override
+    managed = training._program.managed_step
     assert not any(optimizer.state.values())  # nothing whole between steps
     # fc1.weight (40) and fc2.weight (24) end to end, cut in two ranges of 32: replica 0
     # holds fc1.weight[:32], replica 1 fc1.weight[32:] and fc2.weight; the biases whole
@@ -74,7 +74,7 @@ def test_min_elements_threshold(min_elements, sharded_names):
     model = make_model()
     optimizer = adamw(model)
     training = train(model, options(2, True, min_elements), optimizer, range(1), 2)
-    managed = training._program.step_override
+    managed = training._program.managed_step
     names = [n for n, _ in model.named_parameters()]
     if not sharded_names:
         assert managed is None
@@ -146,7 +146,7 @@ def test_replica_groups_in_one_process():
         training, _ = train_grouped(model, 4, sharded, CommGroupType.Consecutive, 2)
         weights.append(model.W.detach().clone())
         if sharded:
-            owners = [(q.start, q.end, q.owner) for q in training._program.step_override.layout.pieces]
+            owners = [(q.start, q.end, q.owner) for q in training._program.managed_step.layout.pieces]
             assert owners == [(0, 10, 0), (10, 20, 1), (20, 30, 2), (30, 40, 3)]
     assert (weights[0] - weights[1]).abs().max().item() <= TOL
 
@@ -158,7 +158,7 @@ def test_off_chip_state_streams_through_host_copies(monkeypatch):
     model = make_model()
     optimizer = adamw(model)
     training = train(model, options(2, True), optimizer, range(1), 2)
-    managed = training._program.step_override
+    managed = training._program.managed_step
     storage = StateStorage(True, min_elements=0, force_stream=True)
     fetched = []
     real_fetch = storage.fetch
@@ -190,7 +190,7 @@ def test_off_chip_on_cpu_is_logged_once_and_changes_nothing(caplog):
             poptorch.TensorLocationSettings().useReplicatedTensorSharding(True))
         with caplog.at_level(logging.INFO, logger="poptorch"):
             training = train(model, opts, optimizer, range(CALLS), 1)
-        assert training._program.step_override is None
+        assert training._program.managed_step is None
         text = caplog.text
         assert "optimizer state off chip" in text and "changes nothing on the CPU" in text
         assert "replicated tensor sharding of weights is recorded" in text
@@ -224,7 +224,6 @@ def test_activations_off_chip_wrapper_on_gpu_devices_only():
     not on the CPU; around a forward / backward it gives plain PyTorch's gradients, in
     the calling thread and in a worker thread (``thread_context``)."""
     import threading
-    from types import SimpleNamespace
 
     from poptorch._runtime.config import LocationsConfig
     from poptorch._runtime.memory.locations import install
@@ -233,16 +232,15 @@ def test_activations_off_chip_wrapper_on_gpu_devices_only():
     opts.TensorLocations.setActivationLocation(
         poptorch.TensorLocationSettings().useOnChipStorage(False))
     for device, expected in (("cuda", 1), ("cpu", 0)):
-        program = SimpleNamespace(training=False, wrappers=[])
-        install(program, make_model(), LocationsConfig.of(opts), None,
-                torch.device(device))
-        assert program.wrappers == [] or isinstance(program.wrappers[0], ActivationsOffChip)
-        program = SimpleNamespace(training=True, wrappers=[], cross=None,
-                                  plan=SimpleNamespace(replication_factor=1),
-                                  optimizer=None)
-        install(program, make_model(), LocationsConfig.of(opts), None,
-                torch.device(device))
-        assert len(program.wrappers) == expected
+        effects = install(make_model(), LocationsConfig.of(opts), None,
+                          torch.device(device), training=False, optimizer=lambda: None,
+                          cross=None, replicas=1)
+        assert effects.wrappers == ()  # (inference saves no activations)
+        effects = install(make_model(), LocationsConfig.of(opts), None,
+                          torch.device(device), training=True, optimizer=lambda: None,
+                          cross=None, replicas=1)
+        assert len(effects.wrappers) == expected and effects.managed_step is None
+        assert all(isinstance(w, ActivationsOffChip) for w in effects.wrappers)
     wrapper = ActivationsOffChip()
     x, y = global_batch(0, 1)
 

@@ -364,11 +364,11 @@ def test_compile_then_first_call_checks():
     assert not torch.equal(model.fc1.weight, before["fc1.weight"])
 
 
-@pytest.mark.parametrize("opts", ["whole-call", "forward", "sharded"])
+@pytest.mark.parametrize("opts", ["compiled", "checked", "sharded"])
 def test_compiled_backend_checks_the_first_call(monkeypatch, opts):
     """The inductor backend (traced with aot_eager here) runs the first call eagerly,
-    checked, then torch.compile's the whole call ("whole-call") or, when the call
-    cannot be one graph (floating-point checks here), the forward ("forward")."""
+    checked, then the compiled pieces, also with floating-point checks after every
+    step ("checked") and with sharded execution's options ("sharded")."""
     monkeypatch.setenv("POPTORCH_TORCH_COMPILE_BACKEND", "aot_eager")
     mode = OVERLAP if opts == "sharded" else NONE
 
@@ -379,17 +379,15 @@ def test_compiled_backend_checks_the_first_call(monkeypatch, opts):
     def make(bad):
         o = overlap_opts() if opts == "sharded" else poptorch.Options()
         o.Jit.backend("inductor")
-        o.Precision.enableFloatingPointExceptions(opts == "forward")
+        o.Precision.enableFloatingPointExceptions(opts == "checked")
         return poptorch.inferenceModel(Fn(lambda x: fn(x, bad)), o)
     x = torch.randn(6)
     pm = make(False)
     for _ in range(3):
         assert torch.equal(pm(x), torch.sin(x) * 2)
-    compiled = pm._program.compiled
-    if opts == "whole-call":  # one whole-call graph from the second call on
-        assert compiled is not None and compiled._traced and not compiled.failed
-    if opts == "forward":
-        forward = pm._program.runner.forward
-        assert compiled is None and forward is not pm._model  # torch.compile'd
+    if opts == "sharded":  # an execution strategy: the eager backend's runner
+        assert pm.backendInUse == "eager"
+    else:
+        assert pm.backendInUse == "compiling" and pm._program.selector.compiled is not None
     with pytest.raises(poptorch.Error, match=re.escape(only_op(0))):
         make(True)(x)

@@ -13,9 +13,6 @@ import poptorch
 from poptorch._runtime import torch_internals
 
 SRC = pathlib.Path(__file__).resolve().parent.parent / "src" / "poptorch"
-# DataLoader's own private members, used where we subclass or stop it (listed in
-# torch_internals.REQUIRED and checked below).
-DATALOADER_MODULES = {"data/loader.py", "data/faults.py"}
 
 
 @pytest.mark.parametrize("name", sorted(torch_internals.REQUIRED))
@@ -34,35 +31,81 @@ def test_private_instance_attributes_exist(cls, names):
     assert not missing, f"torch {torch.__version__}: {cls} instances lack {missing}"
 
 
+def _private(part: str) -> bool:
+    return part.startswith("_") and not part.startswith("__")
+
+
 def _private_torch_names(tree: ast.AST) -> list[tuple[int, str]]:
-    """``torch.<...>._name`` attribute chains and imports of private torch modules."""
+    """Every private torch name a module reaches: ``torch.<...>._name`` attribute chains
+    (also through a name bound to a torch module or object: ``from torch import nn``,
+    ``import torch.optim as o``), imports of private torch modules and of private names
+    (``from torch.x import _name``), and private torch attributes patched with
+    ``setattr(torch_thing, "_name", ...)``."""
     found = []
+    torch_names = {"torch"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "torch":
+                    torch_names.add(alias.asname or "torch")
+                    if any(_private(p) for p in alias.name.split(".")):
+                        found.append((node.lineno, alias.name))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            if any(_private(p) for p in node.module.split(".")):
+                found.append((node.lineno, node.module))
+            for alias in node.names:
+                if _private(alias.name):
+                    found.append((node.lineno, f"{node.module}.{alias.name}"))
+                torch_names.add(alias.asname or alias.name)
+
+    def dotted(node: ast.AST) -> list[str] | None:
+        parts = []
+        while isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        if isinstance(node, ast.Name) and node.id in torch_names:
+            return [node.id] + parts[::-1]
+        return None
+
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
-            parts, inner = [node.attr], node.value
-            while isinstance(inner, ast.Attribute):
-                parts.append(inner.attr)
-                inner = inner.value
-            if isinstance(inner, ast.Name) and inner.id == "torch":
-                dotted = ["torch"] + parts[::-1]
-                if any(p.startswith("_") and not p.startswith("__") for p in dotted):
-                    found.append((node.lineno, ".".join(dotted)))
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            modules = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
-                [a.name for a in node.names]
-            for module in modules:
-                if module.startswith("torch") and any(
-                        p.startswith("_") and not p.startswith("__")
-                        for p in module.split(".")):
-                    found.append((node.lineno, module))
-    return found
+            chain = dotted(node)
+            if chain is not None and any(_private(p) for p in chain[1:]):
+                found.append((node.lineno, ".".join(chain)))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in ("setattr", "delattr") and len(node.args) >= 2:
+            target, name = node.args[0], node.args[1]
+            if dotted(target) is not None and isinstance(name, ast.Constant) \
+                    and isinstance(name.value, str) and _private(name.value):
+                found.append((node.lineno, f"{node.func.id}(..., {name.value!r})"))
+    return sorted(set(found))
+
+
+def test_the_guard_sees_every_way_to_reach_a_private_name():
+    source = (
+        "import torch\n"
+        "from torch.utils import _pytree\n"
+        "from torch.optim.optimizer import _global_optimizer_pre_hooks\n"
+        "from torch import nn\n"
+        "import torch.optim as opt\n"
+        "x = torch._C._foo\n"
+        "y = nn.Module._call_impl\n"
+        "z = opt.optimizer._hooks\n"
+        "torch.utils.data._private = 1\n"
+        "setattr(torch.optim, '_patched', 1)\n"
+        "ok = torch.nn.Linear\n")
+    found = {name for _, name in _private_torch_names(ast.parse(source))}
+    assert found == {"torch.utils._pytree", "torch.optim.optimizer._global_optimizer_pre_hooks",
+                     "torch._C._foo", "torch._C", "nn.Module._call_impl",
+                     "opt.optimizer._hooks", "torch.utils.data._private",
+                     "setattr(..., '_patched')"}, found
 
 
 def test_private_torch_names_are_used_only_through_torch_internals():
     bad = []
     for path in sorted(SRC.rglob("*.py")):
         rel = path.relative_to(SRC).as_posix()
-        if rel in ("_runtime/torch_internals.py",) or rel in DATALOADER_MODULES:
+        if rel == "_runtime/torch_internals.py":
             continue
         for line, name in _private_torch_names(ast.parse(path.read_text())):
             bad.append(f"{rel}:{line}: {name}")
@@ -77,11 +120,11 @@ def test_the_reader_sees_private_names():
 
 
 def test_compiled_training_leaves_dynamo_settings_as_they_were(monkeypatch):
-    """trace_autograd_ops is on while our program traces (the call is compiled) and off
-    again afterwards for the rest of the process; results match plain PyTorch."""
+    """The compiled backend changes no dynamo setting of the process (a user's own
+    torch.compile keeps its configuration); results match plain PyTorch."""
     monkeypatch.setenv("POPTORCH_TORCH_COMPILE_BACKEND", "aot_eager")
     import torch._dynamo
-    assert torch._dynamo.config.trace_autograd_ops is False
+    before = torch._dynamo.config.get_config_copy()
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     ref = copy.deepcopy(model)
@@ -108,6 +151,6 @@ def test_compiled_training_leaves_dynamo_settings_as_they_were(monkeypatch):
         ref_loss.backward()
         ref_opt.step()
         torch.testing.assert_close(loss, ref_loss.detach())
-    compiled = pop._program.compiled
-    assert compiled is not None and compiled._traced and not compiled.failed
-    assert torch._dynamo.config.trace_autograd_ops is False
+    assert pop.backendInUse in ("compiled", "compiling")
+    assert pop._program.selector.compiled is not None
+    assert torch._dynamo.config.get_config_copy() == before

@@ -10,7 +10,7 @@ itself, never the executor's attributes.
 
 What the compile produced never changes afterwards (the dataclass is frozen). What
 changes later lives in two small mutable parts, so that their writers are easy to find:
-:py:class:`OptimizerBinding` (``setOptimizer`` binds another optimizer) and
+``program.optimizer.OptimizerBinding`` (``setOptimizer`` binds another optimizer) and
 :py:class:`CallState` (attachment, the first calls' checks and counts, the fast-path
 decision).
 """
@@ -30,23 +30,11 @@ if TYPE_CHECKING:  # (types only: importing them here would load the whole engin
     from .numerics.autocast import AutocastRun
     from .numerics.precision import PrecisionPolicy
     from .program.device_loop import DeviceProgram
-    from .program.optimizer import DeviceOptimizerSync
+    from .program.optimizer import OptimizerBinding
     from .weights.constants import TensorConstants
     from .weights.sync import WeightSync
 
-__all__ = ["CallState", "Compilation", "OptimizerBinding"]
-
-
-@dataclass(eq=False)
-class OptimizerBinding:
-    """The optimizer a compiled training program steps, and how it is kept in step with
-    the user's optimizer. ``device`` and ``sync`` change when ``setOptimizer`` binds
-    another optimizer; ``keys`` and ``constants`` are those of the compile (PopTorch
-    checks later optimizers against the compiled one)."""
-    device: torch.optim.Optimizer  # the optimizer attached to the device model
-    sync: Optional["DeviceOptimizerSync"]  # user <-> device attributes, None if shared
-    keys: Any  # the optimizer attributes known at compile time (optim/attributes.py)
-    constants: Any  # the values of its constant attributes at compile time
+__all__ = ["CallState", "Compilation"]
 
 
 @dataclass(eq=False)
@@ -74,7 +62,7 @@ class Compilation:
     source: "ProgramSource"  # precompiled file / executable cache, around the first calls
     precision: "PrecisionPolicy"
     casting: "AutocastRun"  # float16 rules and autocast, entered around each call
-    optimizer: Optional[OptimizerBinding]  # training only
+    optimizer: Optional["OptimizerBinding"]  # training only
     replica_buffers: Any = None  # per-replica buffers of local replicas, or None
     synthetic: Optional["SyntheticInputs"] = None  # Options.enableSyntheticData
     anchors: Optional["AnchorRecorder"] = None  # Options.anchorTensor

@@ -24,6 +24,7 @@ import torch
 from .._logging import logger
 from ..errors import Error
 from .compilation import Compilation
+from .program.undo import RandomState, StateUndo
 
 FORMAT = "openpoptorch-executable"
 
@@ -36,39 +37,23 @@ def compile_by_running(compiled: Compilation, model: torch.nn.Module,
     device model) and the program: weights, buffers, optimizer and loss-scaler state,
     random state. Used by ``compileAndExport`` so that the file holds the compiled
     program."""
-    import copy
     source = compiled.source
     if not source.compiles or not source.fresh:
         return
-    tensors = [(t, t.detach().clone()) for t in
-               list(model.parameters()) + list(model.buffers())]
-    optimizer = None if compiled.optimizer is None else compiled.optimizer.device
-    if optimizer is not None:  # restored in place: the user's references stay valid
-        opt_state = {p: copy.deepcopy(st) for p, st in optimizer.state.items()}
-        opt_groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
-                      for g in optimizer.param_groups]
+    binding = compiled.optimizer
     program = compiled.program
-    scaler = program.scaler
-    scaler_state = None if scaler is None else scaler.state_dict()
+    undo = StateUndo(list(model.parameters()) + list(model.buffers()),
+                     optimizer=None if binding is None else binding.device,
+                     scaler=None if binding is None else binding.scaler,
+                     rng=RandomState())
     rng = program.rng
     rng_state = None if rng.state is None else rng.state.clone()
-    host_rng = torch.get_rng_state()
     try:
-        while source.fresh:  # the compiled step compiles at the first or second call
+        while source.fresh:  # the compiled pieces compile at the second call
             run()
     finally:
-        with torch.no_grad():
-            for t, saved in tensors:
-                t.copy_(saved)
-        if optimizer is not None:
-            optimizer.state.clear()
-            optimizer.state.update(opt_state)
-            for group, values in zip(optimizer.param_groups, opt_groups, strict=False):
-                group.update(values)
-        if scaler is not None:
-            scaler.load_state_dict(scaler_state)
+        undo.restore()
         rng.state = rng_state
-        torch.set_rng_state(host_rng)
         compiled.weights_to_device()
 
 
@@ -120,6 +105,9 @@ def save_compiled(filename: Any, compiled: Compilation, *, user_model: torch.nn.
         "rng_state": rng_state,
         "signature": source.signature,
         "compiled": collected,
+        # the backend the model's trial chose ("compiled" / "eager", None: undecided):
+        # the loaded model takes it without measuring again
+        "backend_decision": compiled.program.selector.decision,
     }
     torch.save(payload, filename)
 
@@ -144,8 +132,9 @@ def importPoptorchMetadataFromFile(import_filename: str) -> dict:
 
 def precompiled_of(payload: dict) -> dict:
     """What a file hands to the next compile of the model it is loaded into: the input
-    signature and the compiled program."""
-    return {"signature": payload.get("signature"), "artifacts": payload.get("compiled")}
+    signature, the compiled program and the backend decision."""
+    return {"signature": payload.get("signature"), "artifacts": payload.get("compiled"),
+            "backend_decision": payload.get("backend_decision")}
 
 
 def check_kind(payload: dict, training: bool, filename: str) -> None:

@@ -24,11 +24,11 @@ from torch.utils import _pytree as pytree
 __all__ = ["REQUIRED_ON_INSTANCES", "pytree", "set_grad_enabled", "foreach_copy_", "foreach_div_", "foreach_mul_",
            "optimizer_hooks_registered", "profiler_enabled", "step_needs_wrapper",
            "torch_function_stack_depth", "DisableTorchFunction", "disable_dynamo",
-           "dynamo", "dynamo_config_patch", "top_saved_tensors_default_hooks",
+           "dynamo", "top_saved_tensors_default_hooks",
            "current_graph_task_id", "DisableAutocast", "disable_current_modes",
            "dispatch_get_all_op_names", "dispatch_has_kernel_for_dispatch_key",
            "fake_impl_entry", "inductor_cache_dir", "inductor_codecache",
-           "inductor_cpp_compiler", "resolve", "tensor_inputs_check",
+           "inductor_cpp_compiler", "remove_worker_pids", "resolve", "tensor_inputs_check",
            "TorchDispatchMode", "MODULE_CALL_CODE", "NormBase", "REQUIRED"]
 
 # The grad-mode switch itself: ``torch.no_grad()`` builds a context-manager object per
@@ -133,12 +133,6 @@ def dynamo() -> Any:
     return importlib.import_module("torch._dynamo")
 
 
-def dynamo_config_patch(**settings: Any) -> Any:
-    """``torch._dynamo.config.patch(**settings)``: dynamo settings scoped to our own
-    traces, never changed for the process."""
-    return dynamo().config.patch(**settings)
-
-
 def tensor_inputs_check(tensors: tuple) -> Any:
     """A check, in C++, that later inputs are plain tensors like ``tensors``: called as
     ``check(*args)`` with as many arguments, True when each is of the same Python
@@ -156,6 +150,13 @@ def tensor_inputs_check(tensors: tuple) -> Any:
     except Exception:  # noqa: BLE001  (a torch without it, or another signature)
         return None
     return guard.check
+
+
+def remove_worker_pids(iterator_id: int) -> None:
+    """Unregister a DataLoader iterator's workers from torch's SIGCHLD handler
+    (``data/faults.py``: a dead worker's siblings are stopped without the handler
+    raising the death again); torch keeps the registry in a private module."""
+    resolve("torch.utils.data._utils.signal_handling._remove_worker_pids")(iterator_id)
 
 
 def resolve(dotted: str) -> Any:
@@ -201,9 +202,8 @@ REQUIRED: dict[str, str] = {
     "torch.optim.optimizer._global_optimizer_pre_hooks": "fast optimizer step",
     "torch.optim.optimizer._global_optimizer_post_hooks": "fast optimizer step",
     "torch.autograd.profiler._is_profiler_enabled": "fast optimizer step",
-    "torch._dynamo.config.patch": "scoped dynamo settings of our traces",
-    "torch._dynamo.config.trace_autograd_ops": "torch.autograd.grad inside a trace",
-    "torch._dynamo.exc.TorchDynamoException": "a failed capture",
+    "torch._dynamo.exc.TorchDynamoException": "a failed capture (compiled fallback)",
+    "torch._dynamo.exc.BackendCompilerFailed": "a failed code generation (compiled fallback)",
     "torch._dynamo.disable": "overlap checks outside compiled graphs",
     "torch._C._autograd._top_saved_tensors_default_hooks": "recomputation",
     "torch._C._current_graph_task_id": "recomputation",
@@ -221,7 +221,8 @@ REQUIRED: dict[str, str] = {
     "torch.utils.data.DataLoader._index_sampler": "DataLoader: combined batches",
     "torch.utils.data.dataloader._MultiProcessingDataLoaderIter._shutdown_workers":
         "DataLoader: worker faults, prompt shutdown",
-    "torch.utils.data._utils.signal_handling": "DataLoader: worker deaths",
+    "torch.utils.data._utils.signal_handling._remove_worker_pids":
+        "DataLoader: worker deaths",
 }
 
 # Private attributes that torch sets on instances (checked on a fresh instance).

@@ -27,10 +27,12 @@ printing a summary. The trace holds torch's operator events and these ranges:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -213,35 +215,33 @@ def _at_exit() -> None:
 
 
 class CallProfiler:
-    """Profiles every call of one model: wraps ``program.run`` (the whole call, with
-    the host's input splitting and output collection) and is entered around the device
-    loop (the compute part)."""
+    """Profiles every call of one model: :py:meth:`call` is entered around the whole
+    call (with the host's input splitting and output collection), the object itself
+    around the device loop (the compute part)."""
 
-    def __init__(self, directory: str, name: str, program: Any, runner: Any) -> None:
+    def __init__(self, directory: str, name: str, runner: Any) -> None:
         self.directory = directory
         self.name = name
         self.runner = runner
         self.stats: ModelStats | None = None
         self._session: RunProfiler | None = None
         self._last_end: float | None = None
-        run = program.run
 
-        def profiled_run(args: tuple, kwargs: dict) -> Any:
-            stats = self._begin()
-            t0 = time.perf_counter()
-            with torch.profiler.record_function(
-                    f"poptorch::{self.name} call {stats.calls}"):
-                try:
-                    return run(args, kwargs)
-                finally:
-                    end = time.perf_counter()
-                    stats.calls += 1
-                    stats.call_seconds += end - t0
-                    if self._last_end is not None:
-                        stats.waiting_seconds += max(0.0, t0 - self._last_end)
-                    self._last_end = end
-
-        program.run = profiled_run
+    @contextlib.contextmanager
+    def call(self) -> Iterator[None]:
+        """One call of the model: its range and its share of the summary."""
+        stats = self._begin()
+        t0 = time.perf_counter()
+        with torch.profiler.record_function(f"poptorch::{self.name} call {stats.calls}"):
+            try:
+                yield
+            finally:
+                end = time.perf_counter()
+                stats.calls += 1
+                stats.call_seconds += end - t0
+                if self._last_end is not None:
+                    stats.waiting_seconds += max(0.0, t0 - self._last_end)
+                self._last_end = end
 
     def _begin(self) -> ModelStats:
         session_ = session(self.directory)

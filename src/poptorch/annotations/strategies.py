@@ -143,12 +143,10 @@ class _IExecutionStrategy:
         # object (``_origin``) so that the runtime can publish ``last_schedule`` there.
         clone = type(self).__new__(type(self))
         memo[id(self)] = clone
-        for key, value in self.__dict__.items():
-            if key in ("_origin", "last_schedule"):
-                clone.__dict__[key] = value
-            else:
-                clone.__dict__[key] = copy.deepcopy(value, memo)
-        clone.__dict__["_origin"] = self.__dict__.get("_origin") or self
+        for key, value in vars(self).items():
+            kept = value if key in ("_origin", "last_schedule") else copy.deepcopy(value, memo)
+            object.__setattr__(clone, key, kept)
+        object.__setattr__(clone, "_origin", getattr(self, "_origin", None) or self)
         return clone
 
 

@@ -17,6 +17,7 @@ import signal
 import time
 from typing import Any, Iterable
 
+from .._runtime.torch_internals import remove_worker_pids
 from ..errors import Error
 
 __all__ = ["WorkerDiedError", "exit_code_description", "as_worker_death",
@@ -183,9 +184,8 @@ def stop_torch_workers(iterator: Any) -> None:
     again (as a RuntimeError) at any later point of the program, even inside the
     shutdown itself."""
     try:
-        from torch.utils.data._utils import signal_handling
         if getattr(iterator, "_worker_pids_set", False):
-            signal_handling._remove_worker_pids(id(iterator))
+            remove_worker_pids(id(iterator))
             iterator._worker_pids_set = False
     except Exception:  # noqa: BLE001 - torch internals moved: still shut down below
         pass

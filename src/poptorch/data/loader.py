@@ -22,6 +22,7 @@ from .faults import (as_worker_death, install_sigchld_translation, release_ended
                      stop_torch_workers)
 from .resume import STATE_VERSION, ResumableIndexSampler, check_state
 from .samplers import CombinedBatchSampler, DistributedPartitionSampler
+from .._runtime.attributes import own_attribute
 from .._runtime.distributed.world import shared_random_seed
 from .._logging import info_once
 from ..enums import DataLoaderMode
@@ -532,18 +533,19 @@ def _portable_generators(obj: Any, portable: dict, depth: int = 0) -> Any:
     if isinstance(obj, torch.Generator):
         portable[id(obj)] = _GeneratorState(obj)
         return portable[id(obj)]
-    if obj is None or depth > 3 or not hasattr(obj, "__dict__"):
+    if obj is None or depth > 3:
         return obj
     changed = {}
     for key in _HOLDERS:
-        value = obj.__dict__.get(key)
+        value = own_attribute(obj, key)
         new = _portable_generators(value, portable, depth + 1)
         if new is not value:
             changed[key] = new
     if not changed:
         return obj
     copied = copy.copy(obj)
-    copied.__dict__.update(changed)
+    for key, value in changed.items():  # (past DataLoader's refusal of late settings)
+        object.__setattr__(copied, key, value)
     portable[id(obj)] = copied
     return copied
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch.utils.data
 
+from .._runtime.attributes import defines
+
 __all__ = ["restore_sampler_data_source_argument"]
 
 
@@ -30,5 +32,5 @@ _sampler_init._poptorch_compat = True  # type: ignore[attr-defined]
 def restore_sampler_data_source_argument() -> None:
     """Installs :func:`_sampler_init` if this torch's ``Sampler`` has no ``__init__``."""
     sampler = torch.utils.data.Sampler
-    if "__init__" not in vars(sampler):
+    if not defines(sampler, "__init__"):
         sampler.__init__ = _sampler_init  # type: ignore[method-assign]

@@ -19,14 +19,19 @@ from . import optimizer_rules, program_setup
 from .call_support import backend_name, to_cpu
 from .local_replicas import local_replica_runner
 from .processes import join_processes
-from .._runtime.compilation import Compilation, OptimizerBinding
+from .._runtime.compilation import Compilation
 from .._runtime.config import RuntimeConfig
 from .._runtime.memory.host_heap import keep_freed_memory
 from .._runtime.batching.plan import BatchPlan, resolve_output_mode, split_inputs
 from .._runtime.batching.signature import InputSignature
-from .._runtime.program.device_loop import DeviceProgram, RngScope
-from .._runtime.program.optimizer import (DeviceOptimizerSync, attach_optimizer,
-                                          make_loss_scaler)
+from .._runtime.executable.decisions import DecisionStore, decisions_folder
+from .._runtime.program.backend_choice import make_selector
+from .._runtime.program.backends import EagerBackend
+from .._runtime.program.device_loop import DeviceProgram
+from .._runtime.program.optimizer import (DeviceOptimizerSync, OptimizerBinding,
+                                          attach_optimizer, make_loss_scaler)
+from .._runtime.program.rng import RngScope
+from .._runtime.program.spec import ProgramSpec
 from .._runtime.program.runner import SequentialRunner
 from .._runtime.weights.constants import TensorConstants
 from .._runtime.weights.sync import WeightSync
@@ -81,36 +86,31 @@ def compile_model(parts: ModelParts, args: tuple, kwargs: dict,
     if device.type == "cpu":  # the heap is this IPU's memory: kept between steps
         keep_freed_memory()
     progress.update()
-    weights, binding = _weights_and_optimizer(parts, device)
-    device_optimizer = None if binding is None else binding.device
+    weights, binding = _weights_and_optimizer(parts, config, device)
     # Only training needs the other processes; an inference model runs on its own
     # (a program may evaluate on process 0 alone).
-    cross = join_processes(config, model, training, device_optimizer, parts.name,
+    cross = join_processes(config, model, training,
+                           None if binding is None else binding.device, parts.name,
                            device, runner) if training else None
     runner, replica_buffers = local_replica_runner(
         model, opts, config, parts.groupings, runner, plan, cross)
+    local_runner = runner  # (the compiled backend replaces a plain sequential one)
     if cross is not None:
         runner = cross.wrap_runner(runner, plan.per_step, device)
     progress.update()
-    program, anchors = _build_program(parts, config, plan, runner, device,
-                                      device_optimizer, cross)
     if binding is not None:  # what setOptimizer checks later optimizers against
         from ..optim.attributes import snapshot_constants
         binding.constants = snapshot_constants(parts.optimizer)
-    precision, casting, hooks = program_setup.install_program_extras(
-        program, model=model, user_model=parts.user_model, config=config,
-        training=training, device=device, optimizer=device_optimizer,
-        groupings=parts.groupings, name=parts.name,
+    extras = program_setup.program_extras(
+        runner, plan, model=model, user_model=parts.user_model, config=config,
+        training=training, device=device,
+        optimizer=(lambda: None) if binding is None else (lambda: binding.device),
+        cross=cross, groupings=parts.groupings, name=parts.name,
         popart_options=opts._Popart.options)
     try:
-        if backend in ("inductor", "fastest"):
-            from .._runtime.program.compiled_step import compile_device_program
-            compile_device_program(program, runner, model, device, parts.name,
-                                   bool(opts.show_compilation_progress_bar),
-                                   measure=backend == "fastest")
-        if device.type == "cuda":  # the eager loop as one CUDA graph where it can be
-            from .._runtime.program.cuda_graphs import install_cuda_graphs
-            install_cuda_graphs(program, runner, model, device, parts.name)
+        program, anchors = _build_program(parts, config, plan, extras, device, binding,
+                                          cross, local_runner, backend, precompiled,
+                                          (args, kwargs))
         source = program_setup.program_source(
             backend, args, kwargs, precompiled, opts,
             {"training": training, "model": model, "optimizer": parts.optimizer,
@@ -119,18 +119,17 @@ def compile_model(parts: ModelParts, args: tuple, kwargs: dict,
         if opts.synthetic_data:
             from .._runtime.batching.synthetic import SyntheticInputs
             synthetic = SyntheticInputs(device)
-            program.perf.synthetic = True
     except BaseException:
-        for handle in hooks:
+        for handle in extras.hooks:
             handle.remove()
         raise
     progress.update()
     return Compilation(
         config=config, device=device, backend=backend, program=program,
         weights=weights, signature=signature, tensor_constants=tensor_constants,
-        buffers=buffers, source=source, precision=precision, casting=casting,
-        optimizer=binding, replica_buffers=replica_buffers, synthetic=synthetic,
-        anchors=anchors, autocast_hooks=tuple(hooks))
+        buffers=buffers, source=source, precision=extras.precision,
+        casting=extras.casting, optimizer=binding, replica_buffers=replica_buffers,
+        synthetic=synthetic, anchors=anchors, autocast_hooks=extras.hooks)
 
 
 def _build_runner(parts: ModelParts, config: RuntimeConfig,
@@ -147,7 +146,7 @@ def _build_runner(parts: ModelParts, config: RuntimeConfig,
     return SequentialRunner(parts.model), device, backend_name(parts.options, device)
 
 
-def _weights_and_optimizer(parts: ModelParts, device: torch.device
+def _weights_and_optimizer(parts: ModelParts, config: RuntimeConfig, device: torch.device
                            ) -> tuple[WeightSync, OptimizerBinding | None]:
     model, options = parts.model, parts.options
     updatable = options.updatable_named_buffers
@@ -166,28 +165,56 @@ def _weights_and_optimizer(parts: ModelParts, device: torch.device
     optimizer_rules.mark_compiled(optimizer, options)
     keys = optimizer_rules.attribute_keys(optimizer)
     # (its constant attributes are recorded once the program is built)
-    return sync, OptimizerBinding(device=attached, sync=optimizer_sync(optimizer, attached),
-                                  keys=keys, constants=None)
+    return sync, OptimizerBinding(attached, optimizer_sync(optimizer, attached), keys,
+                                  make_loss_scaler(optimizer, config))
 
 
-def _build_program(parts: ModelParts, config: RuntimeConfig, plan: BatchPlan, runner: Any,
-                   device: torch.device, optimizer: Any, cross: Any
+def _build_program(parts: ModelParts, config: RuntimeConfig, plan: BatchPlan,
+                   extras: program_setup.ProgramExtras, device: torch.device,
+                   binding: OptimizerBinding | None, cross: Any, local_runner: Any,
+                   backend: str, precompiled: dict | None, example: tuple
                    ) -> tuple[DeviceProgram, Any]:
     """The device program of one call, and its anchored tensors' recorder (or None)."""
     model, training = parts.model, parts.training
     params = [p for p in model.parameters() if p.requires_grad]
-    rng = RngScope(config.random_seed, device)
+    buffers = list(model.buffers())
     anchors = None
     if config.anchored_tensors:
         from .._runtime.batching.anchors import AnchorRecorder
         anchors = AnchorRecorder(model, config, plan, training)
-    program = DeviceProgram(
-        plan=plan, runner=runner, training=training,
+    eager = EagerBackend(extras.runner, binding, extras.managed_step)
+    selector = make_selector(
+        backend=backend, runner=local_runner, eager=eager, model=model, training=training,
+        device=device, label=parts.name, binding=binding,
+        managed_step=extras.managed_step is not None, wraps_calls=extras.wraps_calls,
+        params=params, buffers=buffers, cross=cross,
+        decisions=_decisions(parts, backend, *example),
+        decided=None if precompiled is None else precompiled.get("backend_decision"))
+    spec = ProgramSpec(
+        label=parts.name, plan=plan, runner=extras.runner, training=training,
         output_mode=resolve_output_mode(config.output_mode, training),
-        output_return_period=config.output_return_period, params=params,
-        optimizer=optimizer, config=config, rng=rng,
-        to_host=None if device.type == "cpu" else to_cpu,
-        anchors=anchors, cross=cross)
-    if training:
-        program.set_scaler(make_loss_scaler(parts.optimizer, config))
-    return program, anchors
+        output_return_period=config.output_return_period, params=tuple(params),
+        buffers=tuple(buffers), training_config=config.training,
+        rng=RngScope(config.random_seed, device), device=device,
+        to_host=None if device.type == "cpu" else to_cpu, anchors=anchors, cross=cross,
+        wrappers=extras.wrappers, thread_contexts=extras.thread_contexts,
+        finite_check=extras.finite_check, named_params=extras.named_params,
+        call_profiler=extras.call_profiler, synthetic=bool(parts.options.synthetic_data))
+    return DeviceProgram(spec, selector, binding), anchors
+
+
+def _decisions(parts: ModelParts, backend: str, args: tuple, kwargs: dict
+               ) -> DecisionStore | None:
+    """Where the trial's choice of this program is kept (``executable/decisions.py``)."""
+    if backend != "fastest":
+        return None
+    options = parts.options
+    folder = decisions_folder(options.executable_cache_dir)
+    if folder is None:
+        return None
+    from .._runtime.executable.cache import cache_key
+    from .._runtime.executable.signature import InputSignature as ExportedSignature
+    key = cache_key(backend=backend, training=parts.training, options=options.toDict(),
+                    model=parts.model, optimizer=parts.optimizer,
+                    signature=ExportedSignature.of(args, kwargs), version=parts.version)
+    return DecisionStore(folder, key)

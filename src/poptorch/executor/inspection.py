@@ -35,10 +35,11 @@ class ExecutorInspection:
         compiled = self._require_compilation("getPerfCounters")
         program = compiled.program
         num_inputs, num_outputs = compiled.calls.io_counts
-        plan = program.plan
+        spec = program.spec
+        plan = spec.plan
         return program.perf.shaped(num_inputs, num_outputs, plan.per_step,
-                                   plan.replication_factor, program.output_mode,
-                                   program.output_return_period)
+                                   plan.replication_factor, spec.output_mode,
+                                   spec.output_return_period)
 
     def getHostIpuLatency(self) -> tuple[float, float, float]:
         """(min, max, mean) seconds from input requested to input transferred."""
@@ -67,7 +68,7 @@ class ExecutorInspection:
         if not self._options.exists("log_cycle_count") or not self._options.log_cycle_count:
             raise Error("cycleCount: enable it before compiling with "
                         "opts.logCycleCount(True).")
-        return int(program.last_compute_seconds * 1e9)
+        return int(program.stats.last_compute_seconds * 1e9)
 
     # ------------------------------------------------------------------ tensors
     def getTensorNames(self) -> list[str]:

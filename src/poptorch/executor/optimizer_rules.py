@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .._runtime.attributes import own_attribute_names
 from .._logging import logger
 
 from ..enums import MeanReductionStrategy
@@ -55,7 +56,7 @@ def mark_compiled(optimizer: Any, options: Any) -> None:
 def attribute_keys(optimizer: Any) -> tuple[frozenset, list[frozenset], set]:
     """The optimizer's public attributes and each param group's keys (at compile), and
     the (empty) set of attributes already warned about for this model."""
-    own = frozenset(k for k in vars(optimizer) if not k.startswith("_"))
+    own = frozenset(k for k in own_attribute_names(optimizer) if not k.startswith("_"))
     return own, [frozenset(group) for group in optimizer.param_groups], set()
 
 

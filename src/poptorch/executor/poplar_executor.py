@@ -18,8 +18,8 @@ from .._runtime.torch_internals import pytree
 from . import hooks as _hooks, optimizer_rules, program_setup
 from .compiler import ModelParts, compile_model, optimizer_sync
 from .fast_call import MISS, make_fast_call
-from .call_support import (CallRollback, Snapshot, check_inference_accumulation,
-                           count_tensors, to_device)
+from .call_support import (check_buffers, check_inference_accumulation, count_tensors,
+                           to_device, undone_on_failure)
 from .inspection import ExecutorInspection
 from .replica_grouping import GroupableParameter
 from .._logging import logger
@@ -30,6 +30,7 @@ from .._runtime.batching.signature import detach_inputs
 from .._runtime.weights.modelcopy import TrainingMode, shallow_copy_module
 from .._runtime.program.optimizer import attach_optimizer, make_loss_scaler
 from .._runtime.program.device_loop import DeviceProgram
+from .._runtime.program.undo import StateUndo
 from ..enums import OutputMode
 from ..errors import Error
 from ..optim.optimizers import SGD
@@ -50,11 +51,6 @@ def isRunningOnIpu() -> bool:
 
 
 _EXECUTOR_IDS = itertools.count()
-
-
-def _device_optimizer(compiled: Compilation) -> Any:
-    """The optimizer a compiled program steps (None for inference)."""
-    return None if compiled.optimizer is None else compiled.optimizer.device
 
 
 class PoplarExecutor(ExecutorInspection):
@@ -137,10 +133,7 @@ class PoplarExecutor(ExecutorInspection):
     def rng_state(self, state: list) -> None:
         program = self._require_compiled("rng_state")
         seed, generator_state = state
-        rng = program.rng
-        if not rng.enabled:
-            rng.enabled, rng.seed = True, seed
-        rng.state = generator_state.clone()
+        program.rng.load(seed, generator_state)
 
     # ------------------------------------------------------------------ compile
     def _compile(self, args: tuple, kwargs: dict) -> None:
@@ -194,80 +187,69 @@ class PoplarExecutor(ExecutorInspection):
         if self._training and not torch.is_grad_enabled():
             return self._call_with_grad(args, kwargs)
         compiled = self._compiled
-        fast = None
-        if compiled is not None:
-            # executor/fast_call.py: None = not known yet, False = never
-            fast = compiled.calls.fast
-            if fast:
-                result = fast(args, kwargs)
-                if result is not MISS:
-                    return result
+        fast = None if compiled is None else compiled.calls.fast  # fast_call.py
+        if fast:
+            result = fast(args, kwargs)
+            if result is not MISS:
+                return result
         args, kwargs = detach_inputs(args, kwargs, self._once_key)
-        first = compiled is None
         if compiled is None:
-            # compiling may already create optimizer state (momentum buffers): a failed
-            # first call must not leave it behind
-            user_optimizer = self._optimizer if self._training else None
-            before = None if user_optimizer is None else user_optimizer.state_dict()
-            try:
-                self._compile(args, kwargs)
-            except BaseException:
-                if user_optimizer is not None:
-                    user_optimizer.load_state_dict(before)
-                raise
+            return self._first_call(args, kwargs)
+        self._check_signature(compiled, args, kwargs)  # before anything runs
+        if compiled.tensor_constants:
+            compiled.tensor_constants.restore()
+        with undone_on_failure(compiled.program.undo_for_call()):
+            result = self._run(compiled, args, kwargs)
+        if fast is None:
+            compiled.calls.fast = make_fast_call(compiled, self._mode, args, kwargs)
+        return result
+
+    def _first_call(self, args: tuple, kwargs: dict) -> Any:
+        """Compile, then run: a failure leaves the model, the optimizer (compiling may
+        create its state) and the buffers' registration as they were, and nothing
+        compiled."""
+        model = self._model
+        undo = StateUndo(list(model.parameters()) + list(model.buffers()), modules=model,
+                         optimizer=self._optimizer if self._training else None)
+        try:
+            self._compile(args, kwargs)
             compiled = self._compiled
             assert compiled is not None
-            snapshot: Snapshot | CallRollback | None = Snapshot(
-                self._model, _device_optimizer(compiled), user_optimizer, before)
-        else:
-            self._check_signature(compiled, args, kwargs)  # before anything runs
-            if compiled.tensor_constants:
-                compiled.tensor_constants.restore()
-            snapshot = CallRollback.for_call(compiled.program, compiled.buffers)
+            result = self._run(compiled, args, kwargs)
+            check_buffers(undo)  # PopTorch's rule for the compiling call
+        except BaseException:
+            undo.restore()
+            self.destroy()
+            raise
+        compiled.calls.io_counts = (count_tensors((args, kwargs)), count_tensors(result))
+        return result
+
+    def _run(self, compiled: Compilation, args: tuple, kwargs: dict) -> Any:
+        """One call of the compiled program on these (checked) inputs."""
         calls = compiled.calls
-        # PopTorch's rules for overlap markers, checked on the first run (compiling)
-        io_check = None if calls.io_checked else \
-            program_setup.overlap_check(self._options, self._model, compiled.program)
-        if io_check is not None and not first:  # compiled by compile(): checked now
-            snapshot = Snapshot(self._model, _device_optimizer(compiled))
+        # PopTorch's rules for overlap markers, checked on the first run
+        io_check = None if calls.io_checked else program_setup.overlap_check(
+            self._options, self._model, compiled.program.spec.output_mode)
         if not calls.attached:
             self.attachToDevice()
-        device = compiled.device
         if compiled.synthetic is not None:
             args, kwargs = compiled.synthetic(args, kwargs)
-        elif device.type != "cpu":
-            args, kwargs = to_device((args, kwargs), device)
-        casting = compiled.casting
+        elif compiled.device.type != "cpu":
+            args, kwargs = to_device((args, kwargs), compiled.device)
         opt_sync = None if compiled.optimizer is None else compiled.optimizer.sync
         if opt_sync is not None:
             opt_sync.before_run()
-        program = compiled.program
-        try:
-            source = compiled.source
-            with self._mode, (source.first_call() if source.fresh else _NO_CONTEXT), \
-                    (io_check or _NO_CONTEXT):
-                casting.observe(args, kwargs)
-                with casting:
-                    result = program.run(args, kwargs)
-            if isinstance(snapshot, Snapshot) and first:
-                snapshot.check_buffers()
-        except BaseException:
-            # a failed call changes nothing: weights, optimizer state, buffers, loss
-            # scale and the program's random stream are as before it
-            if snapshot is not None:
-                snapshot.restore()
-            if first:  # ... and a failed first call leaves nothing compiled
-                self.destroy()
-            raise
+        source, casting = compiled.source, compiled.casting
+        with self._mode, (source.first_call() if source.fresh else _NO_CONTEXT), \
+                (io_check or _NO_CONTEXT):
+            casting.observe(args, kwargs)
+            with casting:
+                result = compiled.program.run(args, kwargs)
         if io_check is not None and io_check.done:
             calls.io_checked = True
         compiled.weights.mark_device_newer()
         if opt_sync is not None:
             opt_sync.after_run()
-        if first:
-            calls.io_counts = (count_tensors((args, kwargs)), count_tensors(result))
-        elif fast is None:
-            calls.fast = make_fast_call(compiled, self._mode, args, kwargs)
         return result
 
     def _call_with_grad(self, args: tuple, kwargs: dict) -> Any:
@@ -363,15 +345,11 @@ class PoplarExecutor(ExecutorInspection):
                 raise
             attached = attach_optimizer(optimizer, self._model, self._user_model,
                                         compiled.weights, previous=binding.device)
-            program = compiled.program
-            binding.device = attached
-            program.optimizer = attached
             compiled.precision.prepare_optimizer(attached)
-            binding.sync = optimizer_sync(optimizer, attached)
+            binding.bind(attached, optimizer_sync(optimizer, attached),
+                         make_loss_scaler(optimizer, compiled.config, binding.scaler))
             compiled.calls.fast = None  # built again with this sync
             optimizer_rules.mark_compiled(optimizer, options)
-            program.set_scaler(make_loss_scaler(optimizer, compiled.config,
-                                                program.scaler))
         self._optimizer = optimizer
 
     @property
@@ -382,6 +360,14 @@ class PoplarExecutor(ExecutorInspection):
 
     # the compiled program, as tests and benchmarks read it (docs/design.md)
     _program = _executable
+
+    @property
+    def backendInUse(self) -> str | None:
+        """The backend this model's calls run (our addition): ``"eager"`` or
+        ``"compiled"``; ``"compiling"`` or ``"trial"`` during the first calls of the
+        automatic backend; None before it is compiled (docs/options.md)."""
+        compiled = self._compiled
+        return None if compiled is None else compiled.program.backend
 
     def isCompiled(self) -> bool:
         """True once the model is compiled (and not destroyed)."""

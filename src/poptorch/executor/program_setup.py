@@ -1,9 +1,12 @@
 """What a compiled model adds around its device program when its options or its
-origin ask: precision and casting, profiling
+origin ask: precision and casting, tensor locations, profiling
 (``_runtime/tracing.py``) and the source of its compiled program, a precompiled file or
-the executable cache (``_runtime/executable/``)."""
+the executable cache (``_runtime/executable/``). Each piece is worked out before the
+program is built and handed to it in its spec; nothing is installed when unused."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,16 +19,24 @@ from .._runtime.program.overlapped_io import OverlapCheck, OverlapSettings
 from .._runtime.tracing import CallProfiler, TracingRunner, profile_directory
 
 
-def install_profiling(program: Any, config: RuntimeConfig, name: str) -> None:
-    """Profile every call when ``enableProfiling`` / ``POPLAR_ENGINE_OPTIONS`` /
-    ``PVTI_OPTIONS`` say so (nothing is installed otherwise)."""
-    directory = profile_directory(config)
-    if directory is None:
-        return
-    plan = program.plan
-    runner = TracingRunner(program.runner, plan.per_step, plan.replication_factor)
-    program.runner = runner
-    program.wrappers.insert(0, CallProfiler(directory, name, program, runner))
+@dataclass(frozen=True)
+class ProgramExtras:
+    """The pieces the options add to a device program (see module docstring)."""
+    runner: Any  # the runner, wrapped for profiling when profiled
+    precision: Any  # numerics.precision.PrecisionPolicy
+    casting: Any  # numerics.autocast.AutocastRun, entered around every call
+    hooks: tuple[Any, ...]  # the forwards the casting wrapped (removed when dropped)
+    wrappers: tuple[Any, ...]  # entered around the device loop of every call
+    thread_contexts: tuple[Callable[[], Any], ...]
+    finite_check: Callable[[Any, Any], None] | None
+    named_params: tuple[tuple[str, torch.nn.Parameter], ...]
+    managed_step: Any  # memory.sharding.ManagedStep replacing the optimizer's step
+    call_profiler: CallProfiler | None
+
+    @property
+    def wraps_calls(self) -> bool:
+        """Whether something of ours runs around the forward passes of every call."""
+        return bool(self.wrappers) or self.call_profiler is not None
 
 
 def check_precompiled_inputs(precompiled: dict | None, args: tuple, kwargs: dict) -> None:
@@ -49,49 +60,53 @@ def program_source(backend: str, args: tuple, kwargs: dict, precompiled: dict | 
                    **key_parts})
 
 
-def overlap_check(options: Any, model: torch.nn.Module, program: Any) -> OverlapCheck:
+def overlap_check(options: Any, model: torch.nn.Module, output_mode: Any) -> OverlapCheck:
     """The check of the ``set_overlap_for_input`` / ``set_overlap_for_output`` markers
     (PopTorch's compile-time rules, ``_runtime/program/overlapped_io.py``), entered around
-    the executor's first run; that run is eager (the check is Python)."""
+    the executor's first run."""
     settings = OverlapSettings(
         pipelined=kind_of(options._execution_strategy) == PIPELINED,
-        io_tiles=options.TensorLocations.num_io_tiles, output_mode=program.output_mode)
-    if program.compiled is not None:
-        program.compiled.run_next_call_eagerly()
+        io_tiles=options.TensorLocations.num_io_tiles, output_mode=output_mode)
     return OverlapCheck(model, settings)
 
 
-def install_program_extras(program: Any, *, model: torch.nn.Module,
-                           user_model: torch.nn.Module, config: RuntimeConfig,
-                           training: bool, device: torch.device, optimizer: Any,
-                           groupings: dict | None, name: str, popart_options: dict
-                           ) -> tuple[Any, Any, list]:
-    """Precision policy, casting, strided group norm, tensor locations and profiling:
-    installed only when their options ask, so that a call without them costs nothing
-    more. ``optimizer`` is the device optimizer (None for inference). Returns the
-    precision policy, the casting context entered around each call and the handles of
-    the forwards the casting wrapped (removed when the compilation is dropped)."""
+def program_extras(runner: Any, plan: Any, *, model: torch.nn.Module, user_model: torch.nn.Module,
+                   config: RuntimeConfig, training: bool, device: torch.device,
+                   optimizer: Callable[[], Any], cross: Any, groupings: dict | None,
+                   name: str, popart_options: dict) -> ProgramExtras:
+    """Precision policy, casting, strided group norm, tensor locations and profiling,
+    as the options ask. ``optimizer()`` is the device optimizer in force (None for
+    inference). The casting's wrapped forwards are removed again if this fails."""
     from .._runtime.numerics.precision import PrecisionPolicy
     policy = PrecisionPolicy(config.precision, model, training, device)
-    policy.prepare_optimizer(optimizer)
-    if policy.active:
-        program.wrappers.append(policy)
+    policy.prepare_optimizer(optimizer())
+    wrappers: list[Any] = [policy] if policy.active else []
     from ..autocasting import prepare_model
     casting, hooks = prepare_model(model, user_model, config.precision)
     try:
-        if casting.thread_context is not None:
-            program.thread_contexts.append(casting.thread_context)
+        thread_contexts = () if casting.thread_context is None else \
+            (casting.thread_context,)
         from .._runtime.numerics import strided_group_norm
         if strided_group_norm.wanted(popart_options):
-            program.wrappers.append(strided_group_norm.StridedGroupNorm())
-        if policy.checks_finite:
-            program.finite_check = policy.check_step
-            program.named_params = list(model.named_parameters())
+            wrappers.append(strided_group_norm.StridedGroupNorm())
         from .._runtime.memory.locations import install as install_locations
-        install_locations(program, model, config.locations, groupings, device)
-        install_profiling(program, config, name)
+        locations = install_locations(model, config.locations, groupings, device,
+                                      training=training, optimizer=optimizer, cross=cross,
+                                      replicas=plan.replication_factor)
+        wrappers.extend(locations.wrappers)
+        profiler = None
+        directory = profile_directory(config)
+        if directory is not None:
+            runner = TracingRunner(runner, plan.per_step, plan.replication_factor)
+            profiler = CallProfiler(directory, name, runner)
+            wrappers.insert(0, profiler)
     except BaseException:
         for handle in hooks:
             handle.remove()
         raise
-    return policy, casting, hooks
+    return ProgramExtras(
+        runner=runner, precision=policy, casting=casting, hooks=tuple(hooks),
+        wrappers=tuple(wrappers), thread_contexts=thread_contexts,
+        finite_check=policy.check_step if policy.checks_finite else None,
+        named_params=tuple(model.named_parameters()) if policy.checks_finite else (),
+        managed_step=locations.managed_step, call_profiler=profiler)

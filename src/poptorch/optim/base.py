@@ -169,9 +169,21 @@ class Optimizer:
                         f"got {value!r}.")
 
     # --- gradients ----------------------------------------------------------------
+    #: Applied to what :py:meth:`_gradients` returns, for one step, when set: the
+    #: sharded optimizer state of ``_runtime/memory/sharding.py`` clips by the norm of
+    #: the whole model's gradients, which no shard sees.
+    gradient_override: Optional[Callable[[Dict[torch.Tensor, torch.Tensor]],
+                                         Dict[torch.Tensor, torch.Tensor]]] = None
+
     def _gradients(self) -> Dict[torch.Tensor, torch.Tensor]:
         """Each parameter's gradient in the accumulator dtype, unscaled and clipped,
         returned in the compute dtype (float32, or wider if the parameter is)."""
+        grads = self._own_gradients()
+        if self.gradient_override is not None:
+            grads = self.gradient_override(grads)
+        return grads
+
+    def _own_gradients(self) -> Dict[torch.Tensor, torch.Tensor]:
         accum = getattr(self, "accum_type", torch.float32)
         grads: Dict[torch.Tensor, torch.Tensor] = {}
         for group in self.param_groups:

@@ -52,12 +52,17 @@ class CrossProcessReplicas:
         # How many processes the reduced gradients were divided by: DDP averages, the
         # reducer sums. The device program scales the result to PopTorch's Mean / Sum.
         self.averaged_over = 1
-        # While a compiled device program may run a step (its backward pass does not go
+        # While the compiled backend may run a step (its backward pass does not go
         # through DDP's hooks), ``agreement`` (backend_trial.CrossProcessAgreement) is
-        # set: every step reduces with the reducer, the one collective both paths
-        # share, with the agreement's values, and DDP is not attached. The agreement
-        # removes itself once every process has left the compiled program.
+        # attached: every step reduces with the reducer, the one collective both
+        # backends share, with the agreement's values, and DDP is not attached. The
+        # agreement detaches itself once every process has left the compiled backend.
         self.agreement: Any = None
+
+    def attach_agreement(self, agreement: Any) -> None:
+        """Reduce with the reducer and ``agreement``'s values (None: let DDP take the
+        reduction over once the processes have run eager steps)."""
+        self.agreement = agreement
 
     def wrap_runner(self, runner: Any, per_step: int, device: torch.device) -> Any:
         """Give a sequential runner (running the model itself, not a compiled copy)
@@ -120,9 +125,10 @@ class CrossProcessReplicas:
         agreement = self.agreement
         totals = self.reducer(agreement.local_values() if agreement is not None else ())
         if agreement is not None:
+            # (if the processes leave the compiled backend here, DDP attaches at a later
+            # step, once every process has run an eager step)
             agreement.settle(totals)
-            if self.agreement is not None:  # the compiled program may still run
-                return
+            return
         runner = self.ddp_runner
         if runner is not None and runner.ddp is None and runner.last_used is not None:
             used = torch.tensor(runner.last_used, dtype=torch.float32)

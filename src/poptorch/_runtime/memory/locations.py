@@ -16,6 +16,8 @@ changes nothing.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -68,44 +70,53 @@ def slot_members(params: List[torch.nn.Parameter], names: Dict[int, str],
     return result
 
 
-def install(program: Any, model: torch.nn.Module, locations: LocationsConfig,
-            groupings: Optional[dict], device: torch.device) -> Optional[ManagedStep]:
-    """Make the tensor ``locations`` (``Options.TensorLocations`` as compiled) act on
-    ``program`` (module docstring); returns the managed optimizer step when one
-    replaces the optimizer's own."""
+@dataclass(frozen=True)
+class LocationEffects:
+    """What the tensor locations add to a device program."""
+    managed_step: ManagedStep | None = None  # replaces the optimizer's own step
+    wrappers: tuple[Any, ...] = ()  # entered around every call (activations off chip)
+
+
+def install(model: torch.nn.Module, locations: LocationsConfig, groupings: Optional[dict],
+            device: torch.device, *, training: bool, optimizer: Callable[[], Any],
+            cross: Any, replicas: int) -> LocationEffects:
+    """Make the tensor ``locations`` (``Options.TensorLocations`` as compiled) act on a
+    program of ``model`` (module docstring). ``optimizer()`` returns the optimizer in
+    force (``setOptimizer`` may bind another), ``cross`` the program's cross-process
+    side (None in one process), ``replicas`` its replicas per process."""
     optimizer_loc = _settings(locations, "optimizer")
     phased = locations.phased
     cpu = device.type == "cpu"
     _log_recorded(locations, cpu, phased)
+    wrappers: tuple[Any, ...] = ()
     activation_loc = _settings(locations, "activation")
-    if activation_loc.get("onChip") is False and program.training and not phased:
+    if activation_loc.get("onChip") is False and training and not phased:
         if cpu:
             info_once(("off-chip", "activation"), "TensorLocations: activations off chip "
                       "(useOnChipStorage(False)) change nothing on the CPU, where host "
                       "memory is the device's.")
         else:
-            program.wrappers.append(ActivationsOffChip())
-    if not program.training:
-        return None
+            wrappers = (ActivationsOffChip(),)
+    if not training:
+        return LocationEffects(wrappers=wrappers)
     off_chip = optimizer_loc.get("onChip") is False
     if off_chip and cpu:
         info_once(("off-chip", "optimizer"), "TensorLocations: optimizer state off chip "
                   "(useOnChipStorage(False)) changes nothing on the CPU, where host memory "
                   "is the device's.")
     sharding = bool(optimizer_loc.get("useReplicatedTensorSharding"))
-    cross = program.cross
     world = cross.world if cross is not None else SINGLE_PROCESS
-    r = program.plan.replication_factor
+    r = replicas
     params = list(model.parameters())
     names = {id(p): n for n, p in model.named_parameters()}
-    optimizer = program.optimizer
-    if optimizer is not None:
-        take_over(optimizer)  # a program compiled again: the previous one's pieces
+    current = optimizer()
+    if current is not None:
+        take_over(current)  # a program compiled again: the previous one's pieces
     if sharding:
         min_elements = int(optimizer_loc.get("minElementsForReplicatedTensorSharding",
                                              DEFAULT_MIN_ELEMENTS))
         layout = plan_layout(params, min_elements=min_elements, replicas_per_process=r,
-                             processes=world.size, elementwise=elementwise(optimizer),
+                             processes=world.size, elementwise=elementwise(current),
                              slot_members=slot_members(params, names, groupings,
                                                        r * world.size))
     else:
@@ -118,17 +129,15 @@ def install(program: Any, model: torch.nn.Module, locations: LocationsConfig,
                   "of the optimizer state has nothing to shard (one replica, or no tensor "
                   "of at least %d elements).", min_elements)
     if not layout.sharded and not storage.off_chip:
-        return None
+        return LocationEffects(wrappers=wrappers)
     if layout.sharded:
         info_once(("rts", r, world.size), "TensorLocations: optimizer state of %d tensor(s) "
                   "sharded over %d replica(s) (%d per process).",
                   len({q.param for q in layout.pieces}), r * world.size, r)
     # Phased execution moves each weight between devices (its storage changes), so the
     # weights cannot live in the buckets there.
-    managed = ManagedStep(lambda: program.optimizer, params, layout, world, storage,
-                          flatten=not phased)
-    program.step_override = managed
-    return managed
+    managed = ManagedStep(optimizer, params, layout, world, storage, flatten=not phased)
+    return LocationEffects(managed_step=managed, wrappers=wrappers)
 
 
 def _log_recorded(locations: LocationsConfig, cpu: bool, phased: bool) -> None:

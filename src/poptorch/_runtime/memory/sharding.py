@@ -20,6 +20,8 @@ resumes at any world size and with or without sharding.
 """
 from __future__ import annotations
 
+import weakref
+
 from collections import defaultdict
 from typing import Any, Dict, List, Optional
 
@@ -39,11 +41,14 @@ _GATHER_HINT = ("optimizer.state_dict() of a sharded optimizer gathers the state
                 "every process: call it on every process")
 
 
-_MANAGER_ATTR = "_optimizer_poptorch_managed_step"
+# The managed step in force for each optimizer: its state_dict hook finds it here, and
+# the entry keeps the pieces alive as long as the optimizer (a program compiled again
+# takes them over).
+_MANAGERS: "weakref.WeakKeyDictionary[Any, ManagedStep]" = weakref.WeakKeyDictionary()
 
 
 def _gather_before_state_dict(optimizer: Any) -> None:
-    managed = optimizer.__dict__.get(_MANAGER_ATTR)
+    managed = _MANAGERS.get(optimizer)
     if managed is not None:
         managed.gather_into(optimizer)
 
@@ -51,7 +56,7 @@ def _gather_before_state_dict(optimizer: Any) -> None:
 def take_over(optimizer: Any) -> None:
     """Before a program compiled again for ``optimizer`` steps it: the pieces held by
     the previous program become ``optimizer``'s whole state (a collective)."""
-    previous = optimizer.__dict__.pop(_MANAGER_ATTR, None)
+    previous = _MANAGERS.pop(optimizer, None)
     if previous is not None:
         previous.gather_into(optimizer)
 
@@ -113,12 +118,9 @@ class ManagedStep:
         from ..program.optimizer import fast_step
         self.opt = opt
         self.inner = fast_step(opt)
-        # The hook (registered once per optimizer) finds the step in force through this
-        # attribute, which also keeps the pieces alive as long as the optimizer (a
-        # program compiled again takes them over); names starting "_optimizer_" are left
-        # out of pickles.
-        first = _MANAGER_ATTR not in opt.__dict__
-        opt.__dict__[_MANAGER_ATTR] = self
+        # The hook (registered once per optimizer) finds the step in force in _MANAGERS.
+        first = opt not in _MANAGERS
+        _MANAGERS[opt] = self
         if first:
             opt.register_state_dict_pre_hook(_gather_before_state_dict)
         self._regroup(opt)
@@ -167,7 +169,7 @@ class ManagedStep:
         pending: List[Any] = []
         try:
             if clip is not None:
-                opt.__dict__["_gradients"] = self._clipped_gradients(opt, clip)
+                opt.gradient_override = self._clipped_gradients(opt, clip)
                 opt.max_grad_norm = float("inf")
             streamed = [p for g in self.groups for p in g if self.storage.streams(p)]
             if streamed:
@@ -183,7 +185,8 @@ class ManagedStep:
                 result = self._step_on(opt, saved_groups, self.groups)
         finally:
             opt.param_groups, opt.state = saved_groups, saved_state
-            opt.__dict__.pop("_gradients", None)
+            if clip is not None:
+                opt.gradient_override = None
             if clip is not None:
                 opt.max_grad_norm = max_norm
             with failures_as_errors("Gathering the updated weight shards"):
@@ -288,10 +291,10 @@ class ManagedStep:
 
     @staticmethod
     def _clipped_gradients(opt: Any, coef: torch.Tensor) -> Any:
-        def gradients() -> Dict[torch.Tensor, torch.Tensor]:
-            grads = type(opt)._gradients(opt)
+        def clipped(grads: Dict[torch.Tensor, torch.Tensor]
+                    ) -> Dict[torch.Tensor, torch.Tensor]:
             return {p: g * coef.to(device=g.device, dtype=g.dtype) for p, g in grads.items()}
-        return gradients
+        return clipped
 
     # --- weights after the update ---------------------------------------------------
     def _flatten(self, bucket: Any) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ... import _logging
+from ..attributes import own_attribute
 from .casting import LOW_PRECISION, cast_floating, floating_args
 from .precision import _NEVER_CAST, _writes_in_place
 
@@ -137,7 +138,6 @@ class _ThreadState(threading.local):
 
 
 _tls = _ThreadState()
-NOT_TOP = object()  # AutocastRun.enter_top_run: the call is not made at top level
 _global_run = None  # the run entered last in any thread (worker threads fall back to it)
 
 
@@ -246,25 +246,6 @@ class AutocastRun:
         if tls.stack and tls.mode is None and self.enabled:
             _start_mode(self, owner=self)  # called inside ``with poptorch.autocast():``
 
-    def enter_top_run(self) -> Any:
-        """:py:meth:`enter_run` for the common call: made at top level (no other model
-        running and no region open in this thread), which has nothing to save but the
-        run last entered by any thread. Returns that, for :py:meth:`exit_top_run`, or
-        :py:data:`NOT_TOP` (having done nothing) for any other call."""
-        global _global_run
-        tls = _tls
-        if tls.run is not None or tls.stack:
-            return NOT_TOP
-        previous = _global_run
-        tls.run = _global_run = self
-        return previous
-
-    def exit_top_run(self, previous: Any) -> None:
-        """Undo :py:meth:`enter_top_run` (``previous``: what it returned)."""
-        global _global_run
-        _tls.run = None
-        _global_run = previous
-
     def exit_run(self) -> None:
         """Undo :py:meth:`enter_run`."""
         global _global_run
@@ -312,13 +293,13 @@ class _ForwardPatch:
 
     def __init__(self, module: torch.nn.Module, wrapper: Callable) -> None:
         self.module = module
-        self.had_own = "forward" in vars(module)
-        self.previous: Any = vars(module).get("forward")
+        self.previous: Any = own_attribute(module, "forward")
+        self.had_own = self.previous is not None
         self.wrapper = wrapper
         module.forward = wrapper
 
     def remove(self) -> None:
-        if vars(self.module).get("forward") is not self.wrapper:
+        if own_attribute(self.module, "forward") is not self.wrapper:
             return  # replaced since: leave the newer forward alone
         if self.had_own:
             self.module.forward = self.previous
@@ -330,7 +311,7 @@ class _AutocastForward:
     """The wrapped ``forward`` of one module: opens the module's autocast region / scope
     around the original ``forward``.
 
-    It lives in the module's ``__dict__`` (so direct ``layer.forward(x)`` calls are
+    It is an attribute of the module itself (so direct ``layer.forward(x)`` calls are
     covered too), which ``torch.save(model)`` pickles: it pickles as the ``forward`` it
     wraps, so a saved model reloads as a plain module.
     """
@@ -372,7 +353,7 @@ def _same(value: Any) -> Any:
 
 def _wrap_forward(module: torch.nn.Module, setting: bool | None,
                   rules: CastRules | None) -> _ForwardPatch:
-    previous = vars(module).get("forward")
+    previous = own_attribute(module, "forward")
     return _ForwardPatch(module, _AutocastForward(module, setting, rules, previous))
 
 

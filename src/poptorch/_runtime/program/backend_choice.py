@@ -18,13 +18,19 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 import torch
 
 from ..._logging import info_once
+from ..executable.decisions import DecisionStore
 from ..torch_internals import inductor_cpp_compiler
+from .backend_trial import BackendSelector
+from .backends import EagerBackend, compile_blocker
+from .compiled_step import CompiledBackend, update_blocker
+from .optimizer import OptimizerBinding
 
-__all__ = ["automatic_backend", "missing_compiler"]
+__all__ = ["automatic_backend", "make_selector", "missing_compiler"]
 
 
 def _torch_compile_backend() -> str:
@@ -57,3 +63,37 @@ def automatic_backend(device: torch.device) -> str:
                       reason)
             return "eager"
     return "fastest"
+
+
+def make_selector(*, backend: str, runner: Any, eager: EagerBackend, model: torch.nn.Module,
+                  training: bool, device: torch.device, label: str,
+                  binding: OptimizerBinding | None, managed_step: bool,
+                  wraps_calls: bool, params: list, buffers: list, cross: Any,
+                  decisions: DecisionStore | None, decided: str | None) -> BackendSelector:
+    """The selector of a program whose options name ``backend`` ("eager", "inductor" or
+    "fastest"). ``runner`` is the program's runner before the processes' wrapper: the
+    compiled backend replaces a plain sequential one only (``compile_blocker``).
+    ``decided``: the choice a precompiled file carries; else ``decisions`` holds an
+    earlier run's choice, and is told this run's."""
+    compiled = None
+    if backend in ("inductor", "fastest"):
+        reason = compile_blocker(runner, wraps_calls)
+        if reason is not None:
+            info_once(("compiled-blocked", label, reason), "%s: the eager backend runs "
+                      "every call (%s).", label, reason)
+        else:
+            if decided is None and backend == "fastest" and decisions is not None:
+                decided = decisions.read()
+            if decided is not None:
+                info_once(("decided", label, decided), "%s: backend %s, as an earlier "
+                          "run's trial decided.", label, decided)
+            if decided != "eager":
+                update_reason = None if not training else update_blocker(
+                    binding.device if binding else None, managed_step)
+                compiled = CompiledBackend(model, training, device, label, binding,
+                                           eager.update if training else None,
+                                           update_reason)
+    write = None if decisions is None or backend != "fastest" else decisions.write
+    return BackendSelector(eager, compiled, label=label, measure=backend == "fastest",
+                           params=params, buffers=buffers, device=device, cross=cross,
+                           decided=decided, on_decision=write)

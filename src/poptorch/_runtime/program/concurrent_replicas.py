@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import types
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -25,6 +26,7 @@ import torch
 from ..torch_internals import foreach_copy_, pytree
 
 from .. import context
+from ..attributes import own_attribute
 from ..batching.plan import Microbatch
 from .runner import LossOf
 
@@ -51,7 +53,7 @@ def _rebind(value: Any, memo: dict) -> Any:
         rebuilt = types.FunctionType(value.__code__, value.__globals__, value.__name__,
                                      value.__defaults__, cells)
         rebuilt.__kwdefaults__ = value.__kwdefaults__
-        rebuilt.__dict__.update(value.__dict__)
+        functools.update_wrapper(rebuilt, value, assigned=(), updated=("__dict__",))
         return rebuilt
     return value
 
@@ -63,8 +65,9 @@ def copy_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     memo: dict = {}
     replica = copy.deepcopy(model, memo)
     for original, copied in zip(model.modules(), replica.modules(), strict=False):
-        if "forward" in vars(original):
-            copied.forward = _rebind(vars(original)["forward"], memo)
+        forward = own_attribute(original, "forward")
+        if forward is not None:
+            copied.forward = _rebind(forward, memo)
     return replica.to(device)
 
 

@@ -1,29 +1,35 @@
-"""The device program: what one call of a compiled executor runs.
+"""The device program: what one call of a compiled executor runs, whatever the backend.
 
 One call performs ``d`` device iterations. In training each is one optimizer step over
-``g * r`` micro-batches: forward and backward for each (through the step runner), the
-gradient reduction, loss-scale checks and the optimizer update. Outputs are kept only as
-the output mode needs them.
+``g * r`` micro-batches (``step.train_step``: the backend's runner runs forward and
+backward of each, then the reduction, loss-scale checks and the backend's update).
+Outputs are kept only as the output mode needs them. The backend of each call is the
+selector's (``backend_trial.BackendSelector``): eager, compiled, or one of them while
+the trial measures; this loop is the same for all of them.
 """
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from ...enums import MeanReductionStrategy, OutputMode, ReductionType
-from ...errors import Error
 from .. import context
-from ..batching.plan import BatchPlan, OutputCollector, split_inputs
+from ..batching.plan import OutputCollector, split_inputs
 from ..batching.structures import register_mapping_outputs
-from ..config import RuntimeConfig, TrainingConfig
-from .loss import find_loss
-from .optimizer import fast_step
+from ..torch_internals import pytree
+from .backend_trial import BackendSelector
+from .backends import Backend
+from .cuda_graphs import CaptureFailed, CudaGraphCall, cuda_graph_call
+from .optimizer import OptimizerBinding
 from .perf import PerfCounters
-from .runner import SequentialRunner, StepRunner
-from .step import infer_step, train_step
+from .runner import SequentialRunner
+from .spec import ProgramSpec
+from .step import GradientScaling, LossRule, train_step
+from .undo import StateUndo
+
+__all__ = ["DeviceProgram", "detach", "detach_needed"]
 
 
 def detach(output: Any) -> Any:
@@ -32,7 +38,6 @@ def detach(output: Any) -> Any:
         return output.detach()
     if type(output) is tuple and all(isinstance(t, torch.Tensor) for t in output):
         return tuple(t.detach() for t in output)  # (a namedtuple goes through pytree)
-    from ..torch_internals import pytree
     register_mapping_outputs(output)  # dict-like outputs: gathered key by key
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t,
                            output)
@@ -52,200 +57,193 @@ def detach_needed(output: Any) -> Any:
     return detach(output)
 
 
-class RngScope:
-    """Runs the device program on its own random-number stream.
+class CallStats:
+    """What the calls of a program change on it: perf counters and compute time."""
 
-    With ``Options.randomSeed`` set, the executor owns a generator state seeded once;
-    each call swaps it in and out of torch's default generator, so the same seed gives
-    the same results run to run and the host's random stream is left untouched. A
-    call that fails leaves the program's stream where it was (the call is undone).
-    """
+    __slots__ = ("last_compute_seconds", "perf")
 
-    def __init__(self, seed: int | None, device: torch.device) -> None:
-        self.enabled = seed is not None
-        self.cuda = device.type == "cuda"
-        self.device = device
-        self.state: torch.Tensor | None = None
-        self.cuda_state: torch.Tensor | None = None
-        if seed is not None:
-            self.seed = int(seed)
-            self.state = torch.Generator().manual_seed(self.seed).get_state()
-            if self.cuda:
-                g = torch.Generator(device=device).manual_seed(self.seed)
-                self.cuda_state = g.get_state()
-
-    def __enter__(self) -> None:
-        if not self.enabled:
-            return
-        assert self.state is not None  # (set with ``enabled``)
-        self._saved = torch.get_rng_state()
-        torch.set_rng_state(self.state)
-        if self.cuda:
-            assert self.cuda_state is not None
-            self._saved_cuda = torch.cuda.get_rng_state(self.device)
-            torch.cuda.set_rng_state(self.cuda_state, self.device)
-
-    def __exit__(self, exc_type: Any = None, *exc: Any) -> None:
-        if not self.enabled:
-            return
-        if exc_type is None:  # a failed call keeps the state it started from
-            self.state = torch.get_rng_state()
-        torch.set_rng_state(self._saved)
-        if self.cuda:
-            if exc_type is None:
-                self.cuda_state = torch.cuda.get_rng_state(self.device)
-            torch.cuda.set_rng_state(self._saved_cuda, self.device)
+    def __init__(self) -> None:
+        self.perf = PerfCounters()
+        self.last_compute_seconds = 0.0
 
 
 class DeviceProgram:
     """Runs the calls of one compiled executor (see module docstring)."""
 
-    def __init__(self, *, plan: BatchPlan, runner: StepRunner, training: bool,
-                 output_mode: OutputMode, output_return_period: int,
-                 params: list[torch.nn.Parameter], optimizer: Any, config: RuntimeConfig,
-                 rng: RngScope, to_host: Callable[[Any], Any] | None,
-                 anchors: Callable[[int], None] | None, cross: Any = None) -> None:
-        self.plan = plan
-        self.runner = runner
-        self.training = training
-        self.output_mode = output_mode
-        self.output_return_period = output_return_period
-        self.params = params
-        # Replaces the optimizer's step when set (``_runtime/memory/sharding.py``).
-        self.step_override: Callable[[], Any] | None = None
-        self.optimizer = optimizer  # a property: also picks the fast step function
-        self.rng = rng
-        self.to_host = to_host
-        self.anchors = anchors
-        self.perf = PerfCounters()
-        self.scaler = None
-        self.last_compute_seconds = 0.0
-        # Context managers entered around the device loop of every call (profiling,
-        # precision), and the check run after every step; empty / None when unused.
-        self.wrappers: list = []
-        # Thread-local contexts of callers (the executor's casting) for worker threads.
-        self.thread_contexts: list = []
-        self._contexts_shared = False
-        self.finite_check: Callable[[Any, Any], None] | None = None
-        self.named_params: list = []
-        # The whole call as one compiled graph (``compiled_step.CompiledCall``), set
-        # by the executor with the inductor backend; None: the eager loop below.
-        self.compiled: Any = None
-        # The cross-process side (distributed.replicas.CrossProcessReplicas) of a run of
-        # several processes, None in one process.
-        self.cross = cross
-        self._training_config = config.training
-        self._averaged = cross.averaged_over if cross is not None else 1
-        self._configure_reduction(config.training,
-                                  cross.world.size if cross is not None else 1,
-                                  self._averaged)
+    def __init__(self, spec: ProgramSpec, selector: BackendSelector,
+                 binding: OptimizerBinding | None) -> None:
+        self.spec = spec
+        self.selector = selector
+        self.binding = binding
+        self.stats = CallStats()
+        self.stats.perf.synthetic = spec.synthetic
+        self._loss_rule = None if binding is None else LossRule(list(spec.params), binding)
+        self._scaling: tuple[int, GradientScaling] | None = None
+        self._graphs = cuda_graph_call(spec, binding)  # GPUs: calls as CUDA graphs
+        self._share_thread_contexts()
 
-    def _configure_reduction(self, training: TrainingConfig, processes: int,
-                             averaged: int) -> None:
-        """How the summed gradients become PopTorch's Mean / Sum. ``averaged``: the
-        cross-process reduction already divided them by that many processes (DDP)."""
-        reduction = training.reduction
-        if reduction == ReductionType.NoReduction:
-            raise Error(
-                "Training.accumulationAndReplicationReductionType(NoReduction) is not "
-                "valid for gradients: use ReductionType.Mean (the default) or Sum.")
-        n = self.plan.per_step * processes  # micro-batches of a step, all processes
-        mean = reduction == ReductionType.Mean and n > 1
-        strategy = training.mean_strategy
-        # Post: sum the gradients, divide once before the update. Running / PostAndLoss:
-        # scale each micro-batch loss by 1/n (the same mean, rounded differently).
-        post = mean and strategy == MeanReductionStrategy.Post
-        self.loss_multiplier = 1.0 / n if mean and not post else 1.0
-        # An average over the processes is a sum divided by their number: divide by the
-        # rest of n (an integer), or undo it for a sum.
-        self.divide_grads_by = n // averaged if post else 1
-        self.multiply_grads_by = 1 if post else averaged
+    # ------------------------------------------------------------------ read-only views
+    @property
+    def plan(self) -> Any:
+        return self.spec.plan
 
     @property
-    def optimizer(self) -> Any:
-        """The optimizer that updates the device parameters."""
-        return self._optimizer
+    def training(self) -> bool:
+        return self.spec.training
 
-    @optimizer.setter
-    def optimizer(self, optimizer: Any) -> None:
-        self._optimizer = optimizer
-        self._step: Any = None if optimizer is None else fast_step(optimizer)
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return list(self.spec.params)
 
-    def set_scaler(self, scaler: Any) -> None:
-        """Install (or remove, with None) the loss scaler used by training steps."""
-        self.scaler = scaler
+    @property
+    def cross(self) -> Any:
+        return self.spec.cross
 
-    def _loss_of(self, output: Any) -> torch.Tensor:
-        loss = find_loss(output, context.take_marked_losses())
-        if not loss.requires_grad:
-            loss = self._zero_gradient_loss(loss)
-        if self.loss_multiplier != 1.0:
-            loss = loss * self.loss_multiplier
-        if self.scaler is not None:
-            loss = self.scaler.scale(loss)
-        return loss
+    @property
+    def rng(self) -> Any:
+        return self.spec.rng
 
-    def _zero_gradient_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """A loss that depends on no trainable parameter (PopTorch accepts it): every
-        parameter gets a zero gradient, so the optimizer still steps (weight decay,
-        momentum) as PopTorch's would."""
-        from ..._logging import log_once
-        import logging
-        log_once(logging.WARNING, ("loss without gradient",),
-                 "The training model's loss does not depend on any trainable parameter: "
-                 "its gradients are zero.")
-        if not self.params:  # nothing to train (all frozen): the backward pass is a no-op
-            return loss.detach() + torch.zeros((), device=loss.device, requires_grad=True)
-        anchor = sum((p.reshape(-1)[0] * 0.0 for p in self.params),
-                     torch.zeros((), device=loss.device))
-        return loss.detach() + anchor
+    @property
+    def runner(self) -> Any:
+        return self.spec.runner
 
-    def follow_cross_reduction(self) -> None:
-        """Reconfigure the Mean / Sum when DDP took over the cross-process reduction
-        (it averages over the processes)."""
-        cross = self.cross
-        if cross is not None and cross.averaged_over != self._averaged:
-            self._averaged = cross.averaged_over
-            self._configure_reduction(self._training_config, cross.world.size,
-                                      self._averaged)
+    @property
+    def perf(self) -> PerfCounters:
+        return self.stats.perf
 
-    def _update(self) -> None:
-        (self.step_override or self._step)()
+    @property
+    def managed_step(self) -> Any:
+        """The managed optimizer step of sharded or off-chip optimizer state
+        (``memory/sharding.ManagedStep``), or None."""
+        return getattr(self.selector.eager, "managed_step", None)
 
-    def _train_step(self, microbatches: list) -> list:
-        """The eager driver of :py:func:`step.train_step`: gradients accumulate into
-        fresh ``.grad`` tensors through the program's runner."""
-        for p in self.params:
-            p.grad = None
-        return train_step(self, microbatches, self.runner, self._loss_of, self._update)
+    @property
+    def backend(self) -> str:
+        """The backend the calls run: "eager", "compiled", "trial" or "compiling"."""
+        return self.selector.name
 
-    def _collect(self, collector: OutputCollector, i: int, outputs: list) -> None:
-        strip = detach if self.training else detach_needed  # inference ran in no_grad
-        for n, out in enumerate(outputs):
-            if collector.wants(i, n):
-                collector.add(n, strip(out))
-        if self.finite_check is not None:
-            self.finite_check(outputs, self.named_params)
-        if self.anchors is not None:
-            self.anchors(i)
+    # ------------------------------------------------------------------ the step
+    def gradient_scaling(self) -> GradientScaling:
+        """How this step's summed gradients become PopTorch's Mean / Sum (the
+        processes' reduction averages once DDP takes it over)."""
+        cross = self.spec.cross
+        averaged = 1 if cross is None else cross.averaged_over
+        cached = self._scaling
+        if cached is None or cached[0] != averaged:
+            processes = 1 if cross is None else cross.world.size
+            cached = self._scaling = (averaged, GradientScaling.of(
+                self.spec.training_config, self.spec.plan.per_step, processes, averaged))
+        return cached[1]
 
-    def _infer(self, microbatches: list) -> list:
+    def _train_step(self, backend: Backend, microbatches: list) -> list:
+        assert self._loss_rule is not None  # (a training program)
+        return train_step(self, microbatches, backend.runner, self._loss_rule,
+                          backend.update)
+
+    def _infer(self, backend: Backend, microbatches: list) -> list:
         with torch.no_grad():
-            outputs = self.runner(microbatches, None)
+            outputs = backend.runner(microbatches, None)
         context.take_marked_losses()
         return outputs
 
-    def _loop(self, steps: list, collector: OutputCollector, t_prev: float) -> float:
+    def undo_for_call(self) -> StateUndo | None:
+        """What a call must be able to undo: everything when it runs more than one
+        optimizer step (or checks its outputs after the update); the buffers (which a
+        forward may update before it fails) and the loss scale otherwise; None when
+        there is nothing to undo."""
+        spec, binding = self.spec, self.binding
+        plan = spec.plan
+        weights = spec.training and plan.factor > 1 and (
+            plan.device_iterations > 1 or spec.finite_check is not None)
+        scaler = None if binding is None else binding.scaler
+        if not weights and not spec.buffers and scaler is None:
+            return None
+        tensors = list(spec.params) + list(spec.buffers) if weights else spec.buffers
+        return StateUndo(tensors, scaler=scaler,
+                         optimizer=binding.device if weights and binding else None)
+
+    # ------------------------------------------------------------------ a call
+    def run(self, args: tuple, kwargs: dict) -> Any:
+        """Run one call on inputs already on the device; return host outputs."""
+        profiler = self.spec.call_profiler
+        if profiler is None:
+            return self._run(args, kwargs)
+        with profiler.call():
+            return self._run(args, kwargs)
+
+    def _run(self, args: tuple, kwargs: dict) -> Any:
+        spec = self.spec
+        t_start = time.perf_counter()
+        backend = self.selector.for_call()
+        graphs = self._graphs
+        result = None
+        if graphs is not None and self.selector.decision is not None and graphs.ready():
+            result = self._replayed(graphs, backend, args, kwargs, t_start)
+        if result is None:
+            perf = self.stats.perf.counters
+            for stamps in perf.values():
+                stamps.clear()
+            context.take_marked_losses()  # drop marks left by runs outside the executor
+            with context.running_on_ipu(), spec.rng, contextlib.ExitStack() as stack:
+                for wrapper in spec.wrappers:
+                    stack.enter_context(wrapper)
+                result, t_prev = self._device_call(backend, args, kwargs, t_start)
+            if spec.to_host is not None:
+                result = spec.to_host(result)
+            t_end = time.perf_counter()
+            perf["output_complete"].extend([t_end] * len(perf["output"]))
+            self.stats.last_compute_seconds = t_prev - t_start
+        self.selector.record(backend, time.perf_counter() - t_start,
+                             spec.plan.device_iterations)
+        return result
+
+    def _device_call(self, backend: Backend, args: tuple, kwargs: dict,
+                     t_start: float) -> tuple[Any, float]:
+        """The device work of one call (outputs on the device) and when it ended."""
+        spec = self.spec
+        steps = split_inputs(spec.plan, args, kwargs)  # raises before anything runs
+        collector = OutputCollector(spec.plan, spec.output_mode, spec.output_return_period)
+        t_prev = self._loop(backend, steps, collector, t_start)
+        return collector.result(), t_prev
+
+    def _replayed(self, graphs: CudaGraphCall, backend: Backend, args: tuple,
+                  kwargs: dict, t_start: float) -> Any:
+        """One call replayed as a CUDA graph (None: this call cannot, run it as usual);
+        perf counters as one bulk iteration."""
+        spec = self.spec
+
+        def loop(backend: Backend, args: tuple, kwargs: dict) -> Any:
+            return self._device_call(backend, args, kwargs, t_start)[0]
+        context.take_marked_losses()
+        try:
+            with context.running_on_ipu(), spec.rng:
+                result = graphs(backend, loop, args, kwargs)
+        except CaptureFailed:
+            return None
+        if spec.to_host is not None:
+            result = spec.to_host(result)
+        t_end = time.perf_counter()
+        d = spec.plan.device_iterations
+        perf = self.stats.perf.counters
+        perf["input"][:] = perf["input_complete"][:] = [t_start] * d
+        perf["output"][:] = perf["output_complete"][:] = [t_end] * d
+        self.stats.last_compute_seconds = t_end - t_start
+        return result
+
+    def _loop(self, backend: Backend, steps: list, collector: OutputCollector,
+              t_prev: float) -> float:
         """The device iterations of one call; returns the time the last one ended."""
-        perf = self.perf.counters
-        if self.training or self.anchors is not None:
+        spec = self.spec
+        perf = self.stats.perf.counters
+        if spec.training or spec.anchors is not None:
             # One runner call per iteration: training updates the weights in between,
             # and anchors read the model after each iteration.
-            iterate = self._train_step if self.training else self._infer
             for i, microbatches in enumerate(steps):
                 perf["input"].append(t_prev)
                 perf["input_complete"].append(time.perf_counter())
-                self._collect(collector, i, iterate(microbatches))
+                outputs = self._train_step(backend, microbatches) if spec.training \
+                    else self._infer(backend, microbatches)
+                self._collect(collector, i, outputs)
                 t_prev = time.perf_counter()
                 perf["output"].append(t_prev)
             return t_prev
@@ -253,70 +251,59 @@ class DeviceProgram:
         # micro-batches, so a pipeline stays full across iterations.
         perf["input"].extend([t_prev] * len(steps))
         perf["input_complete"].extend([time.perf_counter()] * len(steps))
-        outputs = self._infer([mb for step in steps for mb in step])
-        per = self.plan.per_step
+        outputs = self._infer(backend, [mb for step in steps for mb in step])
+        per = spec.plan.per_step
         for i in range(len(steps)):
             self._collect(collector, i, outputs[i * per:(i + 1) * per])
         t_prev = time.perf_counter()
         perf["output"].extend([t_prev] * len(steps))
         return t_prev
 
-    def _run_compiled(self, args: tuple, kwargs: dict) -> Any:
-        """One call through the compiled graph; perf counters as one bulk iteration."""
-        t_start = time.perf_counter()
-        context.take_marked_losses()
-        with context.running_on_ipu(), self.rng:
-            result = self.compiled(args, kwargs)
-        if self.to_host is not None:
-            result = self.to_host(result)
-        t_end = time.perf_counter()
-        d = self.plan.device_iterations
-        perf = self.perf.counters
-        perf["input"][:] = perf["input_complete"][:] = [t_start] * d
-        perf["output"][:] = perf["output_complete"][:] = [t_end] * d
-        self.last_compute_seconds = t_end - t_start
-        return result
+    def _collect(self, collector: OutputCollector, i: int, outputs: list) -> None:
+        spec = self.spec
+        strip = detach if spec.training else detach_needed  # inference ran in no_grad
+        for n, out in enumerate(outputs):
+            if collector.wants(i, n):
+                collector.add(n, strip(out))
+        if spec.finite_check is not None:
+            spec.finite_check(outputs, list(spec.named_params))
+        if spec.anchors is not None:
+            spec.anchors(i)
 
+    # ------------------------------------------------------------------ one micro-batch
     def single_ready(self) -> bool:
         """Whether :py:meth:`run_single` may run this program's calls: one micro-batch
         per call on the CPU through the default runner, with nothing around the steps
         (profiling, precision checks, anchors, several processes)."""
-        return (self.plan.factor == 1 and type(self.runner) is SequentialRunner
-                and not self.wrappers and self.anchors is None
-                and self.finite_check is None and self.to_host is None
-                and self.cross is None)
+        spec = self.spec
+        return (spec.plan.factor == 1 and type(spec.runner) is SequentialRunner
+                and not spec.wrappers and spec.anchors is None
+                and spec.finite_check is None and spec.to_host is None
+                and spec.cross is None and spec.call_profiler is None)
 
     def run_single(self, args: tuple, kwargs: dict) -> Any:
         """:py:meth:`run` for a program where :py:meth:`single_ready` holds: the same
         results, perf counters and errors, without the batching and output machinery
         that one micro-batch does not need."""
-        if self.compiled is not None:
-            return self._run_either(self._single_loop, args, kwargs)
-        return self._single_loop(args, kwargs)
-
-    def _single_loop(self, args: tuple, kwargs: dict) -> Any:
-        """The eager path of :py:meth:`run_single`."""
         marked = context.marked_losses()
         if marked:
             marked.clear()  # drop marks left by runs outside the executor
         state = context.thread_state()
         depth = state.depth
         state.depth = depth + 1
-        rng = self.rng if self.rng.enabled else None
-        perf_counter = time.perf_counter
-        t_start = perf_counter()
+        rng = self.spec.rng
+        rng = rng if rng.enabled else None
+        selector = self.selector
+        backend = selector.for_call()
+        t_start = time.perf_counter()
         failed = None
         try:
             if rng is not None:
                 rng.__enter__()
-            if self.training:
-                output = detach(self._train_step([(args, kwargs)])[0])
+            if self.spec.training:
+                output = detach(self._train_step(backend, [(args, kwargs)])[0])
             else:
-                runner: Any = self.runner  # a SequentialRunner (single_ready)
-                output = infer_step(runner.forward, args, kwargs)
-                if marked:
-                    marked.clear()
-                output = detach_needed(output)
+                output = detach_needed(self._infer(backend, [(args, kwargs)])[0])
         except BaseException as error:
             failed = type(error)
             raise
@@ -324,76 +311,22 @@ class DeviceProgram:
             state.depth = depth
             if rng is not None:
                 rng.__exit__(failed)
-        t_end = perf_counter()
-        self.perf.record_single(t_start, t_end)
-        self.last_compute_seconds = t_end - t_start
+        t_end = time.perf_counter()
+        stats = self.stats
+        stats.perf.record_single(t_start, t_end)
+        stats.last_compute_seconds = t_end - t_start
+        selector.record(backend, t_end - t_start, 1)
         return output
 
     def _share_thread_contexts(self) -> None:
         """Give runners that use worker threads (pipelines) the thread-local part of
         the wrappers (``thread_context()``: torch function modes)."""
-        factories = list(self.thread_contexts) + [
-            f for f in (getattr(w, "thread_context", None) for w in self.wrappers)
+        spec = self.spec
+        factories = list(spec.thread_contexts) + [
+            f for f in (getattr(w, "thread_context", None) for w in spec.wrappers)
             if f is not None]
-        runner: Any = self.runner
+        runner: Any = spec.runner
         while runner is not None:
             if hasattr(runner, "worker_contexts"):
                 runner.worker_contexts = factories
             runner = getattr(runner, "inner", None)
-        self._contexts_shared = True
-
-    def run(self, args: tuple, kwargs: dict) -> Any:
-        """Run one call on inputs already on the device; return host outputs."""
-        if self.compiled is None:
-            return self._run_loop(args, kwargs)
-        return self._run_either(self._run_loop, args, kwargs)
-
-    def _run_either(self, loop: Callable[[tuple, dict], Any], args: tuple,
-                    kwargs: dict) -> Any:
-        """A call through the compiled program when it is ready, else through ``loop``
-        (the eager path); timed for the compiled program's backend trial while it
-        runs (``backend_trial.BackendTrial``)."""
-        from .compiled_step import CaptureFailed
-        compiled = self.compiled
-        use = compiled.ready()
-        trial = compiled.trial
-        t_start = time.perf_counter() if trial is not None else 0.0
-        result = None
-        if use:
-            try:
-                result = self._run_compiled(args, kwargs)
-            except CaptureFailed:
-                use = False  # logged once; this call and the next ones run the loop
-        if not use:
-            result = loop(args, kwargs)
-        if trial is not None:
-            trial.record(use, time.perf_counter() - t_start)
-        return result
-
-    def _run_loop(self, args: tuple, kwargs: dict) -> Any:
-        """The eager device loop of one call."""
-        t_start = time.perf_counter()
-        steps = split_inputs(self.plan, args, kwargs)  # raises before anything runs
-        collector = OutputCollector(self.plan, self.output_mode, self.output_return_period)
-        perf = self.perf.counters
-        for key in perf:
-            perf[key].clear()
-        t_prev = t_start
-        context.take_marked_losses()  # drop marks left by runs outside the executor
-        with context.running_on_ipu(), self.rng:
-            if not self._contexts_shared:
-                self._share_thread_contexts()
-            if self.wrappers:
-                with contextlib.ExitStack() as stack:
-                    for wrapper in self.wrappers:
-                        stack.enter_context(wrapper)
-                    t_prev = self._loop(steps, collector, t_prev)
-            else:
-                t_prev = self._loop(steps, collector, t_prev)
-        result = collector.result()
-        if self.to_host is not None:
-            result = self.to_host(result)
-        t_end = time.perf_counter()
-        perf["output_complete"].extend([t_end] * len(perf["output"]))
-        self.last_compute_seconds = t_prev - t_start
-        return result

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -127,3 +128,27 @@ def fast_step(optimizer: torch.optim.Optimizer):
             return wrapped()
         return inner(optimizer)
     return step
+
+
+class OptimizerBinding:
+    """The optimizer a compiled training program steps, its loss scaler, and how it is
+    kept in step with the user's optimizer: the one place that holds them.
+    ``setOptimizer`` calls :py:meth:`bind`; ``keys`` and ``constants`` are those of the
+    compile (PopTorch checks later optimizers against the compiled one)."""
+
+    def __init__(self, device: torch.optim.Optimizer, sync: DeviceOptimizerSync | None,
+                 keys: Any, scaler: Any = None) -> None:
+        self.keys = keys  # the optimizer attributes known at compile time
+        self.constants: Any = None  # their constant values (recorded after the compile)
+        self.device = device
+        self.sync = sync
+        self.scaler = scaler
+        self.step: Callable[[], Any] = fast_step(device)
+        self.version = 0  # counts the bindings (``bind``)
+
+    def bind(self, device: torch.optim.Optimizer, sync: DeviceOptimizerSync | None,
+             scaler: Any) -> None:
+        """Step ``device`` from the next call on (``setOptimizer``)."""
+        self.device, self.sync, self.scaler = device, sync, scaler
+        self.step = fast_step(device)
+        self.version += 1

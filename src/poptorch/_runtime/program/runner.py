@@ -16,7 +16,18 @@ from ..torch_internals import foreach_copy_
 
 from ..batching.plan import Microbatch
 
-LossOf = Callable[[Any], torch.Tensor]
+
+
+class LossOf(Protocol):
+    """A micro-batch's loss for its backward pass (``step.LossRule``)."""
+
+    def __call__(self, output: Any) -> torch.Tensor:
+        """The loss found in ``output``, scaled."""
+        ...
+
+    def finish(self, loss: torch.Tensor) -> torch.Tensor:
+        """A loss found by the caller, scaled."""
+        ...
 
 
 class StepRunner(Protocol):
@@ -28,19 +39,31 @@ class StepRunner(Protocol):
 
 
 class SequentialRunner:
-    """Runs each micro-batch's forward, then its backward, on one device."""
+    """Runs each micro-batch's forward, then its backward, on one device.
 
-    def __init__(self, forward: Callable[..., Any]) -> None:
+    ``forward`` is the model (or a compiled forward); ``forward_loss``, when given,
+    returns a training micro-batch's output and its loss in one call (the compiled
+    backend compiles the two together), else the loss comes from ``loss_of(output)``."""
+
+    def __init__(self, forward: Callable[..., Any],
+                 forward_loss: Callable[[tuple, dict], tuple[Any, torch.Tensor]] | None
+                 = None) -> None:
         self.forward = forward
+        self.forward_loss = forward_loss
 
     def __call__(self, microbatches: list[Microbatch],
                  loss_of: LossOf | None) -> list[Any]:
         outputs = []
-        forward = self.forward
+        forward, forward_loss = self.forward, self.forward_loss
         for args, kwargs in microbatches:
-            out = forward(*args, **kwargs)
-            if loss_of is not None:
+            if loss_of is None:
+                out = forward(*args, **kwargs)
+            elif forward_loss is None:
+                out = forward(*args, **kwargs)
                 loss_of(out).backward()
+            else:
+                out, loss = forward_loss(args, kwargs)
+                loss_of.finish(loss).backward()
             outputs.append(out)
         return outputs
 

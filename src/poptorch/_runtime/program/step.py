@@ -1,41 +1,110 @@
-"""The training step: the one function that every driver of a training call runs.
+"""The training step: the one sequence every backend's steps run.
 
 One optimizer step over the micro-batches of a device iteration is, in order:
 
 1. forward, loss and backward of each micro-batch (``backward``: a step runner, see
-   ``runner.py``; it calls ``loss_of`` on each output and leaves the summed gradients
-   in the parameters' ``.grad``);
+   ``runner.py``; it takes each micro-batch's loss from the :py:class:`LossRule` and
+   leaves the summed gradients in the parameters' ``.grad``);
 2. the gradient reduction between processes (``cross``, several processes only);
 3. PopTorch's Mean / Sum: the summed gradients divided or multiplied once;
 4. the loss scaler's unscale, which may skip the update (non-finite gradients);
 5. the optimizer update (``update``), then the buffers' sync between processes.
 
-:py:func:`train_step` is that sequence. Its drivers differ only in the pieces they
-pass: the eager device loop (``DeviceProgram._train_step``: the program's runner, its
-loss with scaling, the optimizer's fast step) and the compiled program
-(``compiled_step.py``: ``torch.compile`` of this same function with a backward that
-traces ``torch.autograd.grad`` and the optimizer's unwrapped ``step``). The per-call
-fast path (``executor/fast_call.py``) is a decision cached once, not another step: a
-training call goes through the eager driver (``DeviceProgram.run_single``), an
-inference call through :py:func:`infer_step` (its three lines inlined there: a
-small model's call is that path's whole cost), the forward of one micro-batch that
-``run_single`` runs too.
+:py:func:`train_step` is that sequence; a backend (``backends.py``) supplies only its
+runner and its update.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from .runner import LossOf
+from ..._logging import log_once
+from ...enums import MeanReductionStrategy, ReductionType
+from ...errors import Error
+from .. import context
+from ..config import TrainingConfig
 from ..torch_internals import foreach_div_, foreach_mul_, set_grad_enabled
+from .loss import find_loss
+from .optimizer import OptimizerBinding
 
-Backward = Callable[[list, LossOf], list]
+__all__ = ["GradientScaling", "LossRule", "infer_step", "scale_gradients", "train_step"]
+
+Backward = Callable[[list, "LossRule"], list]
 
 
-def scale_gradients(params: list[torch.nn.Parameter], divide_by: int,
-                    multiply_by: int) -> None:
+@dataclass(frozen=True)
+class GradientScaling:
+    """How the summed gradients of a step become PopTorch's Mean / Sum."""
+    loss_multiplier: float  # each micro-batch loss times this (Running / PostAndLoss)
+    divide_by: int  # the summed gradients divided by this before the update (Post)
+    multiply_by: int  # ... or multiplied (undoing an average over processes for Sum)
+
+    @classmethod
+    def of(cls, training: TrainingConfig, microbatches: int, processes: int,
+           averaged: int) -> GradientScaling:
+        """For ``microbatches`` per step on each of ``processes`` processes, when the
+        cross-process reduction already divided the gradients by ``averaged`` (DDP)."""
+        reduction = training.reduction
+        if reduction == ReductionType.NoReduction:
+            raise Error(
+                "Training.accumulationAndReplicationReductionType(NoReduction) is not "
+                "valid for gradients: use ReductionType.Mean (the default) or Sum.")
+        n = microbatches * processes
+        mean = reduction == ReductionType.Mean and n > 1
+        # Post: sum the gradients, divide once before the update. Running / PostAndLoss:
+        # scale each micro-batch loss by 1/n (the same mean, rounded differently).
+        post = mean and training.mean_strategy == MeanReductionStrategy.Post
+        return cls(loss_multiplier=1.0 / n if mean and not post else 1.0,
+                   divide_by=n // averaged if post else 1,
+                   multiply_by=1 if post else averaged)
+
+
+class LossRule:
+    """Which tensor of a micro-batch's output is the loss (``loss.find_loss``) and what
+    it is multiplied by before its backward pass: PopTorch's mean scale and the loss
+    scale of the bound optimizer."""
+
+    def __init__(self, params: list[torch.nn.Parameter], binding: OptimizerBinding) -> None:
+        self.params = params
+        self.binding = binding
+        self.multiplier = 1.0
+
+    def __call__(self, output: Any) -> torch.Tensor:
+        """The loss to back-propagate from ``output`` (a runner that runs the model)."""
+        return self.finish(find_loss(output, context.take_marked_losses()))
+
+    def finish(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` (found by the caller) scaled for its backward pass."""
+        if not loss.requires_grad:
+            loss = self._zero_gradient_loss(loss)
+        if self.multiplier != 1.0:
+            loss = loss * self.multiplier
+        scaler = self.binding.scaler
+        if scaler is not None:
+            loss = scaler.scale(loss)
+        return loss
+
+    def _zero_gradient_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """A loss that depends on no trainable parameter (PopTorch accepts it): every
+        parameter gets a zero gradient, so the optimizer still steps (weight decay,
+        momentum) as PopTorch's would."""
+        log_once(logging.WARNING, ("loss without gradient",),
+                 "The training model's loss does not depend on any trainable parameter: "
+                 "its gradients are zero.")
+        if not self.params:  # nothing to train (all frozen): the backward pass is a no-op
+            return loss.detach() + torch.zeros((), device=loss.device, requires_grad=True)
+        anchor = sum((p.reshape(-1)[0] * 0.0 for p in self.params),
+                     torch.zeros((), device=loss.device))
+        return loss.detach() + anchor
+
+
+def scale_gradients(params: list[torch.nn.Parameter], scaling: GradientScaling) -> None:
     """Step 3: turn the summed gradients into PopTorch's Mean / Sum (in place)."""
+    divide_by, multiply_by = scaling.divide_by, scaling.multiply_by
     if divide_by != 1 or multiply_by != 1:
         grads = [p.grad for p in params if p.grad is not None]
         if grads and divide_by != 1:
@@ -44,20 +113,23 @@ def scale_gradients(params: list[torch.nn.Parameter], divide_by: int,
             foreach_mul_(grads, float(multiply_by))
 
 
-def train_step(program: Any, microbatches: list, backward: Backward, loss_of: LossOf,
+def train_step(program: Any, microbatches: list, backward: Backward, loss_rule: LossRule,
                update: Callable[[], Any]) -> list:
     """One optimizer step of ``program`` (a ``DeviceProgram``) over ``microbatches``
     (module docstring); returns the micro-batches' outputs (not detached)."""
     cross = program.cross
     if cross is not None:
-        program.follow_cross_reduction()
         cross.begin_step()
-    outputs = backward(microbatches, loss_of)
+    scaling = program.gradient_scaling()
+    loss_rule.multiplier = scaling.loss_multiplier
+    params = program.params
+    for p in params:
+        p.grad = None
+    outputs = backward(microbatches, loss_rule)
     if cross is not None:
         cross.reduce_gradients()
-    params = program.params
-    scale_gradients(params, program.divide_grads_by, program.multiply_grads_by)
-    scaler = program.scaler
+    scale_gradients(params, scaling)
+    scaler = loss_rule.binding.scaler
     if scaler is None or scaler.unscale_(params):
         update()
     if cross is not None:
@@ -67,9 +139,7 @@ def train_step(program: Any, microbatches: list, backward: Backward, loss_of: Lo
 
 def infer_step(forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """The forward of one inference micro-batch, without gradients whatever the host's
-    grad mode: what the single-micro-batch drivers run (``DeviceProgram.run_single``
-    and the fast path's inference, ``executor/fast_call.py``); the device loop's
-    bulk inference runs the runner under ``no_grad`` instead."""
+    grad mode."""
     grad = torch.is_grad_enabled()
     set_grad_enabled(False)
     try:

@@ -1,0 +1,51 @@
+"""What a device program is built from: :py:class:`ProgramSpec`, frozen.
+
+``executor/compiler.py`` works out every piece once, at compile time (the runner with
+its replicas, processes and profiling around it, the extras the options ask for, the
+backends), and the device program is built from this spec in one go: nothing outside
+``device_loop.py`` assigns to a program afterwards.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...enums import OutputMode
+from ..batching.plan import BatchPlan
+from ..config import TrainingConfig
+from .rng import RngScope
+from .runner import StepRunner
+
+__all__ = ["ProgramSpec"]
+
+
+@dataclass(frozen=True, eq=False)
+class ProgramSpec:
+    """Everything a ``DeviceProgram`` needs, fixed at compile time."""
+    label: str  # the model's name in messages ("<model>.training")
+    plan: BatchPlan
+    runner: StepRunner  # the eager backend's runner (replicas, processes, profiling)
+    training: bool
+    output_mode: OutputMode
+    output_return_period: int
+    params: tuple[torch.nn.Parameter, ...]  # the trainable parameters
+    buffers: tuple[torch.Tensor, ...]  # the model's buffers
+    training_config: TrainingConfig
+    rng: RngScope
+    device: torch.device  # where inputs go
+    to_host: Callable[[Any], Any] | None = None  # outputs to the CPU (accelerators)
+    anchors: Callable[[int], None] | None = None  # records anchored tensors after a step
+    cross: Any = None  # distributed.replicas.CrossProcessReplicas, several processes
+    # context managers entered around the device loop of every call (precision,
+    # strided group norm, profiling), and thread-local context factories for runners
+    # with worker threads
+    wrappers: tuple[Any, ...] = ()
+    thread_contexts: tuple[Callable[[], Any], ...] = ()
+    # the floating-point exception check run after every step (outputs, named params)
+    finite_check: Callable[[Any, Any], None] | None = None
+    named_params: tuple[tuple[str, torch.nn.Parameter], ...] = ()
+    call_profiler: Any = None  # tracing.CallProfiler: a range around the whole call
+    synthetic: bool = False  # Options.enableSyntheticData: no host <-> device transfers
