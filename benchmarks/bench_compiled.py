@@ -10,12 +10,13 @@ deviceIterations 1 and 16, the same micro-batches go through:
   writes (``fabric.backward`` / ``accelerator.backward``), when installed
   (``pip install lightning accelerate``);
 * with ``--detail``: ``pop-eager``: poptorch with ``Options.Jit.backend("eager")``, and
-  ``pop-inductor``: poptorch with the ``inductor`` backend (the whole call compiled,
-  ``_runtime/program/compiled_step.py``), forced on;
+  ``pop-inductor``: poptorch with the ``inductor`` backend (one micro-batch and the
+  update compiled, looped by the device program: ``_runtime/program/compiled_step.py``),
+  forced on;
 * ``pop``: poptorch with **no backend option** (the default a user gets,
   ``_runtime/program/backend_choice.py``): compiled like ``inductor``, and the model keeps
-  the compiled program only where it beats the eager loop (timed over its first calls
-  after tracing, counted in its compile time), in inference and in training.
+  the compiled backend only where it beats the eager one (timed over its first calls,
+  counted in its compile time), in inference and in training.
 
 Throughput is micro-batches per second, the median of interleaved rounds (noise hits
 every side alike); a round times one pass of each contender over the micro-batches
@@ -142,20 +143,16 @@ class PopLoop(Contender):
 
     def warm_up(self, xs, ys, batch):
         t0 = time.perf_counter()
-        self.round(xs, ys, batch)  # training: eager first call, then compiled ones
-        for _ in range(64):  # the fastest backend: until it has chosen
-            program = self.pop._program  # (None before compiling)
-            compiled = None if program is None else program.compiled
-            if compiled is None or compiled.trial is None:
+        self.round(xs, ys, batch)  # the eager first call, then compiled ones
+        for _ in range(64):  # the automatic backend: until it has chosen
+            if self.pop.backendInUse not in ("trial", "compiling"):
                 break
             self.round(xs, ys, batch)
         self.compile_seconds = time.perf_counter() - t0
 
     def ran(self):
-        """Which path the calls take: the compiled program or the eager loop."""
-        program = self.pop._program  # (None before compiling)
-        compiled = None if program is None else program.compiled
-        return "compiled" if compiled is not None and not compiled.failed else "eager"
+        """Which backend the calls run: "compiled" or "eager"."""
+        return self.pop.backendInUse
 
     def round(self, xs, ys, batch):
         per_call = batch * self.d

@@ -284,31 +284,30 @@ def epoch(out: pathlib.Path) -> None:
     save(out, "epoch", seen)
 
 
-class BreaksOnRankOne(torch.nn.Module):
-    """``Net`` whose forward cannot be one graph on process 1 only (a graph break,
-    which ``fullgraph`` capture refuses; a no-op when run eagerly)."""
+def _fail_code_generation_here() -> None:
+    """Make this process's compiled backend fail in code generation: a torch.compile
+    backend that raises, named by POPTORCH_TORCH_COMPILE_BACKEND."""
+    from torch._dynamo import register_backend
 
-    def __init__(self, net: torch.nn.Module) -> None:
-        super().__init__()
-        self.net = net
-
-    def forward(self, x, y):
-        if RANK == 1:
-            torch._dynamo.graph_break()
-        return self.net(x, y)
+    @register_backend
+    def poptorch_test_fails_here(gm, example_inputs):
+        raise RuntimeError(f"injected code generation failure on process {RANK}")
+    os.environ["POPTORCH_TORCH_COMPILE_BACKEND"] = "poptorch_test_fails_here"
 
 
 def compiled(out: pathlib.Path, calls: str, reduction: str, optimizer: str,
-             break_on_rank_one: str = "0") -> None:
-    """Training with the backend the test sets (POPTORCH_BACKEND): the compiled device
-    program on each process, the processes agreeing on the path."""
+             fail_on_rank_one: str = "0") -> None:
+    """Training with the backend the test sets (POPTORCH_BACKEND): the compiled backend
+    on each process, the processes agreeing on the backend."""
     cfg = {"r": 1, "reduction": reduction, "optimizer": optimizer, "processes": WORLD}
     net = make_model(1000 + RANK)
-    model = BreaksOnRankOne(net) if break_on_rank_one == "1" else net
-    training, losses = run_poptorch(model, cfg, RANK, calls=int(calls))
+    if fail_on_rank_one == "1" and RANK == 1:
+        _fail_code_generation_here()
+    training, losses = run_poptorch(net, cfg, RANK, calls=int(calls))
     program = training._program
     save(out, "compiled", {"state": net.state_dict(), "losses": losses,
-                           "compiled_kept": program.compiled is not None,
+                           "compiled_kept": program.selector.compiled is not None,
+                           "backend": training.backendInUse,
                            "ddp_reduces": program.cross.reducer is None})
 
 
