@@ -105,7 +105,7 @@ def _poptorch(config: str, model):
     training = poptorch.trainingModel(model, opts, optimizer)
 
     def held() -> int:
-        managed = training._program.step_override
+        managed = training._program.managed_step
         return _state_bytes(optimizer.state) + (
             managed.local_state_bytes() if managed is not None else 0)
     return training, held

@@ -6,10 +6,11 @@ inference at deviceIterations 16, the same micro-batches go through:
 * ``eager``: the plain PyTorch loop (per micro-batch forward; training: zero_grad,
   forward, backward, step);
 * ``compile``: the same loop over ``torch.compile(model)``;
-* ``pop``: poptorch with no backend option (the default: the compiled whole-call
-  program where its first calls measure it faster than the eager loop);
-* ``pop-graph``: poptorch's eager backend, its device loop replayed as one CUDA graph
-  per call (``_runtime/program/cuda_graphs.py``).
+* ``pop``: poptorch with no backend option (the default: the compiled backend where its
+  first calls measure it faster than the eager one; each call replayed as one CUDA graph
+  where it can be);
+* ``pop-graph``: poptorch's eager backend, each call replayed as one CUDA graph
+  (``_runtime/program/cuda_graphs.py``).
 
 Each is timed with ``torch.utils.benchmark.Timer`` (which synchronises the GPU around
 every measurement), after a warm-up that includes compiling; compile times are reported
@@ -105,10 +106,11 @@ class Pop:
 
     def path(self) -> str:
         program = self.pop._program  # (None before compiling)
-        compiled = None if program is None else program.compiled
-        if compiled is None or compiled.failed:
-            return "eager loop"
-        return "CUDA graph" if type(compiled).__name__ == "CudaGraphLoop" else "compiled"
+        if program is None:
+            return "not compiled"
+        graphs = program._graphs
+        replayed = graphs is not None and graphs.replays > 0
+        return f"{self.pop.backendInUse}{' + CUDA graph' if replayed else ''}"
 
 
 def _warm(fn, xs, ys, batch, d, device, calls):

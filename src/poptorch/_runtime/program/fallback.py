@@ -119,6 +119,7 @@ class Probation:
         self.eager_step_seconds = eager_step_seconds
         self.compile_seconds = 0.0
         self.updates_left = UPDATE_PROBATION
+        self._compiled_once = False
         self._leave = leave
         self._active = active  # False once the selector dropped the compiled backend
         self.runner = self._run_microbatches
@@ -134,7 +135,13 @@ class Probation:
             outputs = self.compiled.runner(microbatches, recording)
         except Exception as error:  # noqa: BLE001  (every failure of a compiled piece)
             return self._redo(undo, microbatches, loss_of, stage_of(error), error)
-        self.compile_seconds += max(0.0, time.perf_counter() - t0 - self.eager_step_seconds)
+        took = time.perf_counter() - t0
+        self.compile_seconds += max(0.0, took - self.eager_step_seconds)
+        if not self._compiled_once:
+            self._compiled_once = True
+            logger.info("%s: compiled backend: the first micro-batch compiled; its step "
+                        "of %d micro-batches took %.1f s.", self.compiled.label,
+                        len(microbatches), took)
         if self.compile_seconds > self.budget:
             return self._redo(undo, microbatches, loss_of, "compile budget",
                               f"the compiles took {self.compile_seconds:.1f} s, over the "
