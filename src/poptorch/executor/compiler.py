@@ -143,7 +143,9 @@ def _build_runner(parts: ModelParts, config: RuntimeConfig,
         return runner, getattr(runner, "input_device", device), \
             backend_name(parts.options, device)
     device = _devices.acquire_devices(parts.options, 1)[0]
-    return SequentialRunner(parts.model), device, backend_name(parts.options, device)
+    model = parts.model
+    return SequentialRunner(model, buffers=tuple(model.buffers())), device, \
+        backend_name(parts.options, device)
 
 
 def _weights_and_optimizer(parts: ModelParts, config: RuntimeConfig, device: torch.device

@@ -116,7 +116,8 @@ class CompiledBackend:
         self.binding = binding
         self._update_eagerly = update_eagerly  # the eager backend's update
         self._update_reason = update_reason
-        self.runner = SequentialRunner(*self._microbatch_functions(model, training))
+        forward, forward_loss = self._microbatch_functions(model, training)
+        self.runner = SequentialRunner(forward, forward_loss, tuple(model.buffers()))
         self._update: Callable[[], Any] | None = None
         self._update_for: Any = None  # the optimizer the update was compiled for
         self._traced_hyperparameters: tuple | None = None

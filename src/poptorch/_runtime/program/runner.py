@@ -38,32 +38,48 @@ class StepRunner(Protocol):
         ...
 
 
+def drop_history(buffers: tuple[torch.Tensor, ...]) -> None:
+    """Buffers are device state: a value written into one during a forward pass (from
+    tensors that carry gradients) is kept, its autograd history is not. Called where no
+    backward pass still needs it: before each training micro-batch of a sequential
+    runner (the previous micro-batch's backward is done) and at the end of each step."""
+    for buffer in buffers:
+        if buffer.grad_fn is not None:
+            buffer.detach_()
+
+
 class SequentialRunner:
     """Runs each micro-batch's forward, then its backward, on one device.
 
     ``forward`` is the model (or a compiled forward); ``forward_loss``, when given,
     returns a training micro-batch's output and its loss in one call (the compiled
-    backend compiles the two together), else the loss comes from ``loss_of(output)``."""
+    backend compiles the two together), else the loss comes from ``loss_of(output)``.
+    ``buffers``: the model's buffers, whose history a micro-batch does not see from
+    the one before (:py:func:`drop_history`)."""
 
     def __init__(self, forward: Callable[..., Any],
                  forward_loss: Callable[[tuple, dict], tuple[Any, torch.Tensor]] | None
-                 = None) -> None:
+                 = None, buffers: tuple[torch.Tensor, ...] = ()) -> None:
         self.forward = forward
         self.forward_loss = forward_loss
+        self.buffers = buffers
 
     def __call__(self, microbatches: list[Microbatch],
                  loss_of: LossOf | None) -> list[Any]:
         outputs = []
-        forward, forward_loss = self.forward, self.forward_loss
+        forward, forward_loss, buffers = self.forward, self.forward_loss, self.buffers
         for args, kwargs in microbatches:
             if loss_of is None:
                 out = forward(*args, **kwargs)
-            elif forward_loss is None:
-                out = forward(*args, **kwargs)
-                loss_of(out).backward()
             else:
-                out, loss = forward_loss(args, kwargs)
-                loss_of.finish(loss).backward()
+                if buffers:
+                    drop_history(buffers)
+                if forward_loss is None:
+                    out = forward(*args, **kwargs)
+                    loss_of(out).backward()
+                else:
+                    out, loss = forward_loss(args, kwargs)
+                    loss_of.finish(loss).backward()
             outputs.append(out)
         return outputs
 

@@ -10,6 +10,10 @@ One optimizer step over the micro-batches of a device iteration is, in order:
 4. the loss scaler's unscale, which may skip the update (non-finite gradients);
 5. the optimizer update (``update``), then the buffers' sync between processes.
 
+Buffers are device state, as on an IPU: a value a forward pass writes into a buffer is
+kept, its autograd history is not (``runner.drop_history``): the next micro-batch and
+the next step read it as a plain tensor.
+
 :py:func:`train_step` is that sequence; a backend (``backends.py``) supplies only its
 runner and its update.
 """
@@ -30,6 +34,7 @@ from ..config import TrainingConfig
 from ..torch_internals import foreach_div_, foreach_mul_, set_grad_enabled
 from .loss import find_loss
 from .optimizer import OptimizerBinding
+from .runner import drop_history
 
 __all__ = ["GradientScaling", "LossRule", "infer_step", "scale_gradients", "train_step"]
 
@@ -126,6 +131,9 @@ def train_step(program: Any, microbatches: list, backward: Backward, loss_rule: 
     for p in params:
         p.grad = None
     outputs = backward(microbatches, loss_rule)
+    buffers = program.spec.buffers
+    if buffers:
+        drop_history(buffers)  # (buffers are device state between steps)
     if cross is not None:
         cross.reduce_gradients()
     scale_gradients(params, scaling)
