@@ -10,12 +10,17 @@ own with an empty inductor cache:
   the compiled backend against the eager one), each call timed;
 * ``eager``: the same calls on a model with ``Options.Jit.backend("eager")``.
 
-The *compile part* is what the default side's first calls took beyond the eager side's
-same calls (compiling and the trial's compiled calls), and, measured on its own, the
-first compiled call beyond a later compiled call (the compile itself). Both must grow
-by at most 1.5x from the smallest to the largest d x g: the compiled pieces are one
-micro-batch's forward / backward and the update, compiled once whatever d and g are.
-Micro-batches are small (``--micro``) so that a call of 8192 of them stays affordable.
+Both sides' first calls are timed whole (wall seconds). The *compile part* is the
+first compiled call (the second call) beyond a later compiled call of the same model:
+what compiling added. It is measured in CPU seconds of this process and of the
+compiler processes it waits for (inductor compiles in-process here,
+``TORCHINDUCTOR_COMPILE_THREADS=1``), so that other work on a shared machine does not
+move it; wall seconds are printed beside. It must grow by at most 1.5x from the
+smallest to the largest d x g: the compiled pieces are one micro-batch's forward /
+backward and the update, compiled once whatever d and g are (before this design the
+whole call was unrolled into one graph: 2.7 s at g=1, 9.2 s at g=64, not finished after
+9.5 minutes at g=512 for a 7-layer MLP). Micro-batches are small so that a call of 8192
+of them stays affordable.
 
 Run: ``python benchmarks/bench_compile_scaling.py [--quick] [--workload mlp|cnn|gpt]``
 (``--quick``: g in 1, 64 and d in 1, 16). Prints one row per configuration, then the
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -56,46 +62,55 @@ def _model(name, d, g, backend):
     return poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.01))
 
 
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and of the child processes it has waited for (the
+    C++ compiler runs inductor starts)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _timed_call(model, x, y) -> tuple[float, float]:
+    wall, cpu = time.perf_counter(), _cpu_seconds()
+    model(x, y)
+    return time.perf_counter() - wall, _cpu_seconds() - cpu
+
+
 def measure(name, d, g, micro):
     """One configuration, in this process: returns a result row."""
     _, _, make_x, make_y = WORKLOADS[name]
     gen = torch.Generator().manual_seed(0)
     rows = d * g * micro
     x, y = make_x(rows, gen), make_y(rows, gen)
+    eager = _model(name, d, g, "eager")
+    eager_times = [_timed_call(eager, x, y)]  # (warms the host, as a user's first call)
     default = _model(name, d, g, None)
     times = []
     while len(times) < MAX_CALLS:
-        t0 = time.perf_counter()
-        default(x, y)
-        times.append(time.perf_counter() - t0)
+        times.append(_timed_call(default, x, y))
         if default.backendInUse in ("compiled", "eager") and len(times) > 1:
             break
     decided = default.backendInUse
-    eager = _model(name, d, g, "eager")
-    eager_times = []
-    for _ in times:
-        t0 = time.perf_counter()
-        eager(x, y)
-        eager_times.append(time.perf_counter() - t0)
+    eager_times += [_timed_call(eager, x, y) for _ in times[1:]]
     # calls 2, 4, 6, ... of the default side ran the compiled backend (the trial
     # alternates, compiled first); the first of them compiled
     compiled = times[1::2]
-    first_compile = compiled[0] - statistics.median(compiled[1:]) if len(compiled) > 1 \
-        else float("nan")
+    parts = [compiled[0][k] - statistics.median(c[k] for c in compiled[1:])
+             if len(compiled) > 1 else float("nan") for k in (0, 1)]
     return {"workload": name, "d": d, "g": g, "calls": len(times), "decided": decided,
-            "eager_s": sum(eager_times), "default_s": sum(times),
-            "compile_part_s": sum(times) - sum(eager_times),
-            "first_compile_s": first_compile,
-            "eager_call_s": statistics.median(eager_times)}
+            "eager_s": sum(t[0] for t in eager_times), "default_s": sum(t[0] for t in times),
+            "compile_wall_s": parts[0], "compile_cpu_s": parts[1]}
 
 
 def report(results):
-    print(f"{'workload':<9}{'d':>4}{'g':>5}{'d*g':>6}{'calls':>7}{'eager s':>9}"
-          f"{'default s':>11}{'compile part s':>16}{'1st compile s':>15}  backend")
+    print("First calls until the default backend has decided (wall s), both sides, and "
+          "the compile part (CPU s; wall s beside):")
+    print(f"{'workload':<9}{'d':>4}{'g':>5}{'d*g':>6}{'calls':>7}{'eager s':>10}"
+          f"{'default s':>11}{'compile CPU s':>15}{'wall s':>9}  backend")
     for r in results:
         print(f"{r['workload']:<9}{r['d']:>4}{r['g']:>5}{r['d'] * r['g']:>6}{r['calls']:>7}"
-              f"{r['eager_s']:>9.2f}{r['default_s']:>11.2f}{r['compile_part_s']:>16.2f}"
-              f"{r['first_compile_s']:>15.2f}  {r['decided']}")
+              f"{r['eager_s']:>10.2f}{r['default_s']:>11.2f}{r['compile_cpu_s']:>15.2f}"
+              f"{r['compile_wall_s']:>9.2f}  {r['decided']}")
     print()
     failed = []
     for name in sorted({r["workload"] for r in results}):
@@ -104,15 +119,13 @@ def report(results):
         if len(rows) < 2:
             continue
         small, large = rows[0], rows[-1]
-        for key, label in (("compile_part_s", "compile part"),
-                           ("first_compile_s", "first compile")):
-            base = max(small[key], 1e-3)
-            growth = large[key] / base
-            ok = growth <= GROWTH_TARGET
-            failed += [] if ok else [(name, label)]
-            print(f"{name}: {label} {small[key]:.2f} s at d*g={small['d'] * small['g']} -> "
-                  f"{large[key]:.2f} s at d*g={large['d'] * large['g']}: {growth:.2f}x "
-                  f"(target <= {GROWTH_TARGET}x) {'ok' if ok else 'NOT MET'}")
+        growth = large["compile_cpu_s"] / max(small["compile_cpu_s"], 1e-3)
+        ok = growth <= GROWTH_TARGET
+        failed += [] if ok else [name]
+        print(f"{name}: compile part {small['compile_cpu_s']:.2f} CPU s at "
+              f"d*g={small['d'] * small['g']} -> {large['compile_cpu_s']:.2f} CPU s at "
+              f"d*g={large['d'] * large['g']}: {growth:.2f}x (target <= {GROWTH_TARGET}x) "
+              f"{'ok' if ok else 'NOT MET'}")
     return failed
 
 
@@ -141,7 +154,7 @@ def main(argv=None) -> int:
                 with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
                     out = f.name
                 env = dict(os.environ, POPTORCH_LOG_LEVEL="WARN",
-                           POPTORCH_BACKEND_DECISIONS="off",
+                           POPTORCH_BACKEND_DECISIONS="off", TORCHINDUCTOR_COMPILE_THREADS="1",
                            TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="bench_scaling_"))
                 env.pop("POPTORCH_BACKEND", None)  # the default a user gets
                 cmd = [sys.executable, os.path.abspath(__file__), "--threads",
@@ -152,7 +165,7 @@ def main(argv=None) -> int:
                 os.unlink(out)
                 results.append(row)
                 print(f"[{name} d={d} g={g}: {row['calls']} calls, compile part "
-                      f"{row['compile_part_s']:.1f} s]", flush=True)
+                      f"{row['compile_cpu_s']:.1f} CPU s]", flush=True)
     failed = report(results)
     return 1 if failed and args.strict else 0
 
