@@ -116,9 +116,10 @@ def compile_model(parts: ModelParts, args: tuple, kwargs: dict,
             {"training": training, "model": model, "optimizer": parts.optimizer,
              "version": parts.version})
         synthetic = None
-        if opts.synthetic_data:
+        synthetic_mode = opts._synthetic_data_mode()  # PopART's: 1 zeros, 2 random normal
+        if synthetic_mode:
             from .._runtime.batching.synthetic import SyntheticInputs
-            synthetic = SyntheticInputs(device)
+            synthetic = SyntheticInputs(device, synthetic_mode)
             program.perf.synthetic = True
     except BaseException:
         for handle in hooks:
