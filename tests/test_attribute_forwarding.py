@@ -149,3 +149,16 @@ def test_no_forwarding_while_the_executor_is_built_or_copied():
     assert not hasattr(pop, "__deepcopy__") and not hasattr(pop, "__setstate__")
     clone = copy.copy(pop)
     assert type(clone) is PoplarExecutor and clone._user_model is pop._user_model
+
+
+def test_an_attribute_error_inside_a_property_of_the_executor_is_not_forwarded(
+        monkeypatch):
+    model, pop = wrapped()
+    model.rng_state = "the model's"  # same name as the executor's property
+
+    def broken(self):
+        raise AttributeError("inner failure")
+
+    monkeypatch.setattr(PoplarExecutor, "rng_state", property(broken))
+    with pytest.raises(AttributeError, match="inner failure"):
+        pop.rng_state  # noqa: B018 (the read is the test)

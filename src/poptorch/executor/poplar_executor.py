@@ -499,14 +499,19 @@ class PoplarExecutor(ExecutorInspection):
         ``AttributeError`` naming both objects.
 
         Not forwarded: anything while the executor is being built or unpickled (its
-        state is not there yet: no recursion), and ``__dunder__`` names, which
-        ``copy`` / ``pickle`` probe on the instance (``__deepcopy__``,
-        ``__setstate__``): copying the executor must not copy the model instead.
+        state is not there yet: no recursion), ``__dunder__`` names, which ``copy`` /
+        ``pickle`` probe on the instance (``__deepcopy__``, ``__setstate__``): copying
+        the executor must not copy the model instead, and the executor's own
+        properties (an ``AttributeError`` raised inside one propagates as it is).
         """
         if "_user_model" not in self.__dict__ or (
                 name.startswith("__") and name.endswith("__")):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute "
                                  f"{name!r}")
+        if hasattr(type(self), name):
+            # one of our properties raised AttributeError inside: let that error show
+            # (reading it again outside this fallback) instead of reading the model
+            return object.__getattribute__(self, name)
         model = self.model
         try:
             value = getattr(model, name)
