@@ -192,31 +192,66 @@ def test_anchor_unknown_name_lists_valid_names():
 
 
 # ----------------------------------------------------------------------- synthetic data
-def test_synthetic_data_runs_on_device_zeros_not_host_inputs():
+class Regression(nn.Module):
+    """Float inputs and targets (random normal synthetic data suits them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.fc2 = nn.Linear(8, 2)
+
+    def forward(self, x, target):
+        out = self.fc2(torch.tanh(self.fc1(x)))
+        return out, F.mse_loss(out, target)
+
+
+# PopART's SyntheticDataMode as the options set it: enableSyntheticData(True) (or any
+# true value, e.g. int(popart.SyntheticDataMode.RandomNormal) = 2) is random normal, as
+# upstream documents; zeros are PopART's mode 1.
+SYNTHETIC = {
+    "zeros": lambda opts: opts._Popart.set("syntheticDataMode", 1),
+    "random_normal_True": lambda opts: opts.enableSyntheticData(True),
+    "random_normal_2": lambda opts: opts.enableSyntheticData(2),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(SYNTHETIC))
+def test_synthetic_data_runs_on_device_data_not_host_inputs(mode):
     torch.manual_seed(0)
-    model = MLP()
+    model = Regression()
     ref = copy.deepcopy(model)
-    seen = []
-    model.fc1.register_forward_pre_hook(lambda mod, inp: seen.append(inp[0].data_ptr()))
-    d, m = 2, 3
-    opts = poptorch.Options().deviceIterations(d).enableSyntheticData(True)
+    seen = []  # the (input, target) the device program ran on, per step
+    model.register_forward_pre_hook(lambda mod, args: seen.append(args))
+    d, m = 2, 256
+    opts = poptorch.Options().deviceIterations(d)
+    SYNTHETIC[mode](opts)
     opts.outputMode(poptorch.OutputMode.All)
     pop = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for _ in range(2):
         x = torch.full((d * m, 6), float("nan"))  # never read by the device program
-        y = torch.ones(d * m, dtype=torch.long)
+        y = torch.full((d * m, 2), float("nan"))
         _, losses = pop(x, y)
+        steps = seen[-d:]
+        for xs, ys in steps:
+            assert xs.shape == (m, 6) and ys.shape == (m, 2)
+            if mode == "zeros":
+                assert torch.equal(xs, torch.zeros(m, 6)) and torch.equal(ys, torch.zeros(m, 2))
+            else:  # standard normal samples, not the host's NaNs
+                assert abs(xs.mean().item()) < 0.1 and abs(xs.std().item() - 1.0) < 0.1
+                assert torch.isfinite(ys).all() and ys.std().item() > 0.5
         expected = []
-        for _ in range(d):  # reference: plain steps on zeros of the same shape/dtype
+        for xs, ys in steps:  # reference: plain steps on the data the device used
             ref_opt.zero_grad()
-            _, loss = ref(torch.zeros(m, 6), torch.zeros(m, dtype=torch.long))
+            _, loss = ref(xs, ys)
             loss.backward()
             ref_opt.step()
             expected.append(loss.detach())
         assert (losses - torch.stack(expected)).abs().max() <= TOL
     assert max_diff(model.parameters(), ref.parameters()) <= TOL
-    assert len(set(seen)) == d  # the same device zeros are reused call after call
+    # the same device data call after call (one slice of it per step)
+    assert len({args[0].data_ptr() for args in seen}) == d
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(seen[:d], seen[d:], strict=True))
 
 
 # ---------------------------------------------------------------- updatableNamedBuffers

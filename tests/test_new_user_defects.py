@@ -407,14 +407,15 @@ def test_wide_tables_scroll_instead_of_being_cut_off():
 
 
 # -- attribute forwarding: an explicit rule -------------------------------------------
-def test_public_attributes_are_forwarded_private_names_are_not():
+def test_attributes_the_executor_lacks_are_read_from_the_model():
     model = Net()
     model.threshold = 0.5
     model._private = "the model's"
     pop = poptorch.inferenceModel(model)
-    assert pop.threshold == 0.5 and pop.fc is model.fc  # as PopTorch: read on the model
+    # as PopTorch: read on the model, private names included
+    assert pop.threshold == 0.5 and pop.fc is model.fc and pop._private == "the model's"
     x, _ = _data(2)
     assert torch.allclose(pop(x), model(x))
-    for name in ("_private", "_optimzer", "_programm"):  # ours are all created up front
+    for name in ("_optimzer", "_programm"):  # ours are all created up front
         with pytest.raises(AttributeError, match=name):
             getattr(pop, name)

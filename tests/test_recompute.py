@@ -180,3 +180,47 @@ def test_in_place_update_of_a_view_across_a_checkpoint_is_an_error():
     pop(x)  # discovers the model
     with pytest.raises(poptorch.Error, match="view of a tensor made before"):
         pop(x)
+
+
+class ScopedCheckpoints(torch.nn.Module):
+    """Name scopes that open before a checkpoint and close after it: each layer runs
+    inside ``push_name_scope`` / ``pop_name_scope`` (as Lightning's and Graphcore's CNN
+    hooks add them) with a checkpoint inside the scope, then a ``NameScope`` block that
+    ends in a checkpoint. Optionally split over two IPUs."""
+
+    def __init__(self, pipelined=False, width=64):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(4))
+        if pipelined:
+            self.layers[0] = poptorch.BeginBlock(self.layers[0], "A", ipu_id=0)
+            self.layers[2] = poptorch.BeginBlock(self.layers[2], "B", ipu_id=1)
+
+    def forward(self, x, target):
+        for i, layer in enumerate(self.layers):
+            torch.ops.poptorch.push_name_scope(f"layer{i}")
+            x = torch.tanh(layer(x))
+            x = poptorch.recomputationCheckpoint(x)  # the scope closes in the next segment
+            x = torch.sigmoid(x * 2.0)
+            torch.ops.poptorch.pop_name_scope()
+            with poptorch.NameScope("block"):
+                x = torch.sin(x).exp()
+                x = poptorch.recomputationCheckpoint(x)
+        return x, torch.nn.functional.mse_loss(x.cos(), target)
+
+
+@pytest.mark.parametrize("split", ["unsplit", "pipelined"])
+def test_name_scopes_across_checkpoints_replay_balanced(split):
+    from poptorch.ops import registered, scopes
+    torch.manual_seed(0)
+    opts = poptorch.Options()
+    per_call = 1
+    if split == "pipelined":
+        opts.Training.gradientAccumulation(4)
+        per_call = 4
+    model = ScopedCheckpoints(pipelined=split == "pipelined")
+    for step, pop, reference, pop_bytes, ref_bytes in _train_both(model, opts, per_call):
+        assert _max_diff(pop, reference) <= 1e-6
+        # every scope the forward passes opened was closed once, replays included
+        assert registered._open() == [] and scopes.current_name_scope() == ""
+        if step > 0 or split == "pipelined":  # the replays did run
+            assert pop_bytes < 0.6 * ref_bytes, (pop_bytes, ref_bytes)

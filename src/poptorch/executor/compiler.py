@@ -116,9 +116,10 @@ def compile_model(parts: ModelParts, args: tuple, kwargs: dict,
             {"training": training, "model": model, "optimizer": parts.optimizer,
              "version": parts.version})
         synthetic = None
-        if opts.synthetic_data:
+        synthetic_mode = opts._synthetic_data_mode()  # PopART's: 1 zeros, 2 random normal
+        if synthetic_mode:
             from .._runtime.batching.synthetic import SyntheticInputs
-            synthetic = SyntheticInputs(device)
+            synthetic = SyntheticInputs(device, synthetic_mode)
     except BaseException:
         for handle in extras.hooks:
             handle.remove()
@@ -201,7 +202,7 @@ def _build_program(parts: ModelParts, config: RuntimeConfig, plan: BatchPlan,
         to_host=None if device.type == "cpu" else to_cpu, anchors=anchors, cross=cross,
         wrappers=extras.wrappers, thread_contexts=extras.thread_contexts,
         finite_check=extras.finite_check, named_params=extras.named_params,
-        call_profiler=extras.call_profiler, synthetic=bool(parts.options.synthetic_data))
+        call_profiler=extras.call_profiler, synthetic=bool(parts.options._synthetic_data_mode()))
     return DeviceProgram(spec, selector, binding), anchors
 
 

@@ -476,15 +476,35 @@ class PoplarExecutor(ExecutorInspection):
         return self.train(False)
 
     def __getattr__(self, name: str) -> Any:
-        """The explicit forwarding rule: a public attribute the executor does not have
-        is read from the user's model (``pop.fc1.weight``, a model's own methods), as
-        in PopTorch. Private names are never forwarded: every attribute of the
-        executor's own state is private and created in ``_init_state``, so a misspelt
-        one is an AttributeError instead of a silent read of the user's module."""
-        if name.startswith("_") or "_user_model" not in self.__dict__:
+        """The forwarding rule, as in PopTorch: an attribute the executor does not have
+        is read from the user's model, private names included (``pop.fc1.weight``, the
+        model's own methods, ``pop._modules`` / ``pop.named_modules()`` for a summary
+        tool). Python calls this only for names normal lookup did not find, and every
+        attribute of the executor's own state is created in ``_init_state``: a misspelt
+        one (``self._compield``) is not on the model either and raises an
+        ``AttributeError`` naming both objects.
+
+        Not forwarded: anything while the executor is being built or unpickled (its
+        state is not there yet: no recursion), ``__dunder__`` names, which ``copy`` /
+        ``pickle`` probe on the instance (``__deepcopy__``, ``__setstate__``): copying
+        the executor must not copy the model instead, and the executor's own
+        properties (an ``AttributeError`` raised inside one propagates as it is).
+        """
+        if "_user_model" not in self.__dict__ or (
+                name.startswith("__") and name.endswith("__")):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute "
                                  f"{name!r}")
-        value = getattr(self.model, name)
+        if hasattr(type(self), name):
+            # one of our properties raised AttributeError inside: let that error show
+            # (reading it again outside this fallback) instead of reading the model
+            return object.__getattribute__(self, name)
+        model = self.model
+        try:
+            value = getattr(model, name)
+        except AttributeError as exc:
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r}, and neither "
+                f"has the model it wraps ({type(model).__name__!r} object)") from exc
         if isinstance(value, torch.nn.Parameter):
             return GroupableParameter(self, self._replica_groupings, name, value)
         return value

@@ -1,15 +1,73 @@
-"""Safe evaluation of the arguments in options config files (no ``eval``)."""
+"""Applying options from text: config files (``Options.loadFromFile``) and JSON
+(``Options.from_json``). Arguments are evaluated safely (``ast``, no ``eval``), and only
+option setters can be called."""
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .. import enums
 from ..annotations import strategies
+from ..errors import Error
+from .jit import _JitOptions
 from .store import OptionsDict
 from .tensor_locations import TensorLocationSettings
+
+SUB_OBJECTS = ("Training", "Precision", "TensorLocations", "Jit", "Distributed", "_Popart")
+"""The option categories of ``Options`` (attributes holding options objects)."""
+
+# Methods that are not setters: config files and JSON cannot call them.
+_NOT_SETTERS = frozenset({"loadFromFile", "from_json", "clone", "toDict", "exists",
+                          "checkIsFrozen", "defaultOutputMode", "update", "createOrSet",
+                          "deleteIfExists"})
+
+
+def resolve_setter(options: Any, path: list[str]) -> Callable:
+    """The setter method of ``options`` at ``path`` (e.g. ``["Training",
+    "gradientAccumulation"]``); anything that is not a setter is an error."""
+    target: Any = options
+    for part in path[:-1]:
+        if part not in SUB_OBJECTS:
+            raise Error(f"'{part}' is not an options category; use one of "
+                        f"{', '.join(SUB_OBJECTS)}.")
+        target = getattr(target, part)
+    name = path[-1]
+    if name.startswith("_") or name in _NOT_SETTERS or (
+            name == "set" and isinstance(target, OptionsDict)):
+        raise Error(f"'{'.'.join(path)}' is not an option setter.")
+    if name == "backend" and isinstance(target, _JitOptions):
+        return target._set_backend
+    method = getattr(type(target), name, None)
+    if not callable(method) or isinstance(method, property):
+        raise Error(f"Unknown option setter '{'.'.join(path)}'.")
+    return getattr(target, name)
+
+
+def apply_command(options: Any, text: str) -> None:
+    """Apply one config file line, a setter call such as ``deviceIterations(4)``."""
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError as exc:
+        raise Error(f"not a valid Python expression ({exc.msg}).") from None
+    call = tree.body
+    if not isinstance(call, ast.Call):
+        raise Error("expected a setter call such as deviceIterations(4).")
+    path = dotted_name(call.func)
+    if path is None:
+        raise Error("expected a setter call such as deviceIterations(4).")
+    if path[0] in ("options", "opts") and len(path) > 1:
+        path = path[1:]
+    setter = resolve_setter(options, path)
+    args = [safe_value(arg) for arg in call.args]
+    kwargs = {}
+    for keyword in call.keywords:
+        if keyword.arg is None:
+            raise Error("**kwargs are not supported in config files.")
+        kwargs[keyword.arg] = safe_value(keyword.value)
+    setter(*args, **kwargs)
 
 
 def dotted_name(node: ast.AST) -> list[str] | None:

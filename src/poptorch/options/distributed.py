@@ -3,8 +3,14 @@ from __future__ import annotations
 
 import os
 
-from ..errors import Error
-from .store import OptionsDict, check_bool, check_int, check_str
+from .store import (
+    OptionChoiceError,
+    OptionNameError,
+    OptionsDict,
+    check_bool,
+    check_int,
+    check_str,
+)
 
 
 class _DistributedOptions(OptionsDict):
@@ -26,27 +32,28 @@ class _DistributedOptions(OptionsDict):
         elif "WORLD_SIZE" in os.environ or "RANK" in os.environ:
             self.setEnvVarNames("WORLD_SIZE", "RANK")
 
-    def disable(self) -> "_DistributedOptions":
+    def disable(self) -> _DistributedOptions:
         """Ignore the environment and run as a single process."""
         self.set(num_distributed_processes=1, distributed_process_id=0)
         return self
 
     def setEnvVarNames(self, var_num_processes: str,
-                       var_process_id: str) -> "_DistributedOptions":
+                       var_process_id: str) -> _DistributedOptions:
         """Read ``numProcesses`` and ``processId`` from these environment variables."""
         values = []
         for var, default in ((var_num_processes, "1"), (var_process_id, "0")):
-            check_str("Distributed.setEnvVarNames", var)
+            check_str("Distributed.setEnvVarNames", var, error=OptionNameError)
             raw = os.environ.get(var, default)
             try:
                 values.append(int(raw))
             except ValueError:
-                raise Error(f"Distributed.setEnvVarNames: environment variable {var}="
-                            f"{raw!r} is not an integer.") from None
+                raise OptionChoiceError(f"Distributed.setEnvVarNames: environment "
+                                        f"variable {var}={raw!r} is not an integer."
+                                        ) from None
         return self.configureProcessId(values[1], values[0])
 
     def configureProcessId(self, process_id: int,
-                           num_processes: int) -> "_DistributedOptions":
+                           num_processes: int) -> _DistributedOptions:
         """Set this process's id and the total number of processes."""
         check_int("Distributed.configureProcessId num_processes", num_processes, minimum=1)
         check_int("Distributed.configureProcessId process_id", process_id, minimum=0,
@@ -54,7 +61,7 @@ class _DistributedOptions(OptionsDict):
         self.set(distributed_process_id=process_id, num_distributed_processes=num_processes)
         return self
 
-    def stagesOnProcesses(self, enabled: bool = True) -> "_DistributedOptions":
+    def stagesOnProcesses(self, enabled: bool = True) -> _DistributedOptions:
         """Run each stage of a ``PipelinedExecution`` model in a process of its own
         (an OpenPopTorch addition). The processes of the run (``torchrun``) are then
         ``stages x replicas``: process ``p`` runs stage ``p % stages`` of pipeline replica

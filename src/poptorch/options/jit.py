@@ -5,7 +5,7 @@ import os
 from typing import Any
 
 from ..errors import Error
-from .store import OptionsDict, check_bool
+from .store import OptionsDict, OptionValueError, check_truth
 
 _BACKENDS = ("eager", "inductor", "fastest")
 
@@ -22,14 +22,15 @@ class _JitOptions(OptionsDict):
     def __init__(self) -> None:
         super().__init__(trace_model=False, backend=None)
 
-    def traceModel(self, trace_model: bool) -> "_JitOptions":
+    def traceModel(self, trace_model: bool) -> _JitOptions:
         """Upstream: trace the model with ``torch.jit.trace`` (deprecated). Recorded only:
-        models are always captured the same way here."""
-        self.set(trace_model=check_bool("Jit.traceModel", trace_model))
+        models are always captured the same way here. Read as a truth value (upstream
+        takes any false value, such as ``0`` or ``None``, for False)."""
+        self.set(trace_model=check_truth("Jit.traceModel", trace_model))
         return self
 
     @property
-    def backend(self) -> "_BackendName | _AutoBackend":
+    def backend(self) -> _BackendName | _AutoBackend:
         """The compiler backend: ``"eager"``, ``"inductor"``, ``"fastest"`` or automatic.
 
         ``"fastest"`` compiles like ``"inductor"``; the model then times its compiled
@@ -62,11 +63,12 @@ class _JitOptions(OptionsDict):
                         f"use one of {', '.join(_BACKENDS)} (or unset it).")
         return name
 
-    def _set_backend(self, name: str | None) -> "_JitOptions":
+    def _set_backend(self, name: str | None) -> _JitOptions:
         if name is not None:
             if not isinstance(name, str) or name.lower() not in _BACKENDS:
-                raise Error(f"Jit.backend: expected one of {', '.join(map(repr, _BACKENDS))} "
-                            f"or None (automatic), got {name!r}.")
+                choices = ", ".join(map(repr, _BACKENDS))
+                raise OptionValueError(f"Jit.backend: expected one of {choices} or None "
+                                       f"(automatic), got {name!r}.")
             name = name.lower()
         self.set(backend=name)
         return self
@@ -81,7 +83,7 @@ class _BackendName(str):
 
     _jit: _JitOptions
 
-    def __new__(cls, name: str, jit: _JitOptions) -> "_BackendName":
+    def __new__(cls, name: str, jit: _JitOptions) -> _BackendName:
         obj = super().__new__(cls, name)
         obj._jit = jit
         return obj

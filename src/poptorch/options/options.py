@@ -10,30 +10,33 @@ devices). Setters return the object they belong to, so calls chain::
 """
 from __future__ import annotations
 
-import ast
 import copy
 import json
+import numbers
 import os
-from typing import Any, Callable, cast
+from typing import Any, ClassVar, cast
 
 import torch
 
 from .. import _devices, _logging, enums
 from ..annotations.strategies import PipelinedExecution, _IExecutionStrategy
 from ..errors import ConfigFileError, Error
-from .config_file import dotted_name, safe_value
+from .config_file import SUB_OBJECTS, apply_command, resolve_setter
 from .distributed import _DistributedOptions
 from .jit import _JitOptions
 from .popart import _PopartOptions
 from .precision import _PrecisionOptions
 from .store import (
+    OptionChoiceError,
     OptionsDict,
+    OptionValueError,
     check_bool,
     check_enum,
     check_int,
     check_optional_path,
     check_str,
     check_str_list,
+    check_truth,
 )
 from .tensor_locations import _TensorLocationOptions
 from .training import _TrainingOptions
@@ -50,12 +53,9 @@ _IGNORED_TOP_LEVEL = ("connection_type", "sync_pattern", "available_memory_propo
                       "enable_stable_norm", "log_cycle_count", "module_namescope",
                       "source_location_excludes", "ipu_version")
 
-# Methods that are not setters: config files and JSON cannot call them.
-_NOT_SETTERS = frozenset({"loadFromFile", "from_json", "clone", "toDict", "exists",
-                          "checkIsFrozen", "defaultOutputMode", "update", "createOrSet",
-                          "deleteIfExists"})
-_SUB_OBJECTS = ("Training", "Precision", "TensorLocations", "Jit", "Distributed", "_Popart")
 
+_SYNTHETIC_RANDOM_NORMAL = 2
+"""PopART's ``SyntheticDataMode.RandomNormal`` (0: off, 1: zeros)."""
 
 _OWN_OPTION_DEFAULTS = {
     "execution_strategy": None, "show_compilation_progress_bar": True,
@@ -78,7 +78,7 @@ class Options(OptionsDict):
     >>> opts.Training.gradientAccumulation(4)
     """
 
-    _ASSIGNMENT_SETTERS = {
+    _ASSIGNMENT_SETTERS: ClassVar[dict[str, str]] = {
         "device_iterations": "deviceIterations",
         "replication_factor": "replicationFactor",
         "broadcast_buffers": "broadcastBuffers",
@@ -172,51 +172,60 @@ class Options(OptionsDict):
         return self._popart
 
     def _sub_objects(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in _SUB_OBJECTS}
+        return {name: getattr(self, name) for name in SUB_OBJECTS}
 
     # -- batching and replication --------------------------------------------------
-    def deviceIterations(self, device_iterations: int) -> "Options":
+    def deviceIterations(self, device_iterations: int) -> Options:
         """Number of iterations the device runs over the data before returning to the
         user (default: 1)."""
         self.set(device_iterations=check_int("deviceIterations", device_iterations,
                                              minimum=1))
         return self
 
-    def replicationFactor(self, replication_factor: int) -> "Options":
+    def replicationFactor(self, replication_factor: int) -> Options:
         """Number of times to replicate the model (default: 1)."""
         self.set(replication_factor=check_int("replicationFactor", replication_factor,
                                               minimum=1))
         return self
 
     def inputReplicaGrouping(self, input_group_size: int,
-                             input_group_type: enums.CommGroupType) -> "Options":
+                             input_group_type: enums.CommGroupType) -> Options:
         """Split the input batches between groups of ``input_group_size`` replicas
-        arranged by ``input_group_type`` (not ``CommGroupType.All``). The group size
-        must divide the replication factor; that is checked when the model runs."""
-        size = check_int("inputReplicaGrouping input_group_size", input_group_size,
-                         minimum=1)
+        arranged by ``input_group_type`` (not ``CommGroupType.All``;
+        ``CommGroupType.NoGrouping`` means groups of one replica, as upstream). The
+        group size must divide the replication factor; that is checked when the model
+        runs."""
         cgt = check_enum("inputReplicaGrouping input_group_type", input_group_type,
-                         enums.CommGroupType,
-                         [t for t in enums.CommGroupType if t != enums.CommGroupType.All])
+                         enums.CommGroupType)
+        if cgt == enums.CommGroupType.All:
+            raise OptionChoiceError("inputReplicaGrouping: input_group_type cannot be "
+                                    "CommGroupType.All; use CommGroupType.Consecutive, "
+                                    "CommGroupType.Orthogonal or CommGroupType.NoGrouping.")
+        if cgt == enums.CommGroupType.NoGrouping:
+            size, cgt = 1, enums.CommGroupType.Consecutive
+        else:
+            size = check_int("inputReplicaGrouping input_group_size", input_group_size,
+                             minimum=1)
         self.set(input_group_size=size, input_cgt=cgt)
         return self
 
-    def broadcastBuffers(self, broadcast_buffers: bool = True) -> "Options":
+    def broadcastBuffers(self, broadcast_buffers: bool = True) -> Options:
         """Keep buffers in sync over replicas (True, default) or per replica (False)."""
         self.set(broadcast_buffers=check_bool("broadcastBuffers", broadcast_buffers))
         return self
 
     # -- outputs -------------------------------------------------------------------
     def outputMode(self, output_mode: enums.OutputMode,
-                   output_return_period: int | None = None) -> "Options":
+                   output_return_period: int | None = None) -> Options:
         """Which outputs come back: ``All``, ``Sum``, ``Final``, ``EveryN`` (every
         ``output_return_period`` device iterations) or ``Default`` (``All`` for
         inference, ``Final`` for training)."""
         mode = check_enum("outputMode", output_mode, enums.OutputMode)
         if mode == enums.OutputMode.EveryN:
             if output_return_period is None:
-                raise Error("outputMode: OutputMode.EveryN needs output_return_period, "
-                            "e.g. outputMode(OutputMode.EveryN, 10).")
+                raise OptionValueError("outputMode: OutputMode.EveryN needs "
+                                       "output_return_period, e.g. "
+                                       "outputMode(OutputMode.EveryN, 10).")
             period = check_int("outputMode output_return_period", output_return_period,
                                minimum=1)
         else:
@@ -230,7 +239,7 @@ class Options(OptionsDict):
         return self
 
     def anchorMode(self, anchor_mode: enums.OutputMode,
-                   anchor_return_period: int | None = None) -> "Options":
+                   anchor_return_period: int | None = None) -> Options:
         """SDK 2.x name of :py:meth:`outputMode`."""
         return self.outputMode(anchor_mode, anchor_return_period)
 
@@ -239,12 +248,13 @@ class Options(OptionsDict):
         return self._values["output_mode"] == enums.OutputMode.Default.value
 
     def anchorTensor(self, short_name: str, long_name: str, output_mode=None,
-                     output_return_period: int = 1) -> "Options":
+                     output_return_period: int = 1) -> Options:
         """Make the tensor ``long_name`` retrievable as ``short_name`` after each run.
 
         Recorded in ``anchored_tensors[short_name]`` as a dict with keys
         ``long_name``, ``output_mode`` (an ``OutputMode`` value, or None to follow the
-        model's output mode) and ``output_return_period``.
+        model's output mode) and ``output_return_period`` (1 unless the mode is
+        ``EveryN``).
         """
         check_str("anchorTensor short_name", short_name)
         check_str("anchorTensor long_name", long_name)
@@ -252,8 +262,10 @@ class Options(OptionsDict):
         if output_mode is not None:
             mode = check_enum("anchorTensor output_mode", output_mode,
                               enums.OutputMode).value
-        period = check_int("anchorTensor output_return_period", output_return_period,
-                           minimum=1)
+        period = 1  # as upstream: the period only counts with OutputMode.EveryN
+        if mode == enums.OutputMode.EveryN.value:
+            period = check_int("anchorTensor output_return_period", output_return_period,
+                               minimum=1)
         anchors = dict(self._values["anchored_tensors"])
         anchors[short_name] = {"long_name": long_name, "output_mode": mode,
                                "output_return_period": period}
@@ -261,73 +273,80 @@ class Options(OptionsDict):
         return self
 
     # -- devices -------------------------------------------------------------------
-    def autoRoundNumIPUs(self, auto_round_num_ipus: bool = True) -> "Options":
+    def autoRoundNumIPUs(self, auto_round_num_ipus: bool = True) -> Options:
         """Round the number of IPUs used up to a power of two instead of failing."""
         self.set(auto_round_num_ipus=check_bool("autoRoundNumIPUs", auto_round_num_ipus))
         return self
 
-    def useIpuModel(self, use_model: bool) -> "Options":
+    def useIpuModel(self, use_model: bool) -> Options:
         """True: virtual IPUs on the CPU. False: demand accelerator hardware (an error
         at compile time if there is none). Takes precedence over
         ``POPTORCH_IPU_MODEL``."""
         self.createOrSet(use_model=check_bool("useIpuModel", use_model))
         return self
 
-    def useIpuId(self, ipu_id: int) -> "Options":
+    def useIpuId(self, ipu_id: int) -> Options:
         """Use the accelerator with this id as the first IPU (GPU ``cuda:ipu_id``)."""
         self.createOrSet(ipu_id=check_int("useIpuId", ipu_id, minimum=0))
         return self
 
-    def useOfflineIpuTarget(self, ipu_version: int = 2) -> "Options":
+    def useOfflineIpuTarget(self, ipu_version: int = 2) -> Options:
         """Upstream: compile for an absent IPU of this version (1, 2 or 21) without
         running. Recorded only: our devices can always compile and run."""
         version = check_int("useOfflineIpuTarget", ipu_version)
         # Programs write useOfflineIpuTarget(poptorch.ipuHardwareVersion()): whatever
         # that returns on this machine is a valid target too.
         if version not in (1, 2, 21, _devices.ipuHardwareVersion()):
-            raise Error(f"useOfflineIpuTarget: ipu_version must be 1, 2, 21 or this "
+            raise OptionValueError(f"useOfflineIpuTarget: ipu_version must be 1, 2, 21 or this "
                         f"machine's poptorch.ipuHardwareVersion() "
                         f"({_devices.ipuHardwareVersion()}), got {version}.")
         self.createOrSet(ipu_version=version)
         return self
 
-    def connectionType(self, connection_type: enums.ConnectionType) -> "Options":
+    def connectionType(self, connection_type: enums.ConnectionType) -> Options:
         """When to attach to the device (recorded only)."""
         self.set(connection_type=check_enum("connectionType", connection_type,
                                             enums.ConnectionType).value)
         return self
 
-    def syncPattern(self, sync_pattern: enums.SyncPattern) -> "Options":
+    def syncPattern(self, sync_pattern: enums.SyncPattern) -> Options:
         """Multi-IPU synchronisation pattern (recorded only)."""
         self.set(sync_pattern=check_enum("syncPattern", sync_pattern,
                                          enums.SyncPattern).value)
         return self
 
     def setAvailableMemoryProportion(self, available_memory_proportion: dict
-                                     ) -> "Options":
-        """Per-IPU temporary memory proportion, e.g. ``{"IPU0": 0.5}`` (recorded only)."""
+                                     ) -> Options:
+        """Per-IPU temporary memory proportion, e.g. ``{"IPU0": 0.5}`` (recorded only).
+        Values are real numbers in [0, 1] (numpy scalars included)."""
         if not isinstance(available_memory_proportion, dict):
-            raise Error(f"setAvailableMemoryProportion: expected a dict such as "
-                        f"{{'IPU0': 0.5}}, got {available_memory_proportion!r}.")
+            raise OptionValueError(f"setAvailableMemoryProportion: expected a dict such "
+                                   f"as {{'IPU0': 0.5}}, got "
+                                   f"{available_memory_proportion!r}.")
+        proportions = {}
         for key, value in available_memory_proportion.items():
-            if not (isinstance(key, str) and key.startswith("IPU") and key[3:].isdigit()):
-                raise Error(f"setAvailableMemoryProportion: keys must look like 'IPU0', "
-                            f"got {key!r}.")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not 0.0 <= value <= 1.0:
-                raise Error(f"setAvailableMemoryProportion: values must be numbers in "
-                            f"[0, 1], got {key}={value!r}.")
-        self.set(available_memory_proportion=dict(available_memory_proportion))
+            if not (isinstance(key, str) and key.startswith("IPU")):
+                raise OptionValueError(f"setAvailableMemoryProportion: keys must look "
+                                       f"like 'IPU0', got {key!r}.")
+            if not key[3:].isdigit():
+                raise OptionChoiceError(f"setAvailableMemoryProportion: keys must be "
+                                        f"'IPU' and an IPU index, like 'IPU0'; got {key!r}.")
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+                    or not 0.0 <= float(value) <= 1.0:
+                raise OptionValueError(f"setAvailableMemoryProportion: values must be "
+                                       f"numbers in [0, 1], got {key}={value!r}.")
+            proportions[key] = value if type(value) in (int, float) else float(value)
+        self.set(available_memory_proportion=proportions)
         return self
 
     # -- execution -----------------------------------------------------------------
-    def setExecutionStrategy(self, strategy) -> "Options":
+    def setExecutionStrategy(self, strategy) -> Options:
         """Partition the model with this strategy: an instance of
         :py:class:`~poptorch.PipelinedExecution`, :py:class:`~poptorch.ShardedExecution`,
         :py:class:`~poptorch.SerialPhasedExecution` or
         :py:class:`~poptorch.ParallelPhasedExecution`."""
         if not isinstance(strategy, _IExecutionStrategy):
-            raise Error(f"setExecutionStrategy: expected an instance of "
+            raise OptionValueError(f"setExecutionStrategy: expected an instance of "
                         f"PipelinedExecution, ShardedExecution, SerialPhasedExecution or "
                         f"ParallelPhasedExecution, got {strategy!r}.")
         self.set(execution_strategy=strategy)
@@ -345,95 +364,114 @@ class Options(OptionsDict):
                 object.__setattr__(self, "_default_strategy", strategy)
         return strategy
 
-    def randomSeed(self, random_seed: int) -> "Options":
+    def randomSeed(self, random_seed: int) -> Options:
         """Seed the random number generators used by the model. As upstream, this also
         seeds the host's ``torch`` generator (``torch.manual_seed``)."""
-        seed = check_int("randomSeed", random_seed, minimum=0, maximum=2**64 - 1)
+        seed = check_int("randomSeed", random_seed, minimum=0)
+        if seed > 2**64 - 1:  # upstream: torch.manual_seed's ValueError
+            raise OptionChoiceError(f"randomSeed: must be <= 2**64 - 1, got {seed}.")
         torch.manual_seed(seed)
         self.createOrSet(random_seed=seed)
         return self
 
-    def enableSyntheticData(self, enabled: bool) -> "Options":
-        """Replace host inputs by random data generated on the device (benchmarking)."""
-        self.set(synthetic_data=check_bool("enableSyntheticData", enabled))
+    def enableSyntheticData(self, enabled: bool) -> Options:
+        """Run on data generated on the device instead of the host inputs (to measure
+        compute without IO). Any true value (``True``, or PopART's
+        ``int(popart.SyntheticDataMode.RandomNormal)`` = 2, as upstream reads it)
+        selects random normal data; a false one turns synthetic data off. For zeros,
+        set PopART's mode directly: ``opts._Popart.set("syntheticDataMode", 1)``."""
+        on = check_truth("enableSyntheticData", enabled)
+        self.set(synthetic_data=on)
+        self._popart.set("syntheticDataMode", _SYNTHETIC_RANDOM_NORMAL if on else 0)
         return self
 
-    def enableStableNorm(self, enabled: bool) -> "Options":
+    def _synthetic_data_mode(self) -> int:
+        """PopART's ``SyntheticDataMode`` in force: 0 off, 1 zeros, 2 random normal
+        (``enableSyntheticData`` and ``_Popart.set("syntheticDataMode", n)`` both set
+        it; the later call wins)."""
+        default = _SYNTHETIC_RANDOM_NORMAL if self._values["synthetic_data"] else 0
+        return int(self._popart.options.get("syntheticDataMode", default))
+
+    def enableStableNorm(self, enabled: bool) -> Options:
         """Upstream: slower, more accurate norm operators. Recorded only: ours are
         always computed the PyTorch way."""
         self.set(enable_stable_norm=check_bool("enableStableNorm", enabled))
         return self
 
-    def updatableNamedBuffers(self, buffers: list[str]) -> "Options":
-        """Names of the model buffers that ``buffersFromHost()`` copies to the device."""
+    def updatableNamedBuffers(self, buffers: list[str]) -> Options:
+        """Names of the model buffers that ``buffersFromHost()`` copies to the device
+        (a list, tuple or set of names)."""
         self.set(updatable_named_buffers=check_str_list("updatableNamedBuffers", buffers))
         return self
 
-    def relaxOptimizerAttributesChecks(self, relax: bool = True) -> "Options":
-        """Log unexpected optimizer attributes at DEBUG instead of WARN."""
-        self.set(relax_optimizer_attributes_checks=check_bool(
+    def relaxOptimizerAttributesChecks(self, relax: bool = True) -> Options:
+        """Log unexpected optimizer attributes at DEBUG instead of WARN (read as a
+        truth value, as upstream)."""
+        self.set(relax_optimizer_attributes_checks=check_truth(
             "relaxOptimizerAttributesChecks", relax))
         return self
 
-    def showCompilationProgressBar(self, show: bool = True) -> "Options":
-        """Show a progress bar while the model compiles (default: shown)."""
-        self.set(show_compilation_progress_bar=check_bool("showCompilationProgressBar",
-                                                          show))
+    def showCompilationProgressBar(self, show: bool = True) -> Options:
+        """Show a progress bar while the model compiles (default: shown; read as a
+        truth value, as upstream)."""
+        self.set(show_compilation_progress_bar=check_truth("showCompilationProgressBar",
+                                                           show))
         return self
 
-    def enableExecutableCaching(self, path: str | None) -> "Options":
+    def enableExecutableCaching(self, path: str | None) -> Options:
         """Cache compiled programs in the directory ``path`` (None: no caching).
         ``POPTORCH_CACHE_DIR`` sets it for every new Options object."""
         self.set(executable_cache_dir=check_optional_path("enableExecutableCaching", path))
         return self
 
-    def enableProfiling(self, profile_dir: str | None = None) -> "Options":
+    def enableProfiling(self, profile_dir: str | None = None) -> Options:
         """Write a profiling trace into ``profile_dir`` (default: current directory)."""
         path = check_optional_path("enableProfiling", profile_dir)
         self.set(profile_dir=path if path is not None else ".")
         return self
 
-    def modelName(self, name: str) -> "Options":
+    def modelName(self, name: str) -> Options:
         """Name of the model (used for profiling report sub-directories)."""
         self.createOrSet(model_name=check_str("modelName", name))
         return self
 
     # -- logging and debugging ---------------------------------------------------------
-    def logDir(self, log_dir: str) -> "Options":
+    def logDir(self, log_dir: str) -> Options:
         """Also write PopTorch's log to ``<log_dir>/poptorch.log`` once a model is
         compiled with these options."""
         path = check_optional_path("logDir", log_dir)
         if path is None:
-            raise Error("logDir: expected a directory path, got None.")
+            raise OptionValueError("logDir: expected a directory path, got None.")
         self.set(log_dir=path)
         self._log_dir_set = True
         return self
 
-    def maxRepeatLogs(self, max_lines: int | None) -> "Options":
+    def maxRepeatLogs(self, max_lines: int | None) -> Options:
         """Suppress a log message repeated more than ``max_lines`` times in a row
-        (None: never suppress; default 4)."""
+        (None: never suppress; 0: show each message once and suppress its repeats;
+        default 4)."""
         if max_lines is not None:
-            check_int("maxRepeatLogs", max_lines, minimum=1)
+            check_int("maxRepeatLogs", max_lines, minimum=0)
         self.set(max_repeat_logs=max_lines)
         return self
 
-    def logCycleCount(self, log_cycle_count: bool) -> "Options":
+    def logCycleCount(self, log_cycle_count: bool) -> Options:
         """Upstream: log IPU cycle counts. Recorded only (no cycle counter here)."""
         self.set(log_cycle_count=check_bool("logCycleCount", log_cycle_count))
         return self
 
-    def disableModuleNamescope(self) -> "Options":
+    def disableModuleNamescope(self) -> Options:
         """Upstream: do not prefix op names with module names. Recorded only."""
         self.set(module_namescope=False)
         return self
 
-    def sourceLocationExcludes(self, excludes: list[str]) -> "Options":
+    def sourceLocationExcludes(self, excludes: list[str]) -> Options:
         """Frames to skip when attributing IR to source lines (recorded only)."""
         self.set(source_location_excludes=check_str_list("sourceLocationExcludes",
                                                           excludes))
         return self
 
-    def appendToLocationExcludes(self, *excludes: str) -> "Options":
+    def appendToLocationExcludes(self, *excludes: str) -> Options:
         """Add frames to skip when attributing IR to source lines (recorded only)."""
         added = check_str_list("appendToLocationExcludes", list(excludes))
         self.set(source_location_excludes=self._values["source_location_excludes"] + added)
@@ -455,11 +493,11 @@ class Options(OptionsDict):
             out[name] = sub.toDict()
         return out
 
-    def clone(self) -> "Options":
+    def clone(self) -> Options:
         """An unfrozen deep copy of these options."""
         return copy.deepcopy(self)
 
-    def __deepcopy__(self, memo: dict) -> "Options":
+    def __deepcopy__(self, memo: dict) -> Options:
         # A copy is for changing (upstream: copies of frozen options are unfrozen).
         clone = cast("Options", super().__deepcopy__(memo))
         object.__setattr__(clone, "_frozen", False)
@@ -505,26 +543,7 @@ class Options(OptionsDict):
         return f"Options({own}, {subs})"
 
     # -- loading -------------------------------------------------------------------------
-    def _resolve_setter(self, path: list[str]) -> Callable:
-        """The setter method at ``path`` (e.g. ``["Training", "gradientAccumulation"]``)."""
-        target: Any = self
-        for part in path[:-1]:
-            if part not in _SUB_OBJECTS:
-                raise Error(f"'{part}' is not an options category; use one of "
-                            f"{', '.join(_SUB_OBJECTS)}.")
-            target = getattr(target, part)
-        name = path[-1]
-        if name.startswith("_") or name in _NOT_SETTERS or (
-                name == "set" and isinstance(target, OptionsDict)):
-            raise Error(f"'{'.'.join(path)}' is not an option setter.")
-        if name == "backend" and isinstance(target, _JitOptions):
-            return target._set_backend
-        method = getattr(type(target), name, None)
-        if not callable(method) or isinstance(method, property):
-            raise Error(f"Unknown option setter '{'.'.join(path)}'.")
-        return getattr(target, name)
-
-    def loadFromFile(self, filepath: str) -> "Options":
+    def loadFromFile(self, filepath: str) -> Options:
         """Apply a config file: one setter call per line, written as in Python without
         the ``options.`` prefix (``deviceIterations(4)``,
         ``Training.gradientAccumulation(2)``); ``#`` starts a comment.
@@ -540,36 +559,14 @@ class Options(OptionsDict):
             if not text or text.startswith("#"):
                 continue
             try:
-                self._apply_command(text)
+                apply_command(self, text)
             except (Error, ValueError, TypeError, SyntaxError, AttributeError) as exc:
                 reason = exc.message if isinstance(exc, Error) else str(exc)
                 raise ConfigFileError(f"{filepath}:{lineno}: cannot apply {text!r}: "
                                       f"{reason}") from exc
         return self
 
-    def _apply_command(self, text: str) -> None:
-        try:
-            tree = ast.parse(text, mode="eval")
-        except SyntaxError as exc:
-            raise Error(f"not a valid Python expression ({exc.msg}).") from None
-        call = tree.body
-        if not isinstance(call, ast.Call):
-            raise Error("expected a setter call such as deviceIterations(4).")
-        path = dotted_name(call.func)
-        if path is None:
-            raise Error("expected a setter call such as deviceIterations(4).")
-        if path[0] in ("options", "opts") and len(path) > 1:
-            path = path[1:]
-        setter = self._resolve_setter(path)
-        args = [safe_value(arg) for arg in call.args]
-        kwargs = {}
-        for keyword in call.keywords:
-            if keyword.arg is None:
-                raise Error("**kwargs are not supported in config files.")
-            kwargs[keyword.arg] = safe_value(keyword.value)
-        setter(*args, **kwargs)
-
-    def from_json(self, string: str) -> "Options":
+    def from_json(self, string: str) -> Options:
         """Apply options from a JSON object ``{"name.of.setter": value}``; a list value
         is passed as positional arguments::
 
@@ -584,7 +581,7 @@ class Options(OptionsDict):
             raise Error("from_json: expected a JSON object {\"name.of.setter\": value}.")
         for key, value in values.items():
             try:
-                setter = self._resolve_setter(key.split("."))
+                setter = resolve_setter(self, key.split("."))
             except Error as exc:
                 raise Error(f"from_json: {exc.message}") from None
             if isinstance(value, list):

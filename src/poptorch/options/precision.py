@@ -8,7 +8,7 @@ import torch
 from .. import enums
 from ..errors import Error
 from .popart import _PopartOptions
-from .store import OptionsDict, check_bool, check_enum
+from .store import OptionChoiceError, OptionsDict, check_bool, check_enum
 
 if TYPE_CHECKING:
     from ..autocasting import Policy
@@ -23,7 +23,7 @@ class _PrecisionOptions(OptionsDict):
     >>> opts.Precision.enableFloatingPointExceptions(True)
     """
 
-    def __init__(self, popart_options: "_PopartOptions | None" = None) -> None:
+    def __init__(self, popart_options: _PopartOptions | None = None) -> None:
         super().__init__(half_float_casting=enums.HalfFloatCastingBehavior.Default,
                          running_statistics_always_float=True,
                          floating_point_exceptions=False,
@@ -33,7 +33,7 @@ class _PrecisionOptions(OptionsDict):
                          autocast_policy=None)
         self._popart = popart_options
 
-    def autocastEnabled(self, autocast_enabled: bool) -> "_PrecisionOptions":
+    def autocastEnabled(self, autocast_enabled: bool) -> _PrecisionOptions:
         """Whether automatic casting (``poptorch.autocast``, ``model.autocast()``) is
         applied at all. Default: True; False runs every autocast region unchanged."""
         self.set(autocast_enabled=check_bool("Precision.autocastEnabled",
@@ -41,7 +41,7 @@ class _PrecisionOptions(OptionsDict):
         return self
 
     def autocastPolicy(self, autocast_policy: Policy
-                       ) -> "_PrecisionOptions":
+                       ) -> _PrecisionOptions:
         """The casting policy of automatic casting regions (default:
         ``poptorch.autocasting.default``)."""
         from ..autocasting import Policy  # the policy type lives in the public layer
@@ -52,7 +52,7 @@ class _PrecisionOptions(OptionsDict):
         return self
 
     def halfFloatCasting(self, half_float_casting: enums.HalfFloatCastingBehavior
-                         ) -> "_PrecisionOptions":
+                         ) -> _PrecisionOptions:
         """How operations mixing float16 and float32 inputs are computed. ``Default``:
         a model's weights follow its activations' precision, other mixes follow
         PyTorch's promotion; ``FloatDowncastToHalf`` / ``HalfUpcastToFloat`` compute
@@ -62,29 +62,29 @@ class _PrecisionOptions(OptionsDict):
                                                enums.HalfFloatCastingBehavior))
         return self
 
-    def runningStatisticsAlwaysFloat(self, value: bool) -> "_PrecisionOptions":
+    def runningStatisticsAlwaysFloat(self, value: bool) -> _PrecisionOptions:
         """Keep batch-norm running statistics in float32 even in a float16 model."""
         self.set(running_statistics_always_float=check_bool(
-            "Precision.runningStatisticsAlwaysFloat", value))
+            "Precision.runningStatisticsAlwaysFloat", value, error=OptionChoiceError))
         return self
 
-    def enableFloatingPointExceptions(self, enabled: bool) -> "_PrecisionOptions":
+    def enableFloatingPointExceptions(self, enabled: bool) -> _PrecisionOptions:
         """Raise an error when an operation produces inf or NaN (overflow, 0/0, ...)."""
         self.set(floating_point_exceptions=check_bool(
             "Precision.enableFloatingPointExceptions", enabled))
         return self
 
-    def enableStochasticRounding(self, enabled: bool) -> "_PrecisionOptions":
+    def enableStochasticRounding(self, enabled: bool) -> _PrecisionOptions:
         """Round float16 results up or down at random, unbiased on average."""
         self.set(stochastic_rounding=check_bool("Precision.enableStochasticRounding",
                                                 enabled))
         return self
 
-    def setPartialsType(self, dtype: torch.dtype) -> "_PrecisionOptions":
+    def setPartialsType(self, dtype: torch.dtype) -> _PrecisionOptions:
         """Data type of the partial results of matmuls and convolutions:
         ``torch.float`` or ``torch.half``."""
         if dtype not in (torch.float32, torch.float16):
-            raise Error(f"Precision.setPartialsType: expected torch.float or torch.half, "
-                        f"got {dtype!r}.")
+            raise OptionChoiceError(f"Precision.setPartialsType: expected torch.float or "
+                                    f"torch.half, got {dtype!r}.")
         self.set(partials_type=dtype)
         return self

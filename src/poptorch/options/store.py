@@ -11,12 +11,35 @@ from __future__ import annotations
 import copy
 import enum
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any, ClassVar
 
 from ..errors import Error
 
-__all__ = ["OptionsDict", "check_bool", "check_int", "check_enum", "check_str",
-           "check_optional_path", "check_str_list"]
+__all__ = ["OptionChoiceError", "OptionNameError", "OptionValueError",
+           "OptionsDict", "OptionsFrozenError", "check_bool", "check_enum", "check_int",
+           "check_optional_path", "check_str", "check_str_list", "check_truth"]
+
+class OptionValueError(Error, AssertionError):
+    """A value an option setter refuses: a ``poptorch.Error`` that is also the
+    ``AssertionError`` PopTorch's setters raise for a value of the wrong type or range
+    (their ``assert isinstance(...)`` checks)."""
+
+
+class OptionChoiceError(Error, ValueError):
+    """A refused choice: a ``poptorch.Error`` that is also the ``ValueError`` PopTorch
+    raises for it (reduction types, partials types, input replica groups, ...)."""
+
+
+class OptionNameError(Error, TypeError):
+    """A refused argument type: a ``poptorch.Error`` that is also the ``TypeError``
+    PopTorch's setter meets for it (an environment variable name that is no string)."""
+
+
+class OptionsFrozenError(Error, AttributeError):
+    """A change to frozen options: a ``poptorch.Error`` that is also the
+    ``AttributeError`` PopTorch raises for it."""
+
 
 _FROZEN_MESSAGE = ("Options are frozen: a model or a poptorch.DataLoader uses them, so changing "
                    "{what} would not take effect. Use opts.clone() to get an unfrozen copy, "
@@ -53,7 +76,7 @@ class OptionsDict:
 
     # Options that may also be assigned (``opts.replication_factor = 4``, as PopTorch
     # allows): option name -> the setter that validates and stores the value.
-    _ASSIGNMENT_SETTERS: dict[str, str] = {}
+    _ASSIGNMENT_SETTERS: ClassVar[dict[str, str]] = {}
 
     def __setattr__(self, name: str, value: Any) -> None:
         # ``opts.device_iterations = 4`` must not bypass validation by shadowing the value:
@@ -82,32 +105,33 @@ class OptionsDict:
         """Raise :py:class:`poptorch.Error` if these options can no longer change."""
         if self._frozen:
             what = f"option '{option}'" if option else "them"
-            raise Error(_FROZEN_MESSAGE.format(what=what))
+            raise OptionsFrozenError(_FROZEN_MESSAGE.format(what=what))
 
-    def set(self, **kwargs: Any) -> "OptionsDict":
+    def set(self, **kwargs: Any) -> OptionsDict:
         """Change existing options (an unknown name is an error)."""
         for option, value in kwargs.items():
             self.checkIsFrozen(option)
             if option not in self._values:
-                raise Error(f"Unknown option '{option}' for {type(self).__name__}; "
-                            f"options: {sorted(self._values)}")
+                raise OptionValueError(f"Unknown option '{option}' for "
+                                       f"{type(self).__name__}; options: "
+                                       f"{sorted(self._values)}")
             self._values[option] = value
         return self
 
-    def createOrSet(self, **kwargs: Any) -> "OptionsDict":
+    def createOrSet(self, **kwargs: Any) -> OptionsDict:
         """Change options, creating those that do not exist yet."""
         for option, value in kwargs.items():
             self.checkIsFrozen(option)
             self._values[option] = value
         return self
 
-    def deleteIfExists(self, option: str) -> "OptionsDict":
+    def deleteIfExists(self, option: str) -> OptionsDict:
         """Remove ``option`` if it has a value."""
         self.checkIsFrozen(option)
         self._values.pop(option, None)
         return self
 
-    def update(self, other: "OptionsDict | dict[str, Any]") -> "OptionsDict":
+    def update(self, other: OptionsDict | dict[str, Any]) -> OptionsDict:
         """Set (or create) every option of ``other`` (a dict or another OptionsDict)."""
         items = other.toDict() if isinstance(other, OptionsDict) else dict(other)
         return self.createOrSet(**items)
@@ -132,7 +156,7 @@ class OptionsDict:
             return True
         return self._values[option] != self._defaults[option]
 
-    def __deepcopy__(self, memo: dict) -> "OptionsDict":
+    def __deepcopy__(self, memo: dict) -> OptionsDict:
         clone = type(self).__new__(type(self))
         memo[id(self)] = clone
         for key, value in self.__dict__.items():
@@ -158,39 +182,59 @@ def _short_repr(value: Any) -> str:
 
 
 # -- validation helpers shared by the setters ------------------------------------------
-def check_bool(option: str, value: Any) -> bool:
+# Each raises ``error`` (default: OptionValueError, a poptorch.Error that is also the
+# AssertionError PopTorch's setters raise) with a message naming the option.
+ErrorType = type[Error]
+
+
+def check_bool(option: str, value: Any, error: ErrorType = OptionValueError) -> bool:
     """``value`` if it is a bool, else a clear error naming ``option``."""
     if not isinstance(value, bool):
-        raise Error(f"{option}: expected True or False, got {value!r} "
+        raise error(f"{option}: expected True or False, got {value!r} "
                     f"({type(value).__name__}).")
     return value
 
 
+def check_truth(option: str, value: Any) -> bool:
+    """The truth value of ``value``, for the setters PopTorch reads that way (any
+    object: ``enableSyntheticData(2)`` is True, ``showCompilationProgressBar(None)``
+    is False). An object without a single truth value (a tensor or array of several
+    elements) is an error."""
+    try:
+        return bool(value)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise OptionValueError(f"{option}: {value!r} has no single truth value "
+                               f"({exc}); pass True or False.") from None
+
+
 def check_int(option: str, value: Any, minimum: int | None = None,
-              maximum: int | None = None) -> int:
+              maximum: int | None = None, error: ErrorType = OptionValueError) -> int:
     """``value`` if it is an int (not a bool) in [minimum, maximum]."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise Error(f"{option}: expected an integer, got {value!r} ({type(value).__name__}).")
+        raise error(f"{option}: expected an integer, got {value!r} "
+                    f"({type(value).__name__}).")
     if minimum is not None and value < minimum:
-        raise Error(f"{option}: must be >= {minimum}, got {value}.")
+        raise error(f"{option}: must be >= {minimum}, got {value}.")
     if maximum is not None and value > maximum:
-        raise Error(f"{option}: must be <= {maximum}, got {value}.")
+        raise error(f"{option}: must be <= {maximum}, got {value}.")
     return value
 
 
-def check_str(option: str, value: Any) -> str:
+def check_str(option: str, value: Any, error: ErrorType = OptionValueError) -> str:
     """``value`` if it is a str."""
     if not isinstance(value, str):
-        raise Error(f"{option}: expected a string, got {value!r} ({type(value).__name__}).")
+        raise error(f"{option}: expected a string, got {value!r} ({type(value).__name__}).")
     return value
 
 
 def check_enum(option: str, value: Any, enum_type: type[enum.Enum],
-               accepted: Iterable[enum.Enum] | None = None) -> enum.Enum:
+               accepted: Iterable[enum.Enum] | None = None,
+               error: ErrorType = OptionValueError) -> enum.Enum:
     """Convert ``value`` to a member of ``enum_type``.
 
-    Accepts a member, its name (``"All"``) or its value (``2``), which is what config
-    files and JSON can express. ``accepted`` restricts the allowed members.
+    Accepts a member, its name (``"All"``, ``"OutputMode.All"``) or its value (``2``),
+    which is what config files and JSON can express. ``accepted`` restricts the
+    allowed members.
     """
     allowed = list(accepted) if accepted is not None else list(enum_type)
     names = ", ".join(f"{enum_type.__name__}.{m.name}" for m in allowed)
@@ -208,7 +252,7 @@ def check_enum(option: str, value: Any, enum_type: type[enum.Enum],
         except (ValueError, TypeError):
             member = None
     if member is None or member not in allowed:
-        raise Error(f"{option}: expected one of {names}, got {value!r}.")
+        raise error(f"{option}: expected one of {names}, got {value!r}.")
     return member
 
 
@@ -222,9 +266,11 @@ def check_optional_path(option: str, value: Any) -> str | None:
 
 
 def check_str_list(option: str, value: Any) -> list[str]:
-    """``value`` as a list of strings."""
+    """``value`` as a list of strings: a list, a tuple or a set (sorted) of them."""
+    if isinstance(value, (set, frozenset)):
+        value = sorted(value, key=str)
     if isinstance(value, str) or not isinstance(value, (list, tuple)):
-        raise Error(f"{option}: expected a list of strings, got {value!r}.")
+        raise OptionValueError(f"{option}: expected a list of strings, got {value!r}.")
     for item in value:
         check_str(option, item)
     return list(value)

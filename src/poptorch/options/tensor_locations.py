@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import Error
-from .store import OptionsDict, check_bool, check_int
+from .store import OptionsDict, OptionValueError, check_bool, check_int
 
 _IGNORED_LOCATION_KEYS = ("useReplicatedTensorSharding",
                           "minElementsForReplicatedTensorSharding",
@@ -28,14 +27,14 @@ class TensorLocationSettings(OptionsDict):
     recorded only, as are IO tiles.
     """
 
-    def minElementsForOffChip(self, min_elements: int) -> "TensorLocationSettings":
+    def minElementsForOffChip(self, min_elements: int) -> TensorLocationSettings:
         """Tensors with fewer elements than this are never stored off chip."""
         self.createOrSet(minElementsForOffChip=check_int(
             "TensorLocationSettings.minElementsForOffChip", min_elements, minimum=0))
         return self
 
     def minElementsForReplicatedTensorSharding(self, min_elements: int
-                                               ) -> "TensorLocationSettings":
+                                               ) -> TensorLocationSettings:
         """Only shard the optimizer state of tensors with at least this many elements
         (default 8192)."""
         self.createOrSet(minElementsForReplicatedTensorSharding=check_int(
@@ -43,7 +42,7 @@ class TensorLocationSettings(OptionsDict):
             minimum=0))
         return self
 
-    def useOnChipStorage(self, use: bool | None = True) -> "TensorLocationSettings":
+    def useOnChipStorage(self, use: bool | None = True) -> TensorLocationSettings:
         """True: device memory; False: off chip (host memory); None: undefined."""
         if use is None:
             self.deleteIfExists("onChip")
@@ -52,27 +51,27 @@ class TensorLocationSettings(OptionsDict):
                                                use))
         return self
 
-    def useReplicatedTensorSharding(self, use: bool = True) -> "TensorLocationSettings":
+    def useReplicatedTensorSharding(self, use: bool = True) -> TensorLocationSettings:
         """Shard the optimizer state over the replicas sharing each tensor (for weights
         and accumulators: recorded only)."""
         self.createOrSet(useReplicatedTensorSharding=check_bool(
             "TensorLocationSettings.useReplicatedTensorSharding", use))
         return self
 
-    def useIOTilesToLoad(self, use: bool = True) -> "TensorLocationSettings":
+    def useIOTilesToLoad(self, use: bool = True) -> TensorLocationSettings:
         """Load the tensor through IO tiles (recorded only)."""
         self.createOrSet(useIOTilesToLoad=check_bool(
             "TensorLocationSettings.useIOTilesToLoad", use))
         return self
 
-    def useIOTilesToStore(self, use: bool = True) -> "TensorLocationSettings":
+    def useIOTilesToStore(self, use: bool = True) -> TensorLocationSettings:
         """Store the tensor through IO tiles (recorded only)."""
         self.createOrSet(useIOTilesToStore=check_bool(
             "TensorLocationSettings.useIOTilesToStore", use))
         return self
 
 
-class NumIOTilesError(Error, AssertionError):
+class NumIOTilesError(OptionValueError):
     """A bad ``numIOTiles``: a ``poptorch.Error`` that is also the ``AssertionError``
     PopTorch raises for it."""
 
@@ -91,7 +90,7 @@ class _TensorLocationOptions(OptionsDict):
         super().__init__(num_io_tiles=0, location_activation={}, location_weight={},
                          location_optimizer={}, location_accumulator={})
 
-    def numIOTiles(self, num_tiles: int) -> "_TensorLocationOptions":
+    def numIOTiles(self, num_tiles: int) -> _TensorLocationOptions:
         """Upstream: tiles reserved for IO, an even number between 32 and 192 (the
         limits are checked as upstream does). Recorded only."""
         check_int("TensorLocations.numIOTiles", num_tiles)
@@ -102,30 +101,31 @@ class _TensorLocationOptions(OptionsDict):
         return self
 
     def _set_location(self, kind: str, location: TensorLocationSettings
-                      ) -> "_TensorLocationOptions":
+                      ) -> _TensorLocationOptions:
         if not isinstance(location, TensorLocationSettings):
-            raise Error(f"TensorLocations.set{kind.capitalize()}Location: expected a "
-                        f"poptorch.TensorLocationSettings, got {location!r}.")
+            raise OptionValueError(f"TensorLocations.set{kind.capitalize()}Location: "
+                                   f"expected a poptorch.TensorLocationSettings, got "
+                                   f"{location!r}.")
         self.set(**{f"location_{kind}": location.toDict()})
         return self
 
     def setActivationLocation(self, location: TensorLocationSettings
-                              ) -> "_TensorLocationOptions":
+                              ) -> _TensorLocationOptions:
         """Where activations are stored."""
         return self._set_location("activation", location)
 
     def setWeightLocation(self, location: TensorLocationSettings
-                          ) -> "_TensorLocationOptions":
+                          ) -> _TensorLocationOptions:
         """Where weights are stored."""
         return self._set_location("weight", location)
 
     def setOptimizerLocation(self, location: TensorLocationSettings
-                             ) -> "_TensorLocationOptions":
+                             ) -> _TensorLocationOptions:
         """Where optimizer state is stored."""
         return self._set_location("optimizer", location)
 
     def setAccumulatorLocation(self, location: TensorLocationSettings
-                               ) -> "_TensorLocationOptions":
+                               ) -> _TensorLocationOptions:
         """Where gradient accumulators are stored."""
         return self._set_location("accumulator", location)
 

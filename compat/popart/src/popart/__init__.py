@@ -3,8 +3,9 @@
 ``opts.enableSyntheticData(int(popart.SyntheticDataMode.Z))``).
 
 OpenPopTorch has no PopART: ``Options._Popart`` values are recorded and logged, not
-applied (see the project's docs/options.md), so these enums only need to exist with
-PopART's member values. Nothing else of PopART's API is provided; a program that needs
+applied, except the few that act on our devices too, such as ``syntheticDataMode``
+(see the project's docs/options.md), so these enums only need to exist with PopART's
+member values. Nothing else of PopART's API is provided; a program that needs
 more gets an ``AttributeError`` naming what is missing.
 """
 from __future__ import annotations

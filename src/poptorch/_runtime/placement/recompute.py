@@ -25,29 +25,35 @@ import sys
 import threading
 import weakref
 from types import FrameType
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import torch
-from ..torch_internals import (MODULE_CALL_CODE, DisableAutocast, DisableTorchFunction,
-                               TorchDispatchMode, current_graph_task_id,
-                               disable_current_modes, pytree,
-                               top_saved_tensors_default_hooks)
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from ...errors import Error
 from .. import context
+from ..torch_internals import (
+    MODULE_CALL_CODE,
+    DisableAutocast,
+    DisableTorchFunction,
+    TorchDispatchMode,
+    current_graph_task_id,
+    disable_current_modes,
+    pytree,
+    top_saved_tensors_default_hooks,
+)
 
-__all__ = ["checkpoint", "ForwardRecording"]
+__all__ = ["ForwardRecording", "checkpoint"]
 
-Ref = Tuple[int, int]  # (index of the op in the tape, index of the output tensor)
+Ref = tuple[int, int]  # (index of the op in the tape, index of the output tensor)
 
 _state = threading.local()
-_hooked_models: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+_hooked_models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 _hook_lock = threading.Lock()
 _CALL_IMPL = MODULE_CALL_CODE
 
 
-def checkpoint(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+def checkpoint(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Mark ``tensors`` as kept for the backward pass and start a new segment.
 
     Outside a training forward pass of an executor this does nothing.
@@ -74,12 +80,12 @@ class recording:
     cut into segments by :func:`checkpoint_values`. ``owner=None``: swallow checkpoint
     calls (while a model is captured, no hooks are installed)."""
 
-    def __init__(self, owner: Optional[torch.nn.Module]) -> None:
+    def __init__(self, owner: torch.nn.Module | None) -> None:
         self.owner = owner
         self.rec: Any = None
         self.previous: Any = None
 
-    def __enter__(self) -> "recording":
+    def __enter__(self) -> recording:
         self.previous = getattr(_state, "recording", None)
         self.rec = _Swallow() if self.owner is None else ForwardRecording(self.owner)
         _state.recording = self.rec
@@ -94,14 +100,14 @@ class recording:
 
 
 class _Swallow:
-    def checkpoint(self, tensors: List[torch.Tensor]) -> None:
+    def checkpoint(self, tensors: list[torch.Tensor]) -> None:
         return None
 
 
 # ---------------------------------------------------------------- forward boundaries
 def _hook_outermost_module() -> None:
     """Install the recording hooks on the outermost module running on this thread."""
-    frame: Optional[FrameType] = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     model = None
     while frame is not None:
         if frame.f_code is _CALL_IMPL:
@@ -169,7 +175,7 @@ class ForwardRecording:
         finally:
             self.segment.close(recompute=self.checkpoints > 0)
 
-    def checkpoint(self, tensors: List[torch.Tensor]) -> None:
+    def checkpoint(self, tensors: list[torch.Tensor]) -> None:
         self.checkpoints += 1
         self.segment.keep(tensors)
         self.segment.close(recompute=True)
@@ -188,6 +194,12 @@ class _TapeMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _leaves_no_tensor_trace(func):
+            # Name scopes (push / pop_name_scope, NameScope's profiler range): they
+            # change no tensor, so a replay does not need them, and replaying one half
+            # of a pair (a scope opened before a checkpoint, closed after it) would
+            # unbalance the thread's scope stack.
+            return func(*args, **kwargs)
         segment = self.recording.segment
         entry = segment.before(func, args, kwargs)
         out = func(*args, **kwargs)
@@ -199,9 +211,9 @@ class _TapeMode(TorchDispatchMode):
 class _Kept:
     """A saved tensor kept as usual (optionally through the enclosing hooks)."""
 
-    __slots__ = ("payload", "unpack", "version", "tensor")
+    __slots__ = ("payload", "tensor", "unpack", "version")
 
-    def __init__(self, tensor: Any, outer: Optional[tuple]) -> None:
+    def __init__(self, tensor: Any, outer: tuple | None) -> None:
         self.version = tensor._version
         self.tensor: Any
         if outer is None:
@@ -224,13 +236,13 @@ class _Pending:
     """A tensor made inside a segment: held until the segment closes, then either
     kept or dropped (and recomputed when unpacked)."""
 
-    __slots__ = ("segment", "ref", "tensor", "kept", "__weakref__")
+    __slots__ = ("__weakref__", "kept", "ref", "segment", "tensor")
 
-    def __init__(self, segment: "_Segment", ref: Ref, tensor: torch.Tensor) -> None:
+    def __init__(self, segment: _Segment, ref: Ref, tensor: torch.Tensor) -> None:
         self.segment = segment
         self.ref = ref
-        self.tensor: Optional[torch.Tensor] = tensor
-        self.kept: Optional[_Kept] = None
+        self.tensor: torch.Tensor | None = tensor
+        self.kept: _Kept | None = None
 
     def get(self) -> torch.Tensor:
         if self.kept is not None:
@@ -248,21 +260,21 @@ def _unpack(saved: Any) -> torch.Tensor:
 class _Segment:
     """The tape of the operations between two checkpoints, and its saved tensors."""
 
-    def __init__(self, outer: Optional[tuple]) -> None:
+    def __init__(self, outer: tuple | None) -> None:
         self.outer = outer
-        self.ops: List[tuple] = []  # (func, leaves, spec)
+        self.ops: list[tuple] = []  # (func, leaves, spec)
         self.binding = WeakTensorKeyDictionary()  # tensor made here -> Ref
-        self.externals: List[torch.Tensor] = []
-        self.external_index: Dict[int, int] = {}
-        self.snapshots: Dict[int, torch.Tensor] = {}  # external -> value before a write
-        self.versions: List[int] = []
-        self.rng: Optional[tuple] = None  # (op index, cpu state, cuda states)
-        self.pending: List[_Pending] = []
+        self.externals: list[torch.Tensor] = []
+        self.external_index: dict[int, int] = {}
+        self.snapshots: dict[int, torch.Tensor] = {}  # external -> value before a write
+        self.versions: list[int] = []
+        self.rng: tuple | None = None  # (op index, cpu state, cuda states)
+        self.pending: list[_Pending] = []
         self.kept_refs: set = set()
         self.wanted: collections.Counter = collections.Counter()
-        self.cache: Dict[Ref, torch.Tensor] = {}
+        self.cache: dict[Ref, torch.Tensor] = {}
         self.left: collections.Counter = collections.Counter()
-        self.drop_after: List[List[Ref]] = []
+        self.drop_after: list[list[Ref]] = []
 
     # recording ------------------------------------------------------------------
     def before(self, func, args: tuple, kwargs: dict) -> tuple:
@@ -319,7 +331,7 @@ class _Segment:
         self.pending.append(pending)
         return pending
 
-    def keep(self, tensors: List[torch.Tensor]) -> None:
+    def keep(self, tensors: list[torch.Tensor]) -> None:
         for t in tensors:
             ref = self.binding.get(t)
             if ref is not None:
@@ -343,7 +355,7 @@ class _Segment:
         self.external_index = {}
 
     def _plan_frees(self) -> None:
-        last_use: Dict[Ref, int] = {}
+        last_use: dict[Ref, int] = {}
         for i, (_, refs, _) in enumerate(self.ops):
             for r in refs:
                 if isinstance(r, _Internal):
@@ -365,7 +377,7 @@ class _Segment:
             del self.cache[ref]
         return value
 
-    def _replay(self) -> Dict[Ref, torch.Tensor]:
+    def _replay(self) -> dict[Ref, torch.Tensor]:
         if torch.is_grad_enabled() and current_graph_task_id() != -1:
             raise Error("Recomputation does not support a backward pass with "
                         "create_graph=True (double backward): remove the "
@@ -379,7 +391,7 @@ class _Segment:
                     "in-place update, or pass that tensor to recomputationCheckpoint.")
         externals = [self.snapshots[i].clone() if i in self.snapshots else t
                      for i, t in enumerate(self.externals)]
-        values: Dict[Ref, torch.Tensor] = {}
+        values: dict[Ref, torch.Tensor] = {}
         with torch.no_grad(), disable_current_modes(), DisableTorchFunction(), \
                 DisableAutocast(), _ReplayRng(self.rng) as rng:
             for i, (func, refs, spec) in enumerate(self.ops):
@@ -411,7 +423,24 @@ class _External:
         self.index = index
 
 
-_write_cache: Dict[Any, Tuple[frozenset, frozenset]] = {}
+_no_trace_cache: dict[Any, bool] = {}
+
+
+def _leaves_no_tensor_trace(func) -> bool:
+    """True for an operator that returns no tensor and writes to none of its arguments
+    (by its schema): nothing a replay computes can depend on it."""
+    cached = _no_trace_cache.get(func)
+    if cached is None:
+        schema = func._schema
+        returns_tensor = any("Tensor" in str(r.type) for r in schema.returns)
+        writes = any(a.alias_info is not None and a.alias_info.is_write
+                     for a in schema.arguments)
+        cached = _no_trace_cache[func] = not returns_tensor and not writes \
+            and func.overloadpacket not in _UNANNOTATED_WRITES
+    return cached
+
+
+_write_cache: dict[Any, tuple[frozenset, frozenset]] = {}
 # Ops that update their running statistics without saying so in their schema.
 _UNANNOTATED_WRITES = {
     torch.ops.aten.native_batch_norm: ("running_mean", "running_var"),
@@ -449,11 +478,11 @@ class _ReplayRng:
     """Puts the random generators in the recorded state before the first random op of
     the tape, and restores them after the replay."""
 
-    def __init__(self, rng: Optional[tuple]) -> None:
+    def __init__(self, rng: tuple | None) -> None:
         self.rng = rng
-        self.saved: Optional[tuple] = None
+        self.saved: tuple | None = None
 
-    def __enter__(self) -> "_ReplayRng":
+    def __enter__(self) -> _ReplayRng:
         return self
 
     def before(self, i: int) -> None:

@@ -15,13 +15,24 @@ and an inference wrapper of one module, and the user's module, each keep their m
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 
 import torch
 
 
 def shallow_copy_module(module: torch.nn.Module) -> torch.nn.Module:
-    """Copy the top module only; submodules, parameters and buffers are shared."""
-    new = copy.copy(module)
+    """Copy the top module only; submodules, parameters and buffers are shared.
+
+    The copy is a new instance of the module's class holding the same attribute table
+    entries. A class's own ``__copy__`` is not used: ``torch.fx.GraphModule`` rebuilds
+    itself from its graph there, keeping only the submodules the graph calls and none of
+    its hooks, so the copy would no longer have the user's module tree.
+    """
+    if getattr(type(module), "__copy__", None) is None:
+        new = copy.copy(module)  # the instance's attribute table, copied
+    else:
+        new = object.__new__(type(module))
+        new.__dict__.update(module.__dict__)
     for name, value in vars(module).items():
         if "hook" in name and isinstance(value, (dict, list)):
             # per-copy hook tables with the same entries, so that hooks the executor
@@ -95,8 +106,21 @@ class TrainingMode:
         self._flipped = []
         self._flipped_custom = []
 
-def iter_module_pairs(original: torch.nn.Module, copied: torch.nn.Module):
-    """Yield (original_submodule, copied_submodule) pairs in ``named_modules`` order."""
-    copies = dict(copied.named_modules(remove_duplicate=False))
-    for name, sub in original.named_modules(remove_duplicate=False):
-        yield sub, copies[name]
+def iter_module_pairs(original: torch.nn.Module, copied: torch.nn.Module
+                      ) -> Iterator[tuple[torch.nn.Module, torch.nn.Module]]:
+    """Yield (original_submodule, copied_submodule) pairs in the copy's
+    ``named_modules`` order.
+
+    A module of the copy is paired with the original's module of the same name; one
+    the original does not have under that name (a copy that renamed it) is paired with
+    itself when the original holds that very module elsewhere. A module the original
+    lacks altogether is paired with itself too, and a module of the original the copy
+    dropped is not visited: the copy runs without it.
+    """
+    by_name = dict(original.named_modules(remove_duplicate=False))
+    owned = {id(m) for m in by_name.values()}
+    for name, sub in copied.named_modules(remove_duplicate=False):
+        match = by_name.get(name)
+        if match is None or (match is not sub and id(sub) in owned and name):
+            match = sub
+        yield match, sub
