@@ -79,9 +79,12 @@ def _dict_reach_ins(tree: ast.AST) -> list[tuple[int, str]]:
     return found
 
 
+ATTRIBUTE_TABLE_MODULE = "_runtime/attributes.py"  # attribute_table: the one reader
+
+
 def test_no_module_reaches_into_another_objects_dict():
     bad = [f"{rel}:{line}: {text}" for rel, tree in _modules()
-           for line, text in _dict_reach_ins(tree)]
+           if rel != ATTRIBUTE_TABLE_MODULE for line, text in _dict_reach_ins(tree)]
     assert not bad, ("keep state in a WeakKeyDictionary registry or a documented "
                      "attribute, read instance attributes with "
                      "poptorch._runtime.attributes:\n" + "\n".join(bad))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-__all__ = ["defines", "own_attribute", "own_attribute_names"]
+__all__ = ["attribute_table", "defines", "own_attribute", "own_attribute_names"]
 
 _MISSING = object()
 
@@ -23,6 +23,13 @@ def own_attribute(obj: Any, name: str, default: Any = None) -> Any:
     if value is _MISSING or value is inspect.getattr_static(type(obj), name, _MISSING):
         return default
     return value
+
+
+def attribute_table(obj: Any) -> dict[str, Any]:
+    """A copy of the attributes stored on ``obj`` itself, by name: what copying an
+    object or scanning its plain attributes reads. The one place that reads an
+    instance's attribute table (``tests/test_call_path_structure.py``)."""
+    return dict(vars(obj))
 
 
 def own_attribute_names(obj: Any) -> set[str]:

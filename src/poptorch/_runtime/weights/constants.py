@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ..attributes import attribute_table
+
 
 class TensorConstants:
     """The plain tensor attributes of a (device) module tree (see module docstring)."""
@@ -22,7 +24,7 @@ class TensorConstants:
     def __init__(self, model: torch.nn.Module) -> None:
         self._entries: list[list] = []
         for module in model.modules():
-            for name, value in vars(module).items():
+            for name, value in attribute_table(module).items():
                 if isinstance(value, torch.Tensor) and not value.requires_grad \
                         and not isinstance(value, torch.nn.Parameter):
                     snapshot = value.detach().clone()
@@ -35,7 +37,7 @@ class TensorConstants:
         """Give every changed constant its compile-time value again (a new tensor)."""
         for entry in self._entries:
             module, name, snapshot, obj, version = entry
-            current = vars(module).get(name)
+            current = getattr(module, name, None)
             if current is obj and obj._version == version:
                 continue
             fresh = snapshot.clone()

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 
 import torch
 
+from ..attributes import attribute_table, own_attribute
+
 
 def shallow_copy_module(module: torch.nn.Module) -> torch.nn.Module:
     """Copy the top module only; submodules, parameters and buffers are shared.
@@ -28,16 +30,17 @@ def shallow_copy_module(module: torch.nn.Module) -> torch.nn.Module:
     itself from its graph there, keeping only the submodules the graph calls and none of
     its hooks, so the copy would no longer have the user's module tree.
     """
+    table = attribute_table(module)
     if getattr(type(module), "__copy__", None) is None:
         new = copy.copy(module)  # the instance's attribute table, copied
     else:
         new = object.__new__(type(module))
-        new.__dict__.update(module.__dict__)
-    for name, value in vars(module).items():
+        torch.nn.Module.__setstate__(new, dict(table))  # (the unpickling protocol)
+    for name, value in table.items():
         if "hook" in name and isinstance(value, (dict, list)):
             # per-copy hook tables with the same entries, so that hooks the executor
             # registers on its copy do not reach the user's module
-            new.__dict__[name] = copy.copy(value)
+            object.__setattr__(new, name, copy.copy(value))
     return new
 
 
@@ -47,10 +50,10 @@ class TrainingMode:
 
     The modules are listed once, at the first ``with`` (the model as compiled; walking
     the tree costs far more than checking the flags): :meth:`forget` lists them again at
-    the next one, as after ``destroy()``. Flags are written straight into the modules'
-    ``__dict__`` (what ``nn.Module.__setattr__`` ends up doing for a bool, minus its
-    parameter / buffer / submodule checks); a module class with its own ``__setattr__``
-    gets a real ``setattr``."""
+    the next one, as after ``destroy()``. A flag is set with ``object.__setattr__`` (what
+    ``nn.Module.__setattr__`` ends up doing for a bool, minus its parameter / buffer /
+    submodule checks); a module class with its own ``__setattr__`` gets a real
+    ``setattr``."""
 
     def __init__(self, model: torch.nn.Module, training: bool,
                  keep_eval: list[torch.nn.Module] | None = None) -> None:
@@ -59,9 +62,9 @@ class TrainingMode:
         # modules left in eval mode by a training wrapper (see PoplarExecutor)
         self._keep = {id(m) for m in keep_eval or ()}
         self._modules: list[torch.nn.Module] | None = None
-        self._plain: list[dict] = []      # __dict__ of the modules with plain attributes
+        self._plain: list[torch.nn.Module] = []  # modules with plain attributes
         self._custom: list[torch.nn.Module] = []  # modules with their own __setattr__
-        self._flipped: list[dict] = []
+        self._flipped: list[torch.nn.Module] = []
         self._flipped_custom: list[torch.nn.Module] = []
 
     def forget(self) -> None:
@@ -71,40 +74,33 @@ class TrainingMode:
     def _list(self) -> None:
         self._modules = [m for m in self.model.modules() if id(m) not in self._keep]
         plain_setattr = torch.nn.Module.__setattr__
-        self._plain = [m.__dict__ for m in self._modules
-                       if type(m).__setattr__ is plain_setattr and "training" in m.__dict__]
-        plain = {id(d) for d in self._plain}
-        self._custom = [m for m in self._modules if id(m.__dict__) not in plain]
-
-    def plain_flags(self) -> list[dict] | None:
-        """The ``__dict__`` of every module whose flag this switches, for a caller that
-        writes the flags itself (a hot path); None if some module has its own
-        ``__setattr__`` (then use the ``with`` block)."""
-        if self._modules is None:
-            self._list()
-        return None if self._custom else self._plain
+        self._plain = [m for m in self._modules if type(m).__setattr__ is plain_setattr
+                       and own_attribute(m, "training") is not None]
+        plain = {id(m) for m in self._plain}
+        self._custom = [m for m in self._modules if id(m) not in plain]
 
     def __enter__(self) -> None:
         if self._modules is None:
             self._list()
         mode = self.training
-        flipped = [d for d in self._plain if d["training"] != mode]
-        for d in flipped:
-            d["training"] = mode
+        flipped = [m for m in self._plain if m.training != mode]
+        for module in flipped:
+            object.__setattr__(module, "training", mode)
         self._flipped = flipped
         if self._custom:
             self._flipped_custom = [m for m in self._custom if m.training != mode]
             for module in self._flipped_custom:
                 module.training = mode
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         other = not self.training
-        for d in self._flipped:
-            d["training"] = other
+        for module in self._flipped:
+            object.__setattr__(module, "training", other)
         for module in self._flipped_custom:
             module.training = other
         self._flipped = []
         self._flipped_custom = []
+
 
 def iter_module_pairs(original: torch.nn.Module, copied: torch.nn.Module
                       ) -> Iterator[tuple[torch.nn.Module, torch.nn.Module]]:

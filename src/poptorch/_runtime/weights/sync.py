@@ -81,16 +81,21 @@ _HOOKED_METHODS = ("parameters", "named_parameters", "buffers", "named_buffers",
                    "state_dict", "__call__", "forward")
 
 
+# The weight syncs of each hooked host module, and the hooked class of each module
+# unhooked for a while (``unhook`` / ``rehook``).
+_SYNCS: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
+_UNHOOKED: "weakref.WeakKeyDictionary[torch.nn.Module, type]" = weakref.WeakKeyDictionary()
+
+
 def _install_access_hook(host: torch.nn.Module, sync: WeightSync) -> None:
     """Make reads of ``host`` copy device weights back first (accelerator only)."""
-    syncs = host.__dict__.setdefault("_poptorch_weight_syncs", [])
-    syncs.append(weakref.ref(sync))
+    _SYNCS.setdefault(host, []).append(weakref.ref(sync))
     if getattr(type(host), "_poptorch_hooked", False):
         return
     base = type(host)
 
     def refresh(module: torch.nn.Module) -> None:
-        for ref in module.__dict__.get("_poptorch_weight_syncs", ()):
+        for ref in _SYNCS.get(module, ()):
             s = ref()
             if s is not None:
                 s.to_host_if_needed()
@@ -128,19 +133,19 @@ def unhook(host: torch.nn.Module) -> bool:
     if not is_hooked(host):
         return False
     hooked = type(host)
-    for ref in host.__dict__.get("_poptorch_weight_syncs", ()):
+    for ref in _SYNCS.get(host, ()):
         sync = ref()
         if sync is not None:
             sync.to_host_if_needed()
     host.__class__ = hooked.__mro__[1]
-    host.__dict__["_poptorch_unhooked_class"] = hooked
+    _UNHOOKED[host] = hooked
     return True
 
 
 def rehook(host: torch.nn.Module) -> bool:
     """Undo :func:`unhook`: reads of ``host`` copy device weights back again. False if
     ``host`` was not unhooked."""
-    hooked = host.__dict__.pop("_poptorch_unhooked_class", None)
+    hooked = _UNHOOKED.pop(host, None)
     if hooked is None:
         return False
     host.__class__ = hooked
