@@ -9,12 +9,11 @@ qualifies, and :py:class:`FastCall` runs each later call with only what must hap
 call: a fingerprint check of the inputs (positional tensors of the compiled dtypes and
 shapes, none requiring grad), the tensor-constant check (version counters), the
 wrapper's training mode, the casting context, the optimizer-attribute sync of a
-training model, and the program's one micro-batch, ``DeviceProgram.run_single``: the
-same device program and backend as the general path, bound once.
+training model, and the device program's call, ``DeviceProgram.run`` (or, for one
+micro-batch, ``run_single``): the same device program and backend as the general path,
+bound once.
 
-A model qualifies when one call is one micro-batch (deviceIterations,
-gradientAccumulation and replicationFactor all 1) on the CPU through the default runner,
-without profiling, precision checks, anchors, synthetic data or several processes, and
+A model qualifies when it runs on the CPU in one process without synthetic data, and
 its float16 casting rules are known to cast nothing for these inputs. Any call that does
 not fit (other inputs, keyword arguments, ...) makes :py:class:`FastCall` return
 :py:data:`MISS` before doing anything, and the executor takes the general path, which
@@ -68,7 +67,8 @@ class FastCall:
 
     def __init__(self, state: Compilation, mode: TrainingMode, args: tuple) -> None:
         program = state.program
-        self._run_single = program.run_single
+        # one micro-batch per call: the driver's single-micro-batch entry
+        self._run = program.run_single if program.single_ready() else program.run
         self._undo_for_call = program.undo_for_call
         self._count = len(args)
         self._check = _input_check(args)
@@ -91,7 +91,7 @@ class FastCall:
         mode.__enter__()
         casting.enter_run()  # (the float16 rules are settled: nothing to cast)
         try:
-            result = self._run_single(args, kwargs)
+            result = self._run(args, kwargs)
         except BaseException:
             if undo is not None:
                 undo.restore()
@@ -112,7 +112,7 @@ def make_fast_call(state: Compilation, mode: TrainingMode, args: tuple, kwargs: 
     :py:class:`FastCall`; None when it may qualify later (warm-up calls, casting rules
     still learning); False when it never will."""
     program = state.program
-    if program is None or not program.single_ready() \
+    if program is None or not program.fast_path_ready() \
             or state.synthetic is not None or state.device.type != "cpu":
         return False
     if kwargs or not all(type(a) is _Tensor for a in args):

@@ -135,7 +135,7 @@ def _split_plain(plan: BatchPlan, args: tuple) -> list[Microbatch]:
             raise _size_error(plan, f"args[{index}]", rows)
         chunks.append(arg.split(rows // f))
     empty: dict = {}
-    return [(tuple(c[n] for c in chunks), empty) for n in range(f)]
+    return [(args, empty) for args in zip(*chunks)]
 
 
 def _regroup(plan: BatchPlan, micro: list[Microbatch]) -> list[list[Microbatch]]:
@@ -203,6 +203,15 @@ class OutputCollector:
             return i == self.plan.device_iterations - 1
         return (i + 1) % self.period == 0  # EveryN
 
+    @property
+    def keeps_all(self) -> bool:
+        """Whether every micro-batch output is kept as it is (``All``)."""
+        return self.mode == OutputMode.All
+
+    def extend(self, outputs: list) -> None:
+        """Record the (detached) outputs of a whole iteration (``keeps_all`` only)."""
+        self._kept.extend(outputs)
+
     def add(self, n: int, output: Any) -> None:
         """Record a wanted micro-batch output (already detached)."""
         if self.mode != OutputMode.Sum:
@@ -225,10 +234,11 @@ class OutputCollector:
         if isinstance(first, torch.Tensor):
             if all(isinstance(p, torch.Tensor) for p in parts):
                 return _combine(parts)
-        elif type(first) is tuple and all(
-                type(p) is tuple and len(p) == len(first)
-                and all(isinstance(t, torch.Tensor) for t in p) for p in parts):
-            return tuple(_combine([p[k] for p in parts]) for k in range(len(first)))
+        elif type(first) is tuple and all(type(p) is tuple and len(p) == len(first)
+                                          for p in parts):
+            columns = list(zip(*parts))
+            if all(isinstance(t, torch.Tensor) for column in columns for t in column):
+                return tuple(_combine(list(column)) for column in columns)
         flat = [pytree.tree_flatten(p) for p in parts]
         spec = flat[0][1]
         combined = [_combine([f[0][k] for f in flat]) for k in range(len(flat[0][0]))]

@@ -184,10 +184,14 @@ class DeviceProgram:
             for stamps in perf.values():
                 stamps.clear()
             context.take_marked_losses()  # drop marks left by runs outside the executor
-            with context.running_on_ipu(), spec.rng, contextlib.ExitStack() as stack:
-                for wrapper in spec.wrappers:
-                    stack.enter_context(wrapper)
-                result, t_prev = self._device_call(backend, args, kwargs, t_start)
+            with context.running_on_ipu(), spec.rng:
+                if spec.wrappers:
+                    with contextlib.ExitStack() as stack:
+                        for wrapper in spec.wrappers:
+                            stack.enter_context(wrapper)
+                        result, t_prev = self._device_call(backend, args, kwargs, t_start)
+                else:
+                    result, t_prev = self._device_call(backend, args, kwargs, t_start)
             if spec.to_host is not None:
                 result = spec.to_host(result)
             t_end = time.perf_counter()
@@ -262,9 +266,12 @@ class DeviceProgram:
     def _collect(self, collector: OutputCollector, i: int, outputs: list) -> None:
         spec = self.spec
         strip = detach if spec.training else detach_needed  # inference ran in no_grad
-        for n, out in enumerate(outputs):
-            if collector.wants(i, n):
-                collector.add(n, strip(out))
+        if collector.keeps_all:
+            collector.extend([strip(out) for out in outputs])
+        else:
+            for n, out in enumerate(outputs):
+                if collector.wants(i, n):
+                    collector.add(n, strip(out))
         if spec.finite_check is not None:
             spec.finite_check(outputs, list(spec.named_params))
         if spec.anchors is not None:
@@ -280,6 +287,12 @@ class DeviceProgram:
                 and not spec.wrappers and spec.anchors is None
                 and spec.finite_check is None and spec.to_host is None
                 and spec.cross is None and spec.call_profiler is None)
+
+    def fast_path_ready(self) -> bool:
+        """Whether the executor's fast path may call this program directly (one process,
+        outputs already on the host: ``executor/fast_call.py``)."""
+        spec = self.spec
+        return spec.cross is None and spec.to_host is None
 
     def run_single(self, args: tuple, kwargs: dict) -> Any:
         """:py:meth:`run` for a program where :py:meth:`single_ready` holds: the same
