@@ -56,7 +56,7 @@ def _input_check(args: tuple) -> Callable[..., bool]:
     strides; none requiring grad)."""
     check = tensor_inputs_check(args)
     if check is not None and check(*args):
-        return check  # type: ignore[no-any-return]
+        return check
     dtypes = tuple(a.dtype for a in args)
     shapes = tuple(a.shape for a in args)
     return lambda *inputs: _inputs_match(inputs, dtypes, shapes)

@@ -29,7 +29,11 @@ class Backend(Protocol):
     """The pieces of a step a backend supplies (module docstring)."""
 
     name: str  # "eager" or "compiled"
-    runner: StepRunner
+
+    @property
+    def runner(self) -> StepRunner:
+        """Runs the forward (and backward) passes of a step's micro-batches."""
+        ...
 
     def update(self) -> None:
         """The optimizer step of a training step."""

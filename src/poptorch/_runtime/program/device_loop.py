@@ -24,6 +24,7 @@ from .backends import Backend
 from .cuda_graphs import CaptureFailed, CudaGraphCall, cuda_graph_call
 from .optimizer import OptimizerBinding
 from .perf import PerfCounters
+from .rng import RngScope
 from .runner import SequentialRunner
 from .spec import ProgramSpec
 from .step import GradientScaling, LossRule, train_step
@@ -304,8 +305,9 @@ class DeviceProgram:
         state = context.thread_state()
         depth = state.depth
         state.depth = depth + 1
-        rng = self.spec.rng
-        rng = rng if rng.enabled else None
+        rng: RngScope | None = self.spec.rng
+        if rng is not None and not rng.enabled:
+            rng = None
         selector = self.selector
         backend = selector.for_call()
         t_start = time.perf_counter()

@@ -111,7 +111,7 @@ class DeviceOptimizerSync:
         self.user._device_state_reader = self.device.state_dict
 
 
-def fast_step(optimizer: torch.optim.Optimizer):
+def fast_step(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
     """``optimizer.step`` without torch.optim's per-call wrapper when it has nothing to do.
 
     ``Optimizer.step`` is wrapped in a profiler range and a hook dispatcher that cost
