@@ -137,11 +137,11 @@ class BackendSelector:
             return probation
         return self.compiled
 
-    def record(self, backend: Backend, seconds: float, steps: int) -> None:
-        """A call of ``backend`` took ``seconds`` for ``steps`` device iterations."""
+    def record(self, backend: Backend, seconds: float, microbatches: int) -> None:
+        """A call of ``backend`` took ``seconds`` for ``microbatches`` micro-batches."""
         if self._first:
             self._first = False
-            self._start_probation(seconds, max(1, steps))
+            self._start_probation(seconds, max(1, microbatches))
             return
         if self.trial is not None:
             self.trial.record(backend is self.probation, seconds)
@@ -150,13 +150,13 @@ class BackendSelector:
             if self._probation_left <= 0:
                 self._end_probation()
 
-    def _start_probation(self, eager_seconds: float, steps: int) -> None:
+    def _start_probation(self, eager_seconds: float, microbatches: int) -> None:
         compiled = self.compiled
         assert compiled is not None  # (a first call eager before compiling)
         self.probation = Probation(
             compiled, self.eager, params=self._params, buffers=self._buffers,
             device=self._device, budget=compile_budget(eager_seconds),
-            eager_step_seconds=eager_seconds / steps, leave=self.fail,
+            eager_microbatch_seconds=eager_seconds / microbatches, leave=self.fail,
             active=lambda: self.compiled is not None and not self.failed)
         self._probation_left = PROBATION_CALLS
         if self._measure:

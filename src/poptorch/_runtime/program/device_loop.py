@@ -198,8 +198,7 @@ class DeviceProgram:
             t_end = time.perf_counter()
             perf["output_complete"].extend([t_end] * len(perf["output"]))
             self.stats.last_compute_seconds = t_prev - t_start
-        self.selector.record(backend, time.perf_counter() - t_start,
-                             spec.plan.device_iterations)
+        self.selector.record(backend, time.perf_counter() - t_start, spec.plan.factor)
         return result
 
     def _device_call(self, backend: Backend, args: tuple, kwargs: dict,

@@ -108,7 +108,7 @@ class Probation:
 
     def __init__(self, compiled: CompiledBackend, eager: Any, *, params: list,
                  buffers: list, device: torch.device, budget: float,
-                 eager_step_seconds: float, leave: Callable[[str, str], None],
+                 eager_microbatch_seconds: float, leave: Callable[[str, str], None],
                  active: Callable[[], bool]) -> None:
         self.compiled = compiled
         self.eager = eager
@@ -116,7 +116,7 @@ class Probation:
         self.buffers = buffers
         self.device = device
         self.budget = budget
-        self.eager_step_seconds = eager_step_seconds
+        self.eager_microbatch_seconds = eager_microbatch_seconds
         self.compile_seconds = 0.0
         self.updates_left = UPDATE_PROBATION
         self._compiled_once = False
@@ -136,7 +136,8 @@ class Probation:
         except Exception as error:  # noqa: BLE001  (every failure of a compiled piece)
             return self._redo(undo, microbatches, loss_of, stage_of(error), error)
         took = time.perf_counter() - t0
-        self.compile_seconds += max(0.0, took - self.eager_step_seconds)
+        self.compile_seconds += max(
+            0.0, took - self.eager_microbatch_seconds * len(microbatches))
         if not self._compiled_once:
             self._compiled_once = True
             logger.info("%s: compiled backend: the first micro-batch compiled; its step "
