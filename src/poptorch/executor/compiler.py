@@ -27,6 +27,7 @@ from .._runtime.batching.signature import InputSignature
 from .._runtime.program.device_loop import DeviceProgram, RngScope
 from .._runtime.program.optimizer import (DeviceOptimizerSync, attach_optimizer,
                                           make_loss_scaler)
+from .._runtime.program.overlapped_io import FirstForwardCheck  # placement helper: lead re-applies
 from .._runtime.program.runner import SequentialRunner
 from .._runtime.weights.constants import TensorConstants
 from .._runtime.weights.sync import WeightSync
@@ -138,13 +139,20 @@ def _build_runner(parts: ModelParts, config: RuntimeConfig,
     """The step runner (execution strategies and blocks: ``build_runner``; else the
     sequential runner on one acquired device), the input device and the backend."""
     from .._runtime.placement.build import build_runner
-    runner = build_runner(parts.model, config, parts.training, example=example)
+    mode = resolve_output_mode(  # placement helper: lead re-applies
+        config.output_mode, parts.training)  # placement helper: lead re-applies
+    overlap = program_setup.overlap_settings(  # placement helper: lead re-applies
+        parts.options, mode)  # placement helper: lead re-applies
+    runner = build_runner(parts.model, config, parts.training, example=example,
+                          overlap=overlap)  # placement helper: lead re-applies
     if runner is not None:
         device = getattr(runner, "output_device", torch.device("cpu"))
         return runner, getattr(runner, "input_device", device), \
             backend_name(parts.options, device)
     device = _devices.acquire_devices(parts.options, 1)[0]
-    return SequentialRunner(parts.model), device, backend_name(parts.options, device)
+    check = FirstForwardCheck(overlap)  # placement helper: lead re-applies
+    return SequentialRunner(parts.model, check), device, \
+        backend_name(parts.options, device)  # placement helper: lead re-applies
 
 
 def _weights_and_optimizer(parts: ModelParts, device: torch.device

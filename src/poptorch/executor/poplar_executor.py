@@ -226,9 +226,11 @@ class PoplarExecutor(ExecutorInspection):
             snapshot = CallRollback.for_call(compiled.program, compiled.buffers)
         calls = compiled.calls
         # PopTorch's rules for overlap markers, checked on the first run (compiling)
-        io_check = None if calls.io_checked else \
-            program_setup.overlap_check(self._options, self._model, compiled.program)
-        if io_check is not None and not first:  # compiled by compile(): checked now
+        io_check = not calls.io_checked  # placement helper: lead re-applies
+        if io_check:  # placement helper: lead re-applies
+            program_setup.run_checked_call_eagerly(  # placement helper: lead re-applies
+                compiled.program)  # placement helper: lead re-applies
+        if io_check and not first:  # compiled by compile(): checked now
             snapshot = Snapshot(self._model, _device_optimizer(compiled))
         if not calls.attached:
             self.attachToDevice()
@@ -244,8 +246,9 @@ class PoplarExecutor(ExecutorInspection):
         program = compiled.program
         try:
             source = compiled.source
-            with self._mode, (source.first_call() if source.fresh else _NO_CONTEXT), \
-                    (io_check or _NO_CONTEXT):
+            first_call = (source.first_call() if source.fresh  # placement helper: lead re-applies
+                          else _NO_CONTEXT)  # placement helper: lead re-applies
+            with self._mode, first_call:  # placement helper: lead re-applies
                 casting.observe(args, kwargs)
                 with casting:
                     result = program.run(args, kwargs)
@@ -259,7 +262,7 @@ class PoplarExecutor(ExecutorInspection):
             if first:  # ... and a failed first call leaves nothing compiled
                 self.destroy()
             raise
-        if io_check is not None and io_check.done:
+        if io_check:  # placement helper: lead re-applies
             calls.io_checked = True
         compiled.weights.mark_device_newer()
         if opt_sync is not None:

@@ -12,7 +12,7 @@ from .._runtime.config import RuntimeConfig
 from .._runtime.executable.signature import InputSignature
 from .._runtime.executable.source import ProgramSource
 from .._runtime.placement.strategy import PIPELINED, kind_of
-from .._runtime.program.overlapped_io import OverlapCheck, OverlapSettings
+from .._runtime.program.overlapped_io import OverlapSettings  # placement helper: lead re-applies
 from .._runtime.tracing import CallProfiler, TracingRunner, profile_directory
 
 
@@ -49,16 +49,22 @@ def program_source(backend: str, args: tuple, kwargs: dict, precompiled: dict | 
                    **key_parts})
 
 
-def overlap_check(options: Any, model: torch.nn.Module, program: Any) -> OverlapCheck:
-    """The check of the ``set_overlap_for_input`` / ``set_overlap_for_output`` markers
-    (PopTorch's compile-time rules, ``_runtime/program/overlapped_io.py``), entered around
-    the executor's first run; that run is eager (the check is Python)."""
-    settings = OverlapSettings(
+# placement helper: lead re-applies (this function, replacing overlap_check)
+def overlap_settings(options: Any, output_mode: Any) -> OverlapSettings:
+    """The options the rules of the ``set_overlap_for_input`` /
+    ``set_overlap_for_output`` markers read (``_runtime/program/overlapped_io.py``),
+    checked on the captured graph or on the first forward."""
+    return OverlapSettings(
         pipelined=kind_of(options._execution_strategy) == PIPELINED,
-        io_tiles=options.TensorLocations.num_io_tiles, output_mode=program.output_mode)
+        io_tiles=options.TensorLocations.num_io_tiles, output_mode=output_mode)
+
+
+# placement helper: lead re-applies (this function)
+def run_checked_call_eagerly(program: Any) -> None:
+    """The call that checks the markers on its first forward runs on the eager loop (the
+    check is Python; a compiled whole call never calls the runner)."""
     if program.compiled is not None:
         program.compiled.run_next_call_eagerly()
-    return OverlapCheck(model, settings)
 
 
 def install_program_extras(program: Any, *, model: torch.nn.Module,

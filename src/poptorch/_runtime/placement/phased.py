@@ -25,20 +25,20 @@ import torch
 from ...enums import Liveness
 from ..config import PlacementConfig
 from .partition import Partition
-from .pipeline import BACKWARD, FORWARD, Op
+from .pipeline import BACKWARD, FORWARD, Action
 
 HOST = torch.device("cpu")
 
 
 def parallel_phased_schedule(num_phases: int, num_microbatches: int,
-                             training: bool) -> List[List[Op]]:
+                             training: bool) -> List[List[Action]]:
     """Two lanes (even / odd phases), each running its phases phase-major."""
-    lanes: List[List[Op]] = [[], []]
+    lanes: List[List[Action]] = [[], []]
     for p in range(num_phases):
-        lanes[p % 2] += [(FORWARD, p, m) for m in range(num_microbatches)]
+        lanes[p % 2] += [Action(FORWARD, p, m) for m in range(num_microbatches)]
     if training:
         for p in reversed(range(num_phases)):
-            lanes[p % 2] += [(BACKWARD, p, m) for m in range(num_microbatches)]
+            lanes[p % 2] += [Action(BACKWARD, p, m) for m in range(num_microbatches)]
     return [lane for lane in lanes if lane]
 
 

@@ -11,12 +11,12 @@ tensor an operation uses:
 * a tensor on another device (a model input, or a tensor from another stage of the
   same unit) is moved to the current stage's device.
 
-Units are entered through a *gate* (a :class:`~.pipeline.LaneScheduler`), which blocks
-until the schedule lets this micro-batch run that unit.
+``on_unit(unit)`` is called as the forward pass enters each unit (phased execution
+streams the phase's weights in there).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -24,7 +24,6 @@ from ..torch_internals import pytree
 
 from . import markers
 from .partition import BlockNamer, Partition
-from .pipeline import FORWARD, LaneScheduler
 
 _ORIGIN = "_poptorch_origin"
 
@@ -32,16 +31,15 @@ _ORIGIN = "_poptorch_origin"
 class StageRun(TorchFunctionMode):
     """One micro-batch going through the stages (module docstring)."""
 
-    def __init__(self, partition: Partition, devices: List[torch.device], microbatch: int,
-                 unit_of_stage: List[int], gate: Optional[LaneScheduler],
-                 cut: bool) -> None:
+    def __init__(self, partition: Partition, devices: List[torch.device],
+                 unit_of_stage: List[int], cut: bool,
+                 on_unit: Optional[Callable[[int], None]] = None) -> None:
         super().__init__()
         self.partition = partition
         self.devices = devices
-        self.microbatch = microbatch
         self.unit_of_stage = unit_of_stage
         self.num_units = max(unit_of_stage) + 1
-        self.gate = gate
+        self.on_unit = on_unit
         self.cut = cut
         self.namer = BlockNamer()
         self.stage: Optional[int] = None
@@ -51,7 +49,8 @@ class StageRun(TorchFunctionMode):
         self._copies: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
         self._sends: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
         self.loss: Optional[torch.Tensor] = None
-        self.stage_trail: List[int] = []  # stages entered, in order (sharded record)
+        self.stage_trail: List[int] = []  # stages entered, in order
+        self.unit_trail: List[int] = []  # units entered, in order
 
     # ---------------------------------------------------------------- block listener
     def reset_auto_id(self) -> None:
@@ -79,30 +78,14 @@ class StageRun(TorchFunctionMode):
         self.stage_trail.append(stage)
 
     def _advance_to_unit(self, unit: int) -> None:
-        if self.gate is None:
-            self.unit = unit
-            return
-        # Units are entered in ascending order (checked at compile time); a unit the
-        # micro-batch skips is entered and left at once so the schedule moves on.
-        while self.unit < unit:
-            if self.unit >= 0:
-                self.gate.release(FORWARD, self.unit, self.microbatch)
-            self.unit += 1
-            self.gate.acquire(FORWARD, self.unit, self.microbatch)
+        if self.on_unit is not None:
+            self.on_unit(unit)
+        self.unit = unit
+        self.unit_trail.append(unit)
 
     def start(self) -> None:
         """Enter the stage where the model's forward pass begins."""
         self._enter_stage(self.partition.block_stage[self.partition.sequence[0]])
-
-    def finish_forward(self) -> None:
-        """After the model returned: pass through the remaining units to the last one
-        (where the loss is computed)."""
-        if self.gate is not None:
-            self._advance_to_unit(self.num_units - 1)
-
-    def release_forward(self) -> None:
-        if self.gate is not None:
-            self.gate.release(FORWARD, self.unit, self.microbatch)
 
     # ---------------------------------------------------------------- torch function mode
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -142,11 +125,12 @@ class StageRun(TorchFunctionMode):
 
     # ---------------------------------------------------------------- backward
     def backward_unit(self, unit: int) -> None:
-        """Backward pass of ``unit``: from the loss (last unit) and from the gradients
-        that later units left on the copies of this unit's tensors."""
+        """Backward pass of ``unit`` (cut runs): from the loss (computed in the unit the
+        forward pass ended in) and from the gradients that later units left on the
+        copies of this unit's tensors."""
         roots: List[torch.Tensor] = []
         grads: List[Any] = []
-        if unit == self.num_units - 1 and self.loss is not None:
+        if unit == self.unit and self.loss is not None:
             roots.append(self.loss)
             grads.append(None)
         for original, copy in self._sends.pop(unit, []):
@@ -155,8 +139,7 @@ class StageRun(TorchFunctionMode):
                 grads.append(copy.grad.to(original.device))
         if roots:
             torch.autograd.backward(roots, grads)
-        if unit == 0:
-            self._copies.clear()
+        if unit == self.unit:
             self.loss = None
 
 

@@ -15,6 +15,7 @@ import torch
 from ..torch_internals import foreach_copy_
 
 from ..batching.plan import Microbatch
+from .overlapped_io import FirstForwardCheck  # placement helper: lead re-applies
 
 LossOf = Callable[[Any], torch.Tensor]
 
@@ -30,15 +31,23 @@ class StepRunner(Protocol):
 class SequentialRunner:
     """Runs each micro-batch's forward, then its backward, on one device."""
 
-    def __init__(self, forward: Callable[..., Any]) -> None:
+    def __init__(self, forward: Callable[..., Any],  # placement helper: lead re-applies
+                 check: FirstForwardCheck | None = None  # placement helper: lead re-applies
+                 ) -> None:  # placement helper: lead re-applies
         self.forward = forward
+        self.check = check  # placement helper: lead re-applies
 
     def __call__(self, microbatches: list[Microbatch],
                  loss_of: LossOf | None) -> list[Any]:
         outputs = []
         forward = self.forward
         for args, kwargs in microbatches:
-            out = forward(*args, **kwargs)
+            check = self.check  # placement helper: lead re-applies
+            if check is not None:  # placement helper: lead re-applies
+                out = check.run(forward, args, kwargs)  # placement helper: lead re-applies
+                self.check = None  # placement helper: lead re-applies
+            else:  # placement helper: lead re-applies
+                out = forward(*args, **kwargs)
             if loss_of is not None:
                 loss_of(out).backward()
             outputs.append(out)
