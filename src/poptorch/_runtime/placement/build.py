@@ -35,27 +35,40 @@ import inspect
 import itertools
 import re
 import threading
-from typing import Any, Callable, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from .strategy import (PARALLEL_PHASED, PIPELINED, SHARDED, ExecutionStrategy, is_phased,
-                       kind_of, publish_schedule, schedule_name)
-from ..config import PlacementConfig, RuntimeConfig
 from ..._logging import info_once
+from ..config import PlacementConfig, RuntimeConfig
+from ..program.overlapped_io import FirstForwardCheck, OverlapSettings
+from ..program.runner import SequentialRunner
+from . import recompute
 from .actions import defer_weight_halves, device_lanes, sharded_actions
 from .capture import CapturedModel, CaptureUnsupported, capture
 from .engine import Engine
-from .partition import (Partition, has_static_annotations, is_pipelined, resolve_partition,
-                        trace_blocks)
+from .partition import (
+    Partition,
+    has_static_annotations,
+    is_pipelined,
+    resolve_partition,
+    trace_blocks,
+)
 from .phased import StreamingMemory, parallel_phased_schedule
 from .pipeline import Action, ScheduleRecord, sequential_schedule, stage_schedules
-from . import recompute
 from .sequential import SequentialStages
 from .stages import split_stages
-from ..program.overlapped_io import FirstForwardCheck, OverlapSettings
-from ..program.runner import SequentialRunner
-
+from .strategy import (
+    PARALLEL_PHASED,
+    PIPELINED,
+    SHARDED,
+    ExecutionStrategy,
+    is_phased,
+    kind_of,
+    publish_schedule,
+    schedule_name,
+)
 
 LossOf = Callable[[Any], torch.Tensor]
 # Whole words only: ``poptorch.Block(``, ``Block.start``, ``BlockFunction``, ``ipu.IPU(``,
@@ -64,9 +77,9 @@ _BLOCK_WORDS = re.compile(r"(?<![\w])(Block\s*\(|Block\.start|BlockFunction\b|IP
 
 
 def build_runner(model: torch.nn.Module, config: RuntimeConfig | Any, training: bool,
-                 devices: Optional[List[torch.device]] = None,
-                 example: Optional[tuple] = None,
-                 overlap: Optional[OverlapSettings] = None) -> Optional["ModelParallelRunner"]:
+                 devices: list[torch.device] | None = None,
+                 example: tuple | None = None,
+                 overlap: OverlapSettings | None = None) -> ModelParallelRunner | None:
     """A runner for the model's execution strategy, or None when the model has no block
     annotations and no strategy was set (the executor then runs it on one device).
 
@@ -123,22 +136,22 @@ class ModelParallelRunner:
 
     def __init__(self, model: torch.nn.Module, config: RuntimeConfig, training: bool,
                  strategy: ExecutionStrategy,
-                 devices: Optional[List[torch.device]] = None,
-                 overlap: Optional[OverlapSettings] = None) -> None:
+                 devices: list[torch.device] | None = None,
+                 overlap: OverlapSettings | None = None) -> None:
         self.model = model
         self.config = config
         self.training = training
         self.strategy = strategy
         self.overlap = overlap
-        self.partition: Optional[Partition] = None
+        self.partition: Partition | None = None
         self.devices: Any = devices  # acquired with the partition when not given
-        self.streaming: Optional[StreamingMemory] = None
-        self.last_schedule: Optional[ScheduleRecord] = None
-        self.engine: Optional[Engine] = None
-        self.captured: Optional[CapturedModel] = None
+        self.streaming: StreamingMemory | None = None
+        self.last_schedule: ScheduleRecord | None = None
+        self.engine: Engine | None = None
+        self.captured: CapturedModel | None = None
         # without a stage to place: the default runner's sequence on the one device
-        self._plain: Optional[SequentialRunner] = None
-        self._sequential: Optional[SequentialStages] = None
+        self._plain: SequentialRunner | None = None
+        self._sequential: SequentialStages | None = None
         self._why_sequential = ""  # why the engine cannot run this model
         self._capture_tried = False
         self._lanes_cache: dict = {}
@@ -151,7 +164,7 @@ class ModelParallelRunner:
         self.output_device = first
 
     # ------------------------------------------------------------------ compile
-    def compile_captured(self, args: tuple, kwargs: dict) -> Optional[Partition]:
+    def compile_captured(self, args: tuple, kwargs: dict) -> Partition | None:
         """Capture the model's graph, check its overlap markers, resolve the partition
         and split the graph into the stage modules the engine runs; None when the model
         cannot be captured (the first call then finds its blocks by running it)."""
@@ -232,7 +245,7 @@ class ModelParallelRunner:
                         t.data = t.data.to(device)
 
     # ------------------------------------------------------------------ run
-    def __call__(self, microbatches: List[tuple], loss_of: Optional[LossOf]) -> List[Any]:
+    def __call__(self, microbatches: list[tuple], loss_of: LossOf | None) -> list[Any]:
         if self.partition is None:
             self.compile(microbatches[0])
         if self._plain is not None:
@@ -249,8 +262,8 @@ class ModelParallelRunner:
                    "was captured with")
         return self._run_sequential(microbatches, loss_of, why)
 
-    def _run_sequential(self, microbatches: List[tuple], loss_of: Optional[LossOf],
-                        why: str) -> List[Any]:
+    def _run_sequential(self, microbatches: list[tuple], loss_of: LossOf | None,
+                        why: str) -> list[Any]:
         """The stages one after another in this thread (``sequential.py``)."""
         sequential = self._sequential
         assert sequential is not None  # (made with the partition)
@@ -265,7 +278,7 @@ class ModelParallelRunner:
         self._keep(record)
         return outputs
 
-    def _run_engine(self, inputs: List[dict], loss_of: Optional[LossOf]) -> List[Any]:
+    def _run_engine(self, inputs: list[dict], loss_of: LossOf | None) -> list[Any]:
         part, engine = self.partition, self.engine
         assert part is not None and engine is not None  # (compiled before any run)
         engine.worker_contexts = self.worker_contexts
@@ -290,8 +303,8 @@ class ModelParallelRunner:
         self._keep(record)
         return outputs
 
-    def _run_engine_phased(self, inputs: List[dict], loss_of: Optional[LossOf],
-                           record: ScheduleRecord) -> List[Any]:
+    def _run_engine_phased(self, inputs: list[dict], loss_of: LossOf | None,
+                           record: ScheduleRecord) -> list[Any]:
         """Phases (one stage each) on the engine: serial phases in this thread, parallel
         phases on the even / odd devices' workers; a phase's weights are streamed in
         before its first action and out when its lane moves on."""
@@ -302,7 +315,7 @@ class ModelParallelRunner:
         lock = threading.Lock()
 
         def before(lane: int, op: Action) -> None:
-            phase = part.stages[op.stage].phase
+            phase = part.stages[op.stage].phase or 0  # (set in phased partitions)
             with lock:
                 streaming.enter(phase, lane_phase.get(lane))
                 lane_phase[lane] = phase
@@ -310,7 +323,7 @@ class ModelParallelRunner:
         scope = lambda: streaming.activation_scope(self.devices)  # noqa: E731
         try:
             if kind_of(self.strategy) == PARALLEL_PHASED:
-                lanes: List[List[Action]] = [[] for _ in self.devices]
+                lanes: list[list[Action]] = [[] for _ in self.devices]
                 for ops in parallel_phased_schedule(part.num_phases, count, training):
                     for op in ops:
                         lanes[engine.stage_device[op.stage]].append(op)

@@ -73,6 +73,10 @@ class _BlockTracer(torch.fx.Tracer):
         super().__init__()
         self.blocks = _Tracer(model)  # the block bookkeeping (sequence, IPUs, rules)
         self.checkpoints = 0
+        self._making_args = False
+        # fx's guards of the non-tensor arguments baked into the graph (checked by
+        # CapturedModel.inputs_of instead): removed once traced
+        self.guards: list[torch.fx.Node] = []
 
     # block listener ------------------------------------------------------------------
     def reset_auto_id(self) -> None:
@@ -93,6 +97,13 @@ class _BlockTracer(torch.fx.Tracer):
         return [node[i] for i in range(len(tensors))]
 
     # fx tracer -----------------------------------------------------------------------
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
+        self._making_args = True
+        try:
+            return super().create_args_for_root(root_fn, is_module, concrete_args)
+        finally:
+            self._making_args = False
+
     def call_module(self, m, forward, args, kwargs):
         if self.is_leaf_module(m, self.path_of_module(m)):
             hook = markers.begin_block_of(m)
@@ -102,6 +113,10 @@ class _BlockTracer(torch.fx.Tracer):
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if self._making_args:
+            if kind != "placeholder":
+                self.guards.append(node)
+            return node
         # (overlap markers are no op of a block: removed once checked)
         if kind not in ("placeholder", "get_attr", "output") and not io_markers.is_marker(target):
             if self.blocks.current is None:
@@ -167,6 +182,7 @@ def trace_model(model: torch.nn.Module, args: tuple, kwargs: dict,
     loss_nodes = [p.node for p in loss_proxies if isinstance(p, torch.fx.Proxy)]
     if len(loss_nodes) != len(loss_proxies):
         raise CaptureUnsupported("a loss was marked with a value that is not traced")
+    _drop_baked_arguments(graph, tracer.guards, set(bound.arguments) - set(concrete))
     gm = torch.fx.GraphModule(model, graph, class_name=type(model).__name__ + "Captured")
     trace = tracer.blocks.trace
     _record_weight_users(gm, trace, model)
@@ -174,6 +190,21 @@ def trace_model(model: torch.nn.Module, args: tuple, kwargs: dict,
                     and n.target in bound.arguments and n.target not in concrete]
     return CapturedModel(gm, trace, signature, placeholders, concrete, loss_nodes,
                          tracer.checkpoints, overlap)
+
+
+def _drop_baked_arguments(graph: torch.fx.Graph, guards: list[torch.fx.Node],
+                          traced: set[str]) -> None:
+    """Remove fx's guards of the arguments baked into the graph and their placeholders
+    (the value of each is a constant of the graph)."""
+    for node in reversed(guards):
+        if node.users:
+            raise CaptureUnsupported("a guard of a non-tensor argument is used")
+        graph.erase_node(node)
+    for node in list(graph.nodes):
+        if node.op == "placeholder" and node.target not in traced:
+            if node.users:
+                raise CaptureUnsupported(f"the non-tensor argument {node.target!r} is used")
+            graph.erase_node(node)
 
 
 def _is_traced_input(value: Any) -> bool:

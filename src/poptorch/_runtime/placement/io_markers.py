@@ -25,10 +25,16 @@ from typing import Any
 import torch
 import torch.fx
 
-from ..program.overlapped_io import (METADATA_ATTRIBUTES, METADATA_METHODS, MarkerRecord,
-                                     OverlapSettings, input_tensors, map_structure)
-from ..torch_internals import pytree
 from ...enums import OverlapMode
+from ..program.overlapped_io import (
+    METADATA_ATTRIBUTES,
+    METADATA_METHODS,
+    MarkerRecord,
+    OverlapSettings,
+    input_tensors,
+    map_structure,
+)
+from ..torch_internals import pytree
 
 _MARKER_META = "poptorch_overlap_marker"  # (kind, call order, mode) of a marker node
 
@@ -59,6 +65,7 @@ class GraphMarkers:
         self.tensors, self.names = input_tensors(forward, args, kwargs)
         self.calls = 0
         self.nodes: list[torch.fx.Node] = []
+        self.untraced: list[int] = []  # call orders of input markers on untraced tensors
 
     # the markers (ops/hints.py) call these while the model is traced
     def mark_input(self, structure: Any, mode: OverlapMode) -> Any:
@@ -72,6 +79,12 @@ class GraphMarkers:
         order = self.calls
 
         def mark(value: Any) -> Any:
+            if not isinstance(value, torch.fx.Proxy):  # a tensor no traced op made
+                if kind == "input":  # ... is no input of the model
+                    self.untraced.append(order)
+                    return value
+                raise ValueError("set_overlap_for_output of a tensor the graph does not "
+                                 "trace")
             proxy = self.tracer.create_proxy("call_function", target, (value, ), {})
             proxy.node.meta[_MARKER_META] = (kind, order, mode)
             self.nodes.append(proxy.node)
@@ -85,6 +98,8 @@ class GraphMarkers:
         for n, t in enumerate(self.tensors):
             index.setdefault(id(t), n)
         record = MarkerRecord(self.names, [("input", n) for n in range(len(self.tensors))])
+        for order in self.untraced:
+            record.input_misplaced(order)
         raw: dict[torch.fx.Node, list[int]] = {}  # raw input nodes -> input tensors held
         values: dict[torch.fx.Node, Any] = {}  # ... and their values in the example
 
@@ -177,11 +192,13 @@ def finish(gm: torch.fx.GraphModule, markers: GraphMarkers,
            settings: OverlapSettings | None) -> None:
     """Check the markers against PopTorch's rules (``settings``: the options they read;
     None: not checked), then remove them from ``gm``."""
-    if settings is not None and markers.nodes:  # (no marker: no rule applies)
+    if settings is not None and (markers.nodes or markers.untraced):
         record, returned = markers.record(gm.graph)
         record.check(returned, settings)
     for node in reversed(markers.nodes):
-        node.replace_all_uses_with(node.args[0])
+        marked = node.args[0]
+        assert isinstance(marked, torch.fx.Node)  # (tensors are traced as nodes)
+        node.replace_all_uses_with(marked)
         gm.graph.erase_node(node)
     if markers.nodes:
         gm.recompile()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import NamedTuple
 
 
 class ActionKind(str, Enum):
@@ -49,7 +49,7 @@ INPUT_HALF, WEIGHT_HALF = ActionKind.INPUT_HALF, ActionKind.WEIGHT_HALF
 
 
 def gpipe_schedule(num_stages: int, num_microbatches: int,
-                   training: bool) -> List[List[Action]]:
+                   training: bool) -> list[list[Action]]:
     """Per-stage action order of GPipe: all forwards, then all backwards."""
     lanes = []
     for s in range(num_stages):
@@ -60,7 +60,7 @@ def gpipe_schedule(num_stages: int, num_microbatches: int,
     return lanes
 
 
-def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> List[List[Action]]:
+def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> list[list[Action]]:
     """Per-stage action order of 1F1B: stage ``s`` runs ``num_stages - s - 1`` warm-up
     forwards, then alternates forward and backward, then cools down with backwards."""
     lanes = []
@@ -76,7 +76,7 @@ def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> List[List[Ac
 
 
 def stage_schedules(schedule: str, num_stages: int, num_microbatches: int,
-                    training: bool) -> List[List[Action]]:
+                    training: bool) -> list[list[Action]]:
     """Each stage's actions for the named schedule (``strategy.schedule_name``): 1F1B
     when training asks for it, GPipe otherwise (inference has no backwards to
     interleave)."""
@@ -85,8 +85,8 @@ def stage_schedules(schedule: str, num_stages: int, num_microbatches: int,
     return gpipe_schedule(num_stages, num_microbatches, training)
 
 
-def sequential_schedule(stage_order: List[int], num_microbatches: int,
-                        training: bool) -> List[List[Action]]:
+def sequential_schedule(stage_order: list[int], num_microbatches: int,
+                        training: bool) -> list[list[Action]]:
     """One lane running stage after stage, all micro-batches of a stage together
     (forward in ``stage_order``, backward in reverse): serial phased execution."""
     ops = [Action(FORWARD, s, m) for s in stage_order for m in range(num_microbatches)]
@@ -116,22 +116,22 @@ ENGINE, SEQUENTIAL, PROCESSES = "engine", "sequential", "processes"
 class ScheduleRecord:
     """The actions a step actually executed, in the order they started."""
     num_stages: int
-    events: List[ScheduleEvent] = field(default_factory=list)
+    events: list[ScheduleEvent] = field(default_factory=list)
     # the weight halves of split backwards (kind "W"), run after their "B" event
-    weight_events: List[ScheduleEvent] = field(default_factory=list)
+    weight_events: list[ScheduleEvent] = field(default_factory=list)
     runtime: str = ENGINE  # which runtime executed the step (constants above)
 
-    def stage_order(self, stage: int) -> List[Tuple[ActionKind, int]]:
+    def stage_order(self, stage: int) -> list[tuple[ActionKind, int]]:
         """``[(kind, microbatch), ...]`` executed by ``stage``, in order."""
         return [(e.kind, e.microbatch) for e in self.events if e.stage == stage]
 
-    def timeline(self) -> List[List[Optional[Tuple[ActionKind, int]]]]:
+    def timeline(self) -> list[list[tuple[ActionKind, int] | None]]:
         """The executed order laid out in unit time slots (each action takes one slot;
         an action starts once its stage is free and its inputs are ready):
         ``grid[stage][slot]``."""
-        done: Dict[Tuple[ActionKind, int, int], int] = {}
+        done: dict[tuple[ActionKind, int, int], int] = {}
         free = [0] * self.num_stages
-        grid: List[Dict[int, Tuple[ActionKind, int]]] = [dict() for _ in range(self.num_stages)]
+        grid: list[dict[int, tuple[ActionKind, int]]] = [{} for _ in range(self.num_stages)]
         pending = {s: self.stage_order(s) for s in range(self.num_stages)}
         cursor = [0] * self.num_stages
         last_stage = self.num_stages - 1

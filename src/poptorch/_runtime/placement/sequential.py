@@ -50,12 +50,14 @@ class SequentialStages:
         self.unit_of_stage = ([s.phase or 0 for s in partition.stages] if phased
                               else list(range(partition.num_stages)))
         self.num_units = max(self.unit_of_stage) + 1
+        self._resident: int | None = None
 
     def __call__(self, microbatches: list[tuple], loss_of: LossOf | None
                  ) -> tuple[list[Any], ScheduleRecord]:
         """The outputs of the micro-batches, and the schedule executed."""
         record = ScheduleRecord(self.num_units, runtime=SEQUENTIAL)
         outputs = []
+        self._resident = None  # the phase whose weights are in place
         try:
             for m, (args, kwargs) in enumerate(microbatches):
                 outputs.append(self._microbatch(m, args, kwargs, loss_of, record))
@@ -67,12 +69,11 @@ class SequentialStages:
     def _microbatch(self, m: int, args: tuple, kwargs: dict, loss_of: LossOf | None,
                     record: ScheduleRecord) -> Any:
         streaming = self.streaming
-        resident: list[int] = []  # the phase whose weights are in place
 
         def enter(unit: int) -> None:
             if streaming is not None:
-                streaming.enter(unit, resident[0] if resident else None)
-                resident[:] = [unit]
+                streaming.enter(unit, self._resident)
+                self._resident = unit
 
         run = StageRun(self.partition, self.devices, self.unit_of_stage,
                        cut=streaming is not None, on_unit=enter)

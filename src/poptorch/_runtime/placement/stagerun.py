@@ -16,12 +16,14 @@ streams the phase's weights in there).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+import contextlib
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from ..torch_internals import pytree
 
+from ..torch_internals import pytree
 from . import markers
 from .partition import BlockNamer, Partition
 
@@ -31,9 +33,9 @@ _ORIGIN = "_poptorch_origin"
 class StageRun(TorchFunctionMode):
     """One micro-batch going through the stages (module docstring)."""
 
-    def __init__(self, partition: Partition, devices: List[torch.device],
-                 unit_of_stage: List[int], cut: bool,
-                 on_unit: Optional[Callable[[int], None]] = None) -> None:
+    def __init__(self, partition: Partition, devices: list[torch.device],
+                 unit_of_stage: list[int], cut: bool,
+                 on_unit: Callable[[int], None] | None = None) -> None:
         super().__init__()
         self.partition = partition
         self.devices = devices
@@ -42,15 +44,15 @@ class StageRun(TorchFunctionMode):
         self.on_unit = on_unit
         self.cut = cut
         self.namer = BlockNamer()
-        self.stage: Optional[int] = None
+        self.stage: int | None = None
         self.unit = -1
         self.device = devices[partition.stages[0].ipu]
         self._token = object()
-        self._copies: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
-        self._sends: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.loss: Optional[torch.Tensor] = None
-        self.stage_trail: List[int] = []  # stages entered, in order
-        self.unit_trail: List[int] = []  # units entered, in order
+        self._copies: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._sends: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.loss: torch.Tensor | None = None
+        self.stage_trail: list[int] = []  # stages entered, in order
+        self.unit_trail: list[int] = []  # units entered, in order
 
     # ---------------------------------------------------------------- block listener
     def reset_auto_id(self) -> None:
@@ -95,10 +97,8 @@ class StageRun(TorchFunctionMode):
         origin = (self._token, self.unit)
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
-                try:
+                with contextlib.suppress(AttributeError, RuntimeError):  # no __dict__
                     setattr(t, _ORIGIN, origin)
-                except (AttributeError, RuntimeError):  # tensors without a __dict__
-                    pass
         return out
 
     def _adopt(self, t: torch.Tensor) -> torch.Tensor:
@@ -128,8 +128,8 @@ class StageRun(TorchFunctionMode):
         """Backward pass of ``unit`` (cut runs): from the loss (computed in the unit the
         forward pass ended in) and from the gradients that later units left on the
         copies of this unit's tensors."""
-        roots: List[torch.Tensor] = []
-        grads: List[Any] = []
+        roots: list[torch.Tensor] = []
+        grads: list[Any] = []
         if unit == self.unit and self.loss is not None:
             roots.append(self.loss)
             grads.append(None)

@@ -33,7 +33,7 @@ the markers, made one of two ways:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -133,7 +133,7 @@ class MarkerRecord:
         self.outputs.append((order, marked))
         self.overlapping |= mode != OverlapMode.NoOverlap
 
-    def check(self, returned: list[Hashable], settings: OverlapSettings) -> None:
+    def check(self, returned: Sequence[Hashable], settings: OverlapSettings) -> None:
         """Raise ``poptorch.Error`` for the first rule broken, in PopTorch's order
         (module docstring); ``returned``: the keys of the tensors the model returned,
         in order."""
