@@ -222,7 +222,7 @@ def _same_constant(a: Any, b: Any) -> bool:
 
 def _record_weight_users(gm: torch.fx.GraphModule, trace: BlockTrace,
                          model: torch.nn.Module) -> None:
-    """Which block uses which parameter / buffer (as the tracing runner records them)."""
+    """Which block uses which parameter / buffer (as ``partition.trace_blocks`` records them)."""
     users = trace.users
     for node in gm.graph.nodes:
         block = node.meta.get(BLOCK_META)
