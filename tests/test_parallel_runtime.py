@@ -284,9 +284,38 @@ def test_overlap_on_a_captured_pipeline_needs_the_options_of_overlapped_io():
     opts = poptorch.Options()
     opts.Training.gradientAccumulation(4)
     pm = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(poptorch.Error, match="not supported with poptorch.PipelinedExecution"):
+    with pytest.raises(poptorch.Error, match=r"not supported with poptorch\.PipelinedExecution"):
         pm(torch.randn(8, FEAT), torch.randn(8, FEAT))
     assert not pm.isCompiled()
+
+
+# ------------------------------------------------------------------ annotations
+def test_begin_block_is_a_hook_found_on_copies_and_removed_there():
+    """BeginBlock is a forward pre-hook of the layer (no attribute written into the
+    module): copies of the layer carry it, removeBlocks removes it from one copy only,
+    and a deep copy of an annotated model is split as the original."""
+    from poptorch._runtime.placement.markers import begin_block_of
+    from poptorch._runtime.torch_internals import forward_pre_hooks
+
+    layer = torch.nn.Linear(2, 2)
+    before = dict(vars(layer))
+    poptorch.BeginBlock(layer, "x", ipu_id=1)
+    assert set(vars(layer)) == set(before)
+    assert [type(h).__name__ for h in forward_pre_hooks(layer).values()] == ["BeginBlockHook"]
+    copies = [copy.copy(layer), copy.deepcopy(layer)]
+    assert all(begin_block_of(m).user_id == "x" for m in [layer, *copies])
+    poptorch.removeBlocks(copies[1])
+    assert begin_block_of(copies[1]) is None and not forward_pre_hooks(copies[1])
+    assert begin_block_of(layer) is not None
+
+    model = torch.nn.Sequential(torch.nn.Linear(FEAT, FEAT), torch.nn.Linear(FEAT, FEAT))
+    poptorch.BeginBlock(model[0], "a", ipu_id=0)
+    poptorch.BeginBlock(model[1], "b", ipu_id=1)
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(4)
+    example = ((torch.randn(2, FEAT), ), {})
+    runner = build_runner(copy.deepcopy(model), opts, True, example=example)
+    assert [s.blocks for s in runner.partition.stages] == [["a"], ["b"]]
 
 
 # ------------------------------------------------------------------ layout

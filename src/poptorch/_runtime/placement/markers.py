@@ -17,6 +17,8 @@ from typing import Any, Optional
 
 import torch
 
+from ..torch_internals import forward_pre_hooks
+
 _listener_state = threading.local()
 # Order in which BeginBlock annotations were made (the guide's ordering rule).
 _annotation_counter = itertools.count()
@@ -67,7 +69,7 @@ def attach_begin_block(module: torch.nn.Module, user_id: Any, ipu_id: Optional[i
 
 def detach_begin_block(module: torch.nn.Module) -> bool:
     """Remove the BeginBlock annotation of ``module``; False when it had none."""
-    hooks = module._forward_pre_hooks
+    hooks = forward_pre_hooks(module)
     keys = [key for key, hook in hooks.items() if isinstance(hook, BeginBlockHook)]
     for key in keys:
         del hooks[key]
@@ -76,7 +78,7 @@ def detach_begin_block(module: torch.nn.Module) -> bool:
 
 def begin_block_of(module: torch.nn.Module) -> Optional[BeginBlockHook]:
     """The BeginBlock annotation of ``module`` (None when it has none)."""
-    for hook in module._forward_pre_hooks.values():
+    for hook in forward_pre_hooks(module).values():
         if isinstance(hook, BeginBlockHook):
             return hook
     return None
