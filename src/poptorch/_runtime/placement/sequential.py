@@ -18,6 +18,7 @@ goes back to the host at the end of the step.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -68,15 +69,15 @@ class SequentialStages:
 
     def _microbatch(self, m: int, args: tuple, kwargs: dict, loss_of: LossOf | None,
                     record: ScheduleRecord) -> Any:
-        streaming = self.streaming
+        streaming, clock = self.streaming, time.perf_counter
+        reached: list[tuple[int, float]] = []  # (unit, time) as the forward reached it
 
-        def enter(unit: int) -> None:
-            if streaming is not None:
-                streaming.enter(unit, self._resident)
-                self._resident = unit
+        def reach(unit: int) -> None:
+            reached.append((unit, clock()))
+            self._stream_in(unit)
 
         run = StageRun(self.partition, self.devices, self.unit_of_stage,
-                       cut=streaming is not None, on_unit=enter)
+                       cut=streaming is not None, on_unit=reach)
         scope = (streaming.activation_scope(self.devices) if streaming is not None
                  else contextlib.nullcontext())
         with scope:
@@ -84,21 +85,32 @@ class SequentialStages:
                 run.start()
                 out = self._forward(args, kwargs)
                 loss = loss_of(out) if loss_of is not None else None
-            units = _dedupe(run.unit_trail)
-            for unit in units:
-                record.events.append(ScheduleEvent(0, FORWARD, unit, m, 0.0))
+            ends = [t for _, t in reached[1:]] + [clock()]
+            for (unit, start), end in zip(reached, ends, strict=True):
+                record.events.append(ScheduleEvent(0, FORWARD, unit, m, start, end))
+            units = [unit for unit, _ in reached]
             if loss is None:
                 return out
-            if streaming is None:  # one graph through every stage
+            if streaming is None:  # one graph through every stage: one backward call
+                start = clock()
                 loss.backward()
-            else:
-                run.loss = loss
+                end = clock()
+                record.events += [ScheduleEvent(0, BACKWARD, unit, m, start, end)
+                                  for unit in reversed(units)]
+                return out
+            run.loss = loss
             for unit in reversed(units):
-                if streaming is not None:
-                    enter(unit)
-                    run.backward_unit(unit)
-                record.events.append(ScheduleEvent(0, BACKWARD, unit, m, 0.0))
+                start = clock()
+                self._stream_in(unit)
+                run.backward_unit(unit)
+                record.events.append(ScheduleEvent(0, BACKWARD, unit, m, start, clock()))
         return out
+
+    def _stream_in(self, unit: int) -> None:
+        """Phased: ``unit``'s weights onto its devices, the previous phase's off."""
+        if self.streaming is not None:
+            self.streaming.enter(unit, self._resident)
+            self._resident = unit
 
     def _forward(self, args: tuple, kwargs: dict) -> Any:
         check = self.check
@@ -107,13 +119,3 @@ class SequentialStages:
         out = check.run(self.model, args, kwargs)
         self.check = None  # checked: later forwards run as they are
         return out
-
-
-def _dedupe(trail: list[int]) -> list[int]:
-    """``trail`` without repeats in a row: the units as the forward pass went through
-    them (phases ascend; a sharded stage may be revisited)."""
-    out: list[int] = []
-    for unit in trail:
-        if not out or out[-1] != unit:
-            out.append(unit)
-    return out

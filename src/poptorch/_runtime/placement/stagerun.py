@@ -40,7 +40,6 @@ class StageRun(TorchFunctionMode):
         self.partition = partition
         self.devices = devices
         self.unit_of_stage = unit_of_stage
-        self.num_units = max(unit_of_stage) + 1
         self.on_unit = on_unit
         self.cut = cut
         self.namer = BlockNamer()
@@ -51,8 +50,6 @@ class StageRun(TorchFunctionMode):
         self._copies: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._sends: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.loss: torch.Tensor | None = None
-        self.stage_trail: list[int] = []  # stages entered, in order
-        self.unit_trail: list[int] = []  # units entered, in order
 
     # ---------------------------------------------------------------- block listener
     def reset_auto_id(self) -> None:
@@ -77,13 +74,11 @@ class StageRun(TorchFunctionMode):
             self._advance_to_unit(unit)
         self.stage = stage
         self.device = self.devices[self.partition.stages[stage].ipu]
-        self.stage_trail.append(stage)
 
     def _advance_to_unit(self, unit: int) -> None:
         if self.on_unit is not None:
             self.on_unit(unit)
         self.unit = unit
-        self.unit_trail.append(unit)
 
     def start(self) -> None:
         """Enter the stage where the model's forward pass begins."""
