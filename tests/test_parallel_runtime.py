@@ -5,6 +5,7 @@ checked on the captured graph before anything runs. Every model is compared with
 PyTorch on the same data."""
 import ast
 import copy
+import itertools
 import logging
 import pathlib
 
@@ -123,7 +124,7 @@ def test_an_uncapturable_pipeline_trains_like_pytorch_and_says_why_once(caplog, 
             assert record.stage_order(s) == [(k, m) for m in range(4) for k in "FB"]
         forwards = [e for e in record.events if e.kind == "F"]
         assert all(0 < e.start <= e.end for e in record.events)  # timed (profiler rows)
-        assert all(a.end <= b.start for a, b in zip(forwards, forwards[1:]))
+        assert all(a.end <= b.start for a, b in itertools.pairwise(forwards))
 
     training = _train_both(DataDependent([0, 1]), strategy, 4, after_each=sequential)
     assert _runner_of(training).engine is None
