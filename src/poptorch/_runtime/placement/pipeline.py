@@ -129,7 +129,7 @@ class ScheduleRecord:
         """The executed order laid out in unit time slots (each action takes one slot;
         an action starts once its stage is free and its inputs are ready):
         ``grid[stage][slot]``."""
-        done: dict[tuple[ActionKind, int, int], int] = {}
+        done: dict[Action, int] = {}
         free = [0] * self.num_stages
         grid: list[dict[int, tuple[ActionKind, int]]] = [{} for _ in range(self.num_stages)]
         pending = {s: self.stage_order(s) for s in range(self.num_stages)}
@@ -142,16 +142,16 @@ class ScheduleRecord:
                 while cursor[s] < len(pending[s]):
                     kind, m = pending[s][cursor[s]]
                     if kind == FORWARD:
-                        deps = [(FORWARD, s - 1, m)] if s > 0 else []
+                        deps = [Action(FORWARD, s - 1, m)] if s > 0 else []
                     else:
-                        deps = [(FORWARD, s, m)]
+                        deps = [Action(FORWARD, s, m)]
                         if s < last_stage:
-                            deps.append((BACKWARD, s + 1, m))
+                            deps.append(Action(BACKWARD, s + 1, m))
                     if any(d not in done for d in deps):
                         break
                     slot = max([free[s]] + [done[d] + 1 for d in deps])
                     grid[s][slot] = (kind, m)
-                    done[(kind, s, m)] = slot
+                    done[Action(kind, s, m)] = slot
                     free[s] = slot + 1
                     cursor[s] += 1
                     progress = True
