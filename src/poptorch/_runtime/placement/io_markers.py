@@ -50,6 +50,7 @@ def output_marker(value: Any) -> Any:
 
 
 def is_marker(target: Any) -> bool:
+    """Whether ``target`` is that of a marker node."""
     return target is input_marker or target is output_marker
 
 
