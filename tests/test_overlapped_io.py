@@ -347,21 +347,66 @@ def test_checked_at_the_first_run_only():
     assert not pm.isCompiled()
 
 
-def test_compile_then_first_call_checks():
-    model = Net()
+def _train_after_refusals(model, compile_raises):
+    """``model`` with a raw use of its marked input: refused (by compile() when
+    ``compile_raises``, else by the first call after it) and by the next calls, with
+    nothing changed; once fixed, the same wrapper trains like plain PyTorch."""
+    torch.manual_seed(0)
+    reference = copy.deepcopy(model)
+    reference.marked = False
     model.flags["bad"] = True
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    pm = poptorch.trainingModel(model, overlap_opts(outputMode=poptorch.OutputMode.All))
-    data = _data(5, 1)[0]
-    pm.compile(*data)
+    optimizer = poptorch.optim.SGD(model.parameters(), lr=0.1)
+    pm = poptorch.trainingModel(model, overlap_opts(outputMode=poptorch.OutputMode.All),
+                                optimizer)
+    data = _data(5, 2)
+    if compile_raises:
+        with pytest.raises(poptorch.Error, match=r"not the case for input 0 to the model"):
+            pm.compile(*data[0])
+        assert not pm.isCompiled()
+    else:
+        pm.compile(*data[0])
     for _ in range(2):  # refused until fixed, with nothing changed
         with pytest.raises(poptorch.Error, match=r"not the case for input 0 to the model"):
-            pm(*data)
+            pm(*data[0])
+        assert not optimizer.state_dict()["state"]
         for k, v in model.state_dict().items():
             assert torch.equal(v, before[k]), k
     model.flags["bad"] = False
-    pm(*data)
-    assert not torch.equal(model.fc1.weight, before["fc1.weight"])
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, labels in data:
+        logits, loss = pm(x, labels)
+        ref_opt.zero_grad()
+        want_logits, want_loss = reference(x, labels)
+        want_loss.backward()
+        ref_opt.step()
+        torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-6)
+        torch.testing.assert_close(loss, want_loss, rtol=0, atol=1e-6)
+    for (name, got), want in zip(pm.model.state_dict().items(),
+                                 reference.state_dict().values(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
+
+
+def test_compile_checks_a_captured_model():
+    """A model captured as a graph (model parallelism) is checked on the graph when it
+    compiles (as PopTorch checks at compile time), before anything runs."""
+    _train_after_refusals(Net(), compile_raises=True)
+
+
+class DataDependentNet(Net):
+    """``Net`` with control flow on a tensor value: cannot be captured as a graph."""
+
+    def forward(self, x, labels):
+        logits, loss = super().forward(x, labels)
+        if logits.sum() > float("inf"):  # never true, but decided on a tensor value
+            loss = loss * 2
+        return logits, loss
+
+
+def test_compile_then_first_call_checks_a_model_that_is_not_captured():
+    """A model that cannot be captured is checked on the first forward of the first
+    call after compile(); refused calls change nothing."""
+    _train_after_refusals(DataDependentNet(), compile_raises=False)
 
 
 @pytest.mark.parametrize("opts", ["compiled", "checked", "sharded"])

@@ -52,7 +52,8 @@ class Skips(torch.nn.Module):
 
 
 class Dynamic(torch.nn.Module):
-    """Data-dependent control flow: cannot be captured (the tracing runner runs it)."""
+    """Data-dependent control flow: cannot be captured (its stages run one after another
+    in the calling thread)."""
 
     def __init__(self):
         super().__init__()
@@ -120,7 +121,7 @@ def test_engine_weights_match_pytorch(name, ipus):
     assert runner.engine is not None  # split into stage modules, run by the engine
     assert len(runner.engine.staged.stages) == len(ipus)
     record = strategy.last_schedule  # the user's own object
-    assert record is runner.last_schedule
+    assert record is runner.last_schedule and record.runtime == "engine"
     assert len(record.events) == 2 * g * len(ipus)
     for s in range(len(ipus)):
         order = record.stage_order(s)
@@ -160,10 +161,14 @@ def test_skip_connections_and_identity_loss(name):
                                              poptorch.Phase(poptorch.Stage("b"))),
     lambda: poptorch.PipelinedExecution()
 ], ids=["serial_phased", "parallel_phased", "uncapturable_pipeline"])
-def test_tracing_runner_strategies_match_pytorch(strategy):
+def test_uncapturable_models_run_sequentially_and_match_pytorch(strategy):
     strategy = strategy()
-    _train_both(Dynamic(), strategy, 4)
-    assert strategy.last_schedule is not None
+    training = _train_both(Dynamic(), strategy, 4)
+    assert _runner_of(training).engine is None
+    record = strategy.last_schedule
+    assert record.runtime == "sequential"
+    for unit in range(2):  # each micro-batch forward through both units, then back
+        assert record.stage_order(unit) == [(k, m) for m in range(4) for k in "FB"]
 
 
 def test_last_schedule_reaches_the_users_strategy_object():

@@ -292,7 +292,8 @@ def test_phased_streaming_keeps_one_phase_resident():
 
 def test_only_poptorch_block_words_mark_a_forward_as_annotated():
     """A user's ``ResBlock(...)`` is not ``poptorch.Block(...)``: the model runs as a
-    plain model (no tracing runner); ``poptorch.Block`` inside ``forward`` is seen."""
+    plain model (no model-parallel runner); ``poptorch.Block`` inside ``forward`` is
+    seen."""
     from poptorch._runtime.placement.build import _forward_uses_blocks
 
     class ResBlock(torch.nn.Module):

@@ -2,8 +2,8 @@
 
 * whether a model is running "on the IPU" right now (``poptorch.isRunningOnIpu``);
 * the tensors that ``poptorch.identity_loss`` marked as the loss of the current forward;
-* the checker of ``set_overlap_for_input`` / ``set_overlap_for_output`` markers while the
-  first forward of a compiling call runs (``program/overlapped_io.py``).
+* the checker of ``set_overlap_for_input`` / ``set_overlap_for_output`` markers while a
+  model is captured as a graph or its first forward runs (``program/overlapped_io.py``).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.depth = 0      # executor calls running in this thread
         self.losses: list = []  # losses marked by identity_loss in the current forward
-        self.overlap = None  # marker checker of the compiling forward, if one runs
+        self.overlap = None  # marker checker of a capture or a first forward, if one runs
 
 
 _state = _ThreadState()

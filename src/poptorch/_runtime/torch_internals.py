@@ -29,7 +29,8 @@ __all__ = ["REQUIRED_ON_INSTANCES", "pytree", "set_grad_enabled", "foreach_copy_
            "dispatch_get_all_op_names", "dispatch_has_kernel_for_dispatch_key",
            "fake_impl_entry", "inductor_cache_dir", "inductor_codecache",
            "inductor_cpp_compiler", "remove_worker_pids", "resolve", "tensor_inputs_check",
-           "TorchDispatchMode", "MODULE_CALL_CODE", "NormBase", "REQUIRED"]
+           "TorchDispatchMode", "MODULE_CALL_CODE", "NormBase", "REQUIRED",
+           "forward_pre_hooks"]
 
 # The grad-mode switch itself: ``torch.no_grad()`` builds a context-manager object per
 # call (a measurable part of a small model's per-call overhead on the fast path).
@@ -98,6 +99,14 @@ MODULE_CALL_CODE = torch.nn.Module._call_impl.__code__
 # The common base of BatchNorm* and InstanceNorm* (layers with running statistics),
 # which the float16 rules keep in float32.
 NormBase = torch.nn.modules.batchnorm._NormBase
+
+
+def forward_pre_hooks(module: torch.nn.Module) -> dict[int, Any]:
+    """``module``'s forward pre-hooks by handle id. A ``BeginBlock`` annotation is one of
+    them (placement/markers.py): found there again, also on copies of the module (which
+    copy their hooks), and removed there; ``nn.Module`` has no public listing."""
+    return module._forward_pre_hooks
+
 
 # custom_op: the operators of a namespace, whether one has a shape function (Meta
 # kernel) and its registered fake implementation; torch.library has no query API.
@@ -204,7 +213,6 @@ REQUIRED: dict[str, str] = {
     "torch.autograd.profiler._is_profiler_enabled": "fast optimizer step",
     "torch._dynamo.exc.TorchDynamoException": "a failed capture (compiled fallback)",
     "torch._dynamo.exc.BackendCompilerFailed": "a failed code generation (compiled fallback)",
-    "torch._dynamo.disable": "overlap checks outside compiled graphs",
     "torch._C._autograd._top_saved_tensors_default_hooks": "recomputation",
     "torch._C._current_graph_task_id": "recomputation",
     "torch._C._DisableAutocast": "recomputation replay",

@@ -30,6 +30,7 @@ from .._runtime.program.backends import EagerBackend
 from .._runtime.program.device_loop import DeviceProgram
 from .._runtime.program.optimizer import (DeviceOptimizerSync, OptimizerBinding,
                                           attach_optimizer, make_loss_scaler)
+from .._runtime.program.overlapped_io import FirstForwardCheck
 from .._runtime.program.rng import RngScope
 from .._runtime.program.spec import ProgramSpec
 from .._runtime.program.runner import SequentialRunner
@@ -138,15 +139,21 @@ def _build_runner(parts: ModelParts, config: RuntimeConfig,
     """The step runner (execution strategies and blocks: ``build_runner``; else the
     sequential runner on one acquired device), the input device and the backend."""
     from .._runtime.placement.build import build_runner
-    runner = build_runner(parts.model, config, parts.training, example=example)
+    # PopTorch's rules of the overlap markers: checked on the captured graph, or on the
+    # first forward of a model that is not captured
+    overlap = program_setup.overlap_settings(
+        parts.options, resolve_output_mode(config.output_mode, parts.training))
+    runner = build_runner(parts.model, config, parts.training, example=example,
+                          overlap=overlap)
     if runner is not None:
         device = getattr(runner, "output_device", torch.device("cpu"))
         return runner, getattr(runner, "input_device", device), \
             backend_name(parts.options, device)
     device = _devices.acquire_devices(parts.options, 1)[0]
     model = parts.model
-    return SequentialRunner(model, buffers=tuple(model.buffers())), device, \
-        backend_name(parts.options, device)
+    runner = SequentialRunner(model, buffers=tuple(model.buffers()),
+                              check=FirstForwardCheck(overlap))
+    return runner, device, backend_name(parts.options, device)
 
 
 def _weights_and_optimizer(parts: ModelParts, config: RuntimeConfig, device: torch.device

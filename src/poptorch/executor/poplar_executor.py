@@ -226,11 +226,7 @@ class PoplarExecutor(ExecutorInspection):
 
     def _run(self, compiled: Compilation, args: tuple, kwargs: dict) -> Any:
         """One call of the compiled program on these (checked) inputs."""
-        calls = compiled.calls
-        # PopTorch's rules for overlap markers, checked on the first run
-        io_check = None if calls.io_checked else program_setup.overlap_check(
-            self._options, self._model, compiled.program.spec.output_mode)
-        if not calls.attached:
+        if not compiled.calls.attached:
             self.attachToDevice()
         if compiled.synthetic is not None:
             args, kwargs = compiled.synthetic(args, kwargs)
@@ -240,13 +236,10 @@ class PoplarExecutor(ExecutorInspection):
         if opt_sync is not None:
             opt_sync.before_run()
         source, casting = compiled.source, compiled.casting
-        with self._mode, (source.first_call() if source.fresh else _NO_CONTEXT), \
-                (io_check or _NO_CONTEXT):
+        with self._mode, (source.first_call() if source.fresh else _NO_CONTEXT):
             casting.observe(args, kwargs)
             with casting:
                 result = compiled.program.run(args, kwargs)
-        if io_check is not None and io_check.done:
-            calls.io_checked = True
         compiled.weights.mark_device_newer()
         if opt_sync is not None:
             opt_sync.after_run()

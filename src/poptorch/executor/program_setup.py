@@ -15,7 +15,7 @@ from .._runtime.config import RuntimeConfig
 from .._runtime.executable.signature import InputSignature
 from .._runtime.executable.source import ProgramSource
 from .._runtime.placement.strategy import PIPELINED, kind_of
-from .._runtime.program.overlapped_io import OverlapCheck, OverlapSettings
+from .._runtime.program.overlapped_io import OverlapSettings
 from .._runtime.tracing import CallProfiler, TracingRunner, profile_directory
 
 
@@ -60,14 +60,13 @@ def program_source(backend: str, args: tuple, kwargs: dict, precompiled: dict | 
                    **key_parts})
 
 
-def overlap_check(options: Any, model: torch.nn.Module, output_mode: Any) -> OverlapCheck:
-    """The check of the ``set_overlap_for_input`` / ``set_overlap_for_output`` markers
-    (PopTorch's compile-time rules, ``_runtime/program/overlapped_io.py``), entered around
-    the executor's first run."""
-    settings = OverlapSettings(
+def overlap_settings(options: Any, output_mode: Any) -> OverlapSettings:
+    """The options the rules of the ``set_overlap_for_input`` /
+    ``set_overlap_for_output`` markers read (``_runtime/program/overlapped_io.py``),
+    checked on the captured graph or on the first forward."""
+    return OverlapSettings(
         pipelined=kind_of(options._execution_strategy) == PIPELINED,
         io_tiles=options.TensorLocations.num_io_tiles, output_mode=output_mode)
-    return OverlapCheck(model, settings)
 
 
 def program_extras(runner: Any, plan: Any, *, model: torch.nn.Module, user_model: torch.nn.Module,

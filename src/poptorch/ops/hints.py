@@ -5,11 +5,13 @@ is nothing to plan, so each op validates its arguments, records the latest value
 :func:`recorded_hints`), logs once at INFO that it has no effect here, and returns its
 input unchanged.
 
-PopTorch also refuses misplaced overlap markers when it compiles a model: while the
-first call of a wrapped model runs its first forward, the overlap markers report to the
-checker of ``_runtime/program/overlapped_io.py`` (``context.overlap_checker()``) and
-return an alias of what they mark (same storage and values), so that the checker can
-tell a use of the marked tensor from a use of the raw one.
+PopTorch also refuses misplaced overlap markers when it compiles a model. While a
+wrapped model is captured as a graph, or while its first forward runs, the overlap
+markers report to the checker of this thread (``context.overlap_checker()``,
+``_runtime/program/overlapped_io.py``): a graph capture records them as nodes
+(``fx.Proxy`` values are accepted as tensors), a first forward gets an alias of what
+they mark (same storage and values), so that the checker can tell a use of the marked
+tensor from a use of the raw one.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import threading
 from typing import Any
 
 import torch
+import torch.fx
 
 from .._logging import info_once
 from .._runtime import context
@@ -80,7 +83,7 @@ class OverlapTypeError(Error, TypeError):
 
 
 def _check_tensors(structure, op: str, what: str) -> None:
-    if isinstance(structure, torch.Tensor):
+    if isinstance(structure, (torch.Tensor, torch.fx.Proxy)):  # (Proxy: graph capture)
         return
     if isinstance(structure, (list, tuple)):
         for item in structure:

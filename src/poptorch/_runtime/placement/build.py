@@ -1,50 +1,74 @@
-"""Model parallelism: the step runners of the four execution strategies.
+"""Model parallelism: the step runner of the four execution strategies.
 
 :func:`build_runner` is called by the executor at compile time. The returned runner
-traces the model on its first call (``partition.trace_blocks``), resolves the
-partition and enforces the rules (``partition.resolve_partition``), acquires the
-devices playing the IPUs, places every stage's weights on its device, and then runs
-each step with the strategy's schedule:
+captures the model's graph (``capture.py``: at once with an example call, else on the
+first call), resolves the partition and enforces the rules
+(``partition.resolve_partition``), acquires the devices playing the IPUs, places every
+stage's weights on its device and splits the graph into stage modules, which the
+per-device engine (``engine.py``) runs on every call, the first included, with the
+strategy's schedule:
 
-* ``PipelinedExecution``: a real pipeline. Each micro-batch runs in its own worker
-  thread; the forward pass is cut at stage boundaries and every stage admits forward
-  and backward ops of the micro-batches in 1F1B order (training; GPipe on request) or
-  GPipe order, so stages of different micro-batches run at the same time.
+* ``PipelinedExecution``: a real pipeline. One worker per device runs its stages'
+  actions in 1F1B order (training; GPipe on request) or GPipe order, so stages of
+  different micro-batches run at the same time on different devices.
 * ``ShardedExecution``: stage after stage, one device busy at a time.
-* ``SerialPhasedExecution`` / ``ParallelPhasedExecution``: phase after phase, weights
-  streamed between host memory and the devices (``phased.StreamingMemory``).
+* ``SerialPhasedExecution`` / ``ParallelPhasedExecution``: phase after phase (parallel:
+  the even and the odd devices take turns), weights streamed between host memory and
+  the devices (``phased.StreamingMemory``).
+
+What the engine cannot run (a model that cannot be captured, phases of several stages,
+a sharded stage revisited, a call whose non-tensor arguments differ from the captured
+ones) runs its stages one after another in the calling thread (``sequential.py``), with
+one INFO line per model saying why.
+
+The ``set_overlap_for_input`` / ``set_overlap_for_output`` markers are checked on the
+captured graph (``io_markers.py``) or, for a model that was not captured, on its first
+forward (``FirstForwardCheck``), against the options' ``overlap`` settings.
 
 The schedule a step executed is kept in ``runner.last_schedule`` and in
-``strategy.last_schedule`` (a :class:`~.pipeline.ScheduleRecord`; ``print`` it).
+``strategy.last_schedule`` (a :class:`~.pipeline.ScheduleRecord`; ``print`` it; its
+``runtime`` names the runtime that ran it).
 """
 from __future__ import annotations
 
 import inspect
+import itertools
 import re
 import threading
-from contextlib import nullcontext
-from typing import Any, Callable, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from .strategy import (PARALLEL_PHASED, PIPELINED, SHARDED, ExecutionStrategy, is_phased,
-                       kind_of, publish_schedule, schedule_name)
-from .. import context
+from ..._logging import info_once
 from ..config import PlacementConfig, RuntimeConfig
-from ..._logging import logger
-from .actions import defer_weight_halves, device_lanes, sharded_actions
-from .capture import CapturedModel, capture
-from .engine import Engine
-from .partition import (Partition, has_static_annotations, is_pipelined, resolve_partition,
-                        trace_blocks)
-from .phased import StreamingMemory, parallel_phased_schedule
-from .pipeline import (BACKWARD, FORWARD, LaneScheduler, ScheduleEvent, ScheduleRecord,
-                       run_workers, sequential_schedule, stage_schedules)
-from . import recompute
-from .stagerun import StageRun, listening
-from .stages import split_stages
+from ..program.overlapped_io import FirstForwardCheck, OverlapSettings
 from ..program.runner import SequentialRunner
-
+from . import recompute
+from .actions import defer_weight_halves, device_lanes, sharded_actions
+from .capture import CapturedModel, CaptureUnsupported, capture
+from .engine import Engine
+from .partition import (
+    Partition,
+    has_static_annotations,
+    is_pipelined,
+    resolve_partition,
+    trace_blocks,
+)
+from .phased import StreamingMemory, parallel_phased_schedule
+from .pipeline import Action, ScheduleRecord, sequential_schedule, stage_schedules
+from .sequential import SequentialStages
+from .stages import split_stages
+from .strategy import (
+    PARALLEL_PHASED,
+    PIPELINED,
+    SHARDED,
+    ExecutionStrategy,
+    is_phased,
+    kind_of,
+    publish_schedule,
+    schedule_name,
+)
 
 LossOf = Callable[[Any], torch.Tensor]
 # Whole words only: ``poptorch.Block(``, ``Block.start``, ``BlockFunction``, ``ipu.IPU(``,
@@ -53,8 +77,9 @@ _BLOCK_WORDS = re.compile(r"(?<![\w])(Block\s*\(|Block\.start|BlockFunction\b|IP
 
 
 def build_runner(model: torch.nn.Module, config: RuntimeConfig | Any, training: bool,
-                 devices: Optional[List[torch.device]] = None,
-                 example: Optional[tuple] = None) -> Optional["ModelParallelRunner"]:
+                 devices: list[torch.device] | None = None,
+                 example: tuple | None = None,
+                 overlap: OverlapSettings | None = None) -> ModelParallelRunner | None:
     """A runner for the model's execution strategy, or None when the model has no block
     annotations and no strategy was set (the executor then runs it on one device).
 
@@ -62,8 +87,8 @@ def build_runner(model: torch.nn.Module, config: RuntimeConfig | Any, training: 
     (a ``poptorch.Options`` is frozen into one here); ``config.placement.strategy`` is
     the strategy in force. With ``example`` (``(args, kwargs)`` of a call), the model is
     captured and split now, so its devices and the placement of its weights are known
-    before the weight sync and the optimizer are built; without it (or when the model
-    cannot be captured) on the first call."""
+    before the weight sync and the optimizer are built; without it on the first call.
+    ``overlap``: the options the overlap markers' rules read (None: not checked)."""
     if not isinstance(config, RuntimeConfig):
         config = RuntimeConfig.of(config)
     if config.distributed.stages_on_processes:  # one process per stage (torchrun)
@@ -73,7 +98,7 @@ def build_runner(model: torch.nn.Module, config: RuntimeConfig | Any, training: 
             has_static_annotations(model) or _forward_uses_blocks(model)):
         return None
     runner = ModelParallelRunner(model, config, training, config.placement.strategy,
-                                 devices)
+                                 devices, overlap)
     if example is not None:
         runner.compile_captured(*example)
     return runner
@@ -103,25 +128,34 @@ def _forward_uses_blocks(model: torch.nn.Module) -> bool:
     return False
 
 
+_serials = itertools.count()  # one per runner: the key of its INFO line
+
+
 class ModelParallelRunner:
     """StepRunner for the execution strategies (module docstring)."""
 
     def __init__(self, model: torch.nn.Module, config: RuntimeConfig, training: bool,
                  strategy: ExecutionStrategy,
-                 devices: Optional[List[torch.device]] = None) -> None:
+                 devices: list[torch.device] | None = None,
+                 overlap: OverlapSettings | None = None) -> None:
         self.model = model
         self.config = config
         self.training = training
         self.strategy = strategy
-        self.partition: Optional[Partition] = None
+        self.overlap = overlap
+        self.partition: Partition | None = None
         self.devices: Any = devices  # acquired with the partition when not given
-        self.streaming: Optional[StreamingMemory] = None
-        self.last_schedule: Optional[ScheduleRecord] = None
-        self._plain = False
-        self.engine: Optional[Engine] = None
-        self.captured: Optional[CapturedModel] = None
+        self.streaming: StreamingMemory | None = None
+        self.last_schedule: ScheduleRecord | None = None
+        self.engine: Engine | None = None
+        self.captured: CapturedModel | None = None
+        # without a stage to place: the default runner's sequence on the one device
+        self._plain: SequentialRunner | None = None
+        self._sequential: SequentialStages | None = None
+        self._why_sequential = ""  # why the engine cannot run this model
         self._capture_tried = False
         self._lanes_cache: dict = {}
+        self._serial = next(_serials)
         # Thread-local contexts of the program (set by the device loop), entered in
         # every worker thread.
         self.worker_contexts: list = []
@@ -130,36 +164,36 @@ class ModelParallelRunner:
         self.output_device = first
 
     # ------------------------------------------------------------------ compile
-    def compile_captured(self, args: tuple, kwargs: dict) -> Optional[Partition]:
-        """Capture the model's graph and split it into stage modules run by the engine
-        (pipelined and sharded execution); None when the model cannot be captured or
-        its strategy is phased (the tracing runner then takes over on the first call)."""
+    def compile_captured(self, args: tuple, kwargs: dict) -> Partition | None:
+        """Capture the model's graph, check its overlap markers, resolve the partition
+        and split the graph into the stage modules the engine runs; None when the model
+        cannot be captured (the first call then finds its blocks by running it)."""
         self._capture_tried = True
-        captured = capture(self.model, args, kwargs, self.strategy)
-        if captured is None:
+        try:
+            captured = capture(self.model, args, kwargs, self.strategy, self.overlap)
+        except CaptureUnsupported as exc:
+            self._why_sequential = f"it cannot be captured as a graph ({exc})"
             return None
         part = resolve_partition(captured.trace, self.strategy, self.config,
                                  self.training, 0)
+        self.captured = captured
         staged = None
-        plain = not is_phased(self.strategy) and (not part.has_blocks
-                                                  or _single_ipu_pipeline(part))
         if is_phased(self.strategy) and part.num_stages != part.num_phases:
-            return None  # phases of several stages: the tracing runner
-        if not plain:
+            self._why_sequential = (f"its {part.num_phases} phases hold "
+                                    f"{part.num_stages} stages")
+        elif not self._is_plain(part):
             try:
                 staged = split_stages(captured, part)
-            except ValueError as exc:  # a sharded stage revisited: the tracing runner
-                logger.info("Model parallelism: %s is run by the tracing runner (%s)",
-                            type(self.model).__name__, exc)
-                return None
+            except ValueError as exc:  # a sharded stage revisited
+                self._why_sequential = f"its stages cannot be split apart ({exc})"
         self._set_partition(part)
         if staged is not None:
-            self.captured = captured
             self.engine = Engine(staged, [st.ipu for st in part.stages], self.devices)
         return part
 
     def compile(self, microbatch: tuple) -> Partition:
-        """Trace the model on ``microbatch`` and set up the partition (first call)."""
+        """Set up the partition on the first call's first micro-batch: from the captured
+        graph, or, when the model cannot be captured, from a run of its forward."""
         args, kwargs = microbatch
         if not self._capture_tried:
             part = self.compile_captured(args, kwargs)
@@ -170,11 +204,14 @@ class ModelParallelRunner:
         self._set_partition(part)
         return part
 
+    def _is_plain(self, part: Partition) -> bool:
+        return not is_phased(self.strategy) and (not part.has_blocks
+                                                 or _single_ipu_pipeline(part))
+
     def _set_partition(self, part: Partition) -> None:
-        """Adopt ``part``: acquire the devices and place the weights on them."""
+        """Adopt ``part``: acquire the devices, place the weights on them and make the
+        runners of the calls the engine does not run."""
         self.partition = part
-        if not is_phased(self.strategy) and (not part.has_blocks or _single_ipu_pipeline(part)):
-            self._plain = True
         if self.devices is None:
             from ... import _devices  # pylint: disable=import-outside-toplevel
             self.devices = _devices.acquire_devices(self.config.placement.device_options,
@@ -189,6 +226,14 @@ class ModelParallelRunner:
         else:
             self._place_weights(part)
         self.output_device = self.devices[part.stages[-1].ipu]
+        # the markers of a model that was not captured: checked on its first forward
+        check = FirstForwardCheck(self.overlap) \
+            if self.overlap is not None and self.captured is None else None
+        if self._is_plain(part):
+            self._plain = SequentialRunner(self.model, check)
+        else:
+            self._sequential = SequentialStages(self.model, part, self.devices,
+                                                self.streaming, check)
 
     def _place_weights(self, part: Partition) -> None:
         with torch.no_grad():
@@ -200,36 +245,40 @@ class ModelParallelRunner:
                         t.data = t.data.to(device)
 
     # ------------------------------------------------------------------ run
-    def __call__(self, microbatches: List[tuple], loss_of: Optional[LossOf]) -> List[Any]:
+    def __call__(self, microbatches: list[tuple], loss_of: LossOf | None) -> list[Any]:
         if self.partition is None:
             self.compile(microbatches[0])
-        if self._plain:
-            # no stage to place: the default runner's sequence on the one device
-            return SequentialRunner(self.model)(microbatches, loss_of)
-        if self.engine is not None:
+        if self._plain is not None:
+            return self._plain(microbatches, loss_of)
+        why = self._why_sequential
+        if self.engine is not None and microbatches:
             captured = self.captured
             assert captured is not None  # (set together with the engine)
-            if self._engine_call(microbatches):
-                inputs = [captured.inputs_of(args, kwargs) for args, kwargs in microbatches]
-                ready = [i for i in inputs if i is not None]
-                if len(ready) == len(inputs):
-                    return self._run_engine(ready, loss_of)
-            if captured.checkpoints:  # the tracing runner records whole forwards
-                recompute.hook_model(self.model)
-        if is_phased(self.strategy):
-            return self._run_phased(microbatches, loss_of)
-        if kind_of(self.strategy) == SHARDED:
-            return self._run_sharded(microbatches, loss_of)
-        return self._run_pipelined(microbatches, loss_of)
+            inputs = [captured.inputs_of(args, kwargs) for args, kwargs in microbatches]
+            ready = [i for i in inputs if i is not None]
+            if len(ready) == len(inputs):
+                return self._run_engine(ready, loss_of)
+            why = ("a micro-batch's non-tensor arguments differ from those the model "
+                   "was captured with")
+        return self._run_sequential(microbatches, loss_of, why)
 
-    def _engine_call(self, microbatches: List[tuple]) -> bool:
-        """Whether the engine runs this call. The stage modules never call the model's
-        ``forward``, so a call for which the executor wrapped ``model.forward`` (the
-        first call's check of the overlap markers) runs through the tracing runner,
-        which does; so does a call with no micro-batch."""
-        return bool(microbatches) and "forward" not in self.model.__dict__
+    def _run_sequential(self, microbatches: list[tuple], loss_of: LossOf | None,
+                        why: str) -> list[Any]:
+        """The stages one after another in this thread (``sequential.py``)."""
+        sequential = self._sequential
+        assert sequential is not None  # (made with the partition)
+        if microbatches:
+            info_once(("placement-sequential", self._serial),
+                      "Model parallelism: %s runs its stages one after another in the "
+                      "calling thread, not on the per-device engine: %s.",
+                      type(self.model).__name__, why)
+        if self.captured is not None and self.captured.checkpoints:
+            recompute.hook_model(self.model)  # record whole forwards in segments
+        outputs, record = sequential(microbatches, loss_of)
+        self._keep(record)
+        return outputs
 
-    def _run_engine(self, inputs: List[dict], loss_of: Optional[LossOf]) -> List[Any]:
+    def _run_engine(self, inputs: list[dict], loss_of: LossOf | None) -> list[Any]:
         part, engine = self.partition, self.engine
         assert part is not None and engine is not None  # (compiled before any run)
         engine.worker_contexts = self.worker_contexts
@@ -254,8 +303,8 @@ class ModelParallelRunner:
         self._keep(record)
         return outputs
 
-    def _run_engine_phased(self, inputs: List[dict], loss_of: Optional[LossOf],
-                           record: ScheduleRecord) -> List[Any]:
+    def _run_engine_phased(self, inputs: list[dict], loss_of: LossOf | None,
+                           record: ScheduleRecord) -> list[Any]:
         """Phases (one stage each) on the engine: serial phases in this thread, parallel
         phases on the even / odd devices' workers; a phase's weights are streamed in
         before its first action and out when its lane moves on."""
@@ -265,8 +314,8 @@ class ModelParallelRunner:
         lane_phase: dict = {}
         lock = threading.Lock()
 
-        def before(lane: int, op: tuple) -> None:
-            phase = part.stages[op[1]].phase
+        def before(lane: int, op: Action) -> None:
+            phase = part.stages[op.stage].phase or 0  # (set in phased partitions)
             with lock:
                 streaming.enter(phase, lane_phase.get(lane))
                 lane_phase[lane] = phase
@@ -274,10 +323,10 @@ class ModelParallelRunner:
         scope = lambda: streaming.activation_scope(self.devices)  # noqa: E731
         try:
             if kind_of(self.strategy) == PARALLEL_PHASED:
-                lanes: List[list] = [[] for _ in self.devices]
+                lanes: list[list[Action]] = [[] for _ in self.devices]
                 for ops in parallel_phased_schedule(part.num_phases, count, training):
                     for op in ops:
-                        lanes[engine.stage_device[op[1]]].append(op)
+                        lanes[engine.stage_device[op.stage]].append(op)
                 return engine.run_lanes(lanes, inputs, loss_of, record, before, (scope, ))
             ops = sequential_schedule(list(range(part.num_stages)), count, training)[0]
             with scope():
@@ -286,105 +335,11 @@ class ModelParallelRunner:
         finally:
             streaming.offload_all()
 
-    def _run_sharded(self, microbatches, loss_of):
-        part = self.partition
-        record = ScheduleRecord(part.num_stages)
-        outputs = []
-        for m, (args, kwargs) in enumerate(microbatches):
-            run = StageRun(part, self.devices, m, list(range(part.num_stages)), None, cut=False)
-            with listening(run), run:
-                run.start()
-                out = self.model(*args, **kwargs)
-                loss = loss_of(out) if loss_of is not None else None
-            for stage in _dedupe(run.stage_trail):
-                record.events.append(ScheduleEvent(0, FORWARD, stage, m, 0.0))
-            if loss is not None:
-                loss.backward()
-                for stage in reversed(_dedupe(run.stage_trail)):
-                    record.events.append(ScheduleEvent(0, BACKWARD, stage, m, 0.0))
-            outputs.append(out)
-        self._keep(record)
-        return outputs
-
-    def _run_pipelined(self, microbatches, loss_of):
-        part = self.partition
-        n, count = part.num_stages, len(microbatches)
-        training = loss_of is not None
-        lanes = stage_schedules(schedule_name(self.strategy), n, count, training)
-        gate = LaneScheduler(lanes, n)
-        units = list(range(n))
-        outputs = self._run_threads(microbatches, loss_of, gate, units)
-        self._keep(gate.record)
-        return outputs
-
-    def _run_phased(self, microbatches, loss_of):
-        part = self.partition
-        count, training = len(microbatches), loss_of is not None
-        phases = part.num_phases
-        if kind_of(self.strategy) == PARALLEL_PHASED:
-            lanes = parallel_phased_schedule(phases, count, training)
-        else:
-            lanes = sequential_schedule(list(range(phases)), count, training)
-        streaming = self.streaming
-        lane_phase: dict = {}
-        lane_of = {op: i for i, ops in enumerate(lanes) for op in ops}
-        lock = threading.Lock()
-
-        def on_start(op):
-            lane = lane_of[op]
-            with lock:
-                streaming.enter(op[1], lane_phase.get(lane))
-                lane_phase[lane] = op[1]
-
-        gate = LaneScheduler(lanes, phases, on_start=on_start)
-        units = [s.phase for s in part.stages]
-        try:
-            outputs = self._run_threads(microbatches, loss_of, gate, units)
-        finally:
-            streaming.offload_all()
-        self._keep(gate.record)
-        return outputs
-
-    def _run_threads(self, microbatches, loss_of, gate, units):
-        part, devices, model = self.partition, self.devices, self.model
-        grad_enabled = torch.is_grad_enabled()
-        streaming = self.streaming
-
-        def work(m: int):
-            args, kwargs = microbatches[m]
-            run = StageRun(part, devices, m, units, gate, cut=True)
-            scope = streaming.activation_scope(devices) if streaming else nullcontext()
-            with torch.set_grad_enabled(grad_enabled), context.running_on_ipu(), scope, \
-                    context.worker_scope(self.worker_contexts):
-                with listening(run), run:
-                    run.start()
-                    out = model(*args, **kwargs)
-                    run.finish_forward()
-                    if loss_of is not None:
-                        run.loss = loss_of(out)
-                    run.release_forward()
-                if loss_of is not None:
-                    for unit in reversed(range(run.num_units)):
-                        gate.acquire(BACKWARD, unit, m)
-                        run.backward_unit(unit)
-                        gate.release(BACKWARD, unit, m)
-            return out
-
-        return run_workers(len(microbatches), work, gate)
-
     def _keep(self, record: ScheduleRecord) -> None:
         """Publish the schedule just run, on the runner and on the strategy object the
         user made (the options hold a copy of it; see ``strategies._origin``)."""
         self.last_schedule = record
         publish_schedule(self.strategy, record)
-
-
-def _dedupe(trail: List[int]) -> List[int]:
-    out: List[int] = []
-    for s in trail:
-        if not out or out[-1] != s:
-            out.append(s)
-    return out
 
 
 def _ipu_device(ipu: int, placement: PlacementConfig) -> torch.device:

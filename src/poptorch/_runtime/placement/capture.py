@@ -11,9 +11,12 @@ node, its hooks do not run) is reported by the tracer itself.
 
 The same pass yields the :class:`~.partition.BlockTrace` the partition rules need (the
 blocks in order, their IPUs, which block uses which weight) without running a single
-kernel. Capture is impossible for some models (data-dependent control flow, ``*args``
-signatures, recomputation checkpoints, which the engine does not split):
-:func:`capture` then returns None and the runtime falls back to its tracing runner.
+kernel. The overlap markers (``set_overlap_for_input`` / ``set_overlap_for_output``)
+become nodes too, checked against PopTorch's rules on the graph and then removed
+(:mod:`.io_markers`). Capture is impossible for some models (data-dependent control
+flow, ``*args`` signatures, non-tensor arguments holding tensors): :func:`capture` then
+raises :class:`CaptureUnsupported` saying why, and the runtime runs the model's stages
+one after another (``sequential.py``).
 """
 from __future__ import annotations
 
@@ -25,9 +28,9 @@ import torch
 import torch.fx
 
 from .. import context
-from ..._logging import logger
+from ..program.overlapped_io import OverlapSettings
 from ..torch_internals import pytree
-from . import markers, recompute
+from . import io_markers, markers, recompute
 from .partition import IMPLICIT_BLOCK, BlockTrace, _Tracer
 
 
@@ -48,6 +51,8 @@ class CapturedModel:
     concrete: dict[str, Any]  # non-tensor arguments baked into the graph
     loss_nodes: list[torch.fx.Node] = field(default_factory=list)  # identity_loss marks
     checkpoints: int = 0  # recomputation checkpoints in the graph
+    # the overlap markers, nodes of the graph until io_markers.finish removes them
+    markers: io_markers.GraphMarkers | None = None
 
     def inputs_of(self, args: tuple, kwargs: dict) -> dict[str, Any] | None:
         """The placeholder values of one micro-batch, or None when the micro-batch's
@@ -68,6 +73,10 @@ class _BlockTracer(torch.fx.Tracer):
         super().__init__()
         self.blocks = _Tracer(model)  # the block bookkeeping (sequence, IPUs, rules)
         self.checkpoints = 0
+        self._making_args = False
+        # fx's guards of the non-tensor arguments baked into the graph (checked by
+        # CapturedModel.inputs_of instead): removed once traced
+        self.guards: list[torch.fx.Node] = []
 
     # block listener ------------------------------------------------------------------
     def reset_auto_id(self) -> None:
@@ -88,6 +97,13 @@ class _BlockTracer(torch.fx.Tracer):
         return [node[i] for i in range(len(tensors))]
 
     # fx tracer -----------------------------------------------------------------------
+    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
+        self._making_args = True
+        try:
+            return super().create_args_for_root(root_fn, is_module, concrete_args)
+        finally:
+            self._making_args = False
+
     def call_module(self, m, forward, args, kwargs):
         if self.is_leaf_module(m, self.path_of_module(m)):
             hook = markers.begin_block_of(m)
@@ -97,26 +113,45 @@ class _BlockTracer(torch.fx.Tracer):
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
-        if kind not in ("placeholder", "get_attr", "output"):
+        if self._making_args:
+            if kind != "placeholder":
+                self.guards.append(node)
+            return node
+        # (overlap markers are no op of a block: removed once checked)
+        if kind not in ("placeholder", "get_attr", "output") and not io_markers.is_marker(target):
             if self.blocks.current is None:
                 self.blocks._enter_implicit()
             node.meta[BLOCK_META] = self.blocks.current
         return node
 
 
-def capture(model: torch.nn.Module, args: tuple, kwargs: dict,
-            strategy: Any) -> CapturedModel | None:
+def capture(model: torch.nn.Module, args: tuple, kwargs: dict, strategy: Any,
+            overlap: OverlapSettings | None = None) -> CapturedModel:
     """Capture ``model`` for arguments like ``(args, kwargs)`` (only whether each one is a
-    tensor, and the non-tensor values, matter); None when it cannot be captured."""
+    tensor, and the non-tensor values, matter). Raises :class:`CaptureUnsupported`
+    (why) when it cannot be captured, and ``poptorch.Error`` when its overlap markers
+    break PopTorch's rules (checked with the options' ``overlap`` settings given)."""
     try:
-        return _capture(model, args, kwargs, strategy)
+        captured = trace_model(model, args, kwargs, strategy)
     except Exception as exc:  # pylint: disable=broad-except
-        logger.info("Model parallelism: %s is run by the tracing runner (graph capture "
-                    "failed: %s: %s)", type(model).__name__, type(exc).__name__, exc)
-        return None
+        raise CaptureUnsupported(f"graph capture failed: {type(exc).__name__}: "
+                                 f"{exc}") from None
+    return check_markers(captured, overlap)
 
 
-def _capture(model, args, kwargs, strategy) -> CapturedModel:
+def check_markers(captured: CapturedModel, overlap: OverlapSettings | None) -> CapturedModel:
+    """``captured`` with its overlap markers checked (``overlap``: the options' settings;
+    None: not checked) and removed from its graph."""
+    if captured.markers is not None:
+        io_markers.finish(captured.graph_module, captured.markers, overlap)
+        captured.markers = None
+    return captured
+
+
+def trace_model(model: torch.nn.Module, args: tuple, kwargs: dict,
+                strategy: Any) -> CapturedModel:
+    """The traced model, its overlap markers still nodes of the graph (for
+    ``io_markers.finish``); raises whatever stopped the trace."""
     signature = inspect.signature(model.forward)
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values()):
         raise CaptureUnsupported("forward takes *args or **kwargs")
@@ -124,15 +159,22 @@ def _capture(model, args, kwargs, strategy) -> CapturedModel:
     bound.apply_defaults()
     concrete = {name: value for name, value in bound.arguments.items()
                 if not _is_traced_input(value)}
+    for name, value in concrete.items():
+        if any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(value)):
+            raise CaptureUnsupported(f"argument {name!r} holds tensors and other values")
     tracer = _BlockTracer(model)
+    overlap = io_markers.GraphMarkers(tracer, dict(bound.arguments), model.forward, args,
+                                      kwargs)
     strategy.onStartTracing()
     previous = markers.set_listener(tracer)
+    previous_checker = context.set_overlap_checker(overlap)
     losses_before = len(context.marked_losses())
     try:
         with context.running_on_ipu(), recompute.recording(None):
             graph = tracer.trace(model, concrete_args=dict(concrete) or None)
     finally:
         markers.set_listener(previous)
+        context.set_overlap_checker(previous_checker)
         strategy.onEndTracing()
         marked = context.marked_losses()
         loss_proxies = marked[losses_before:]
@@ -140,13 +182,29 @@ def _capture(model, args, kwargs, strategy) -> CapturedModel:
     loss_nodes = [p.node for p in loss_proxies if isinstance(p, torch.fx.Proxy)]
     if len(loss_nodes) != len(loss_proxies):
         raise CaptureUnsupported("a loss was marked with a value that is not traced")
+    _drop_baked_arguments(graph, tracer.guards, set(bound.arguments) - set(concrete))
     gm = torch.fx.GraphModule(model, graph, class_name=type(model).__name__ + "Captured")
     trace = tracer.blocks.trace
     _record_weight_users(gm, trace, model)
     placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"
                     and n.target in bound.arguments and n.target not in concrete]
     return CapturedModel(gm, trace, signature, placeholders, concrete, loss_nodes,
-                         tracer.checkpoints)
+                         tracer.checkpoints, overlap)
+
+
+def _drop_baked_arguments(graph: torch.fx.Graph, guards: list[torch.fx.Node],
+                          traced: set[str]) -> None:
+    """Remove fx's guards of the arguments baked into the graph and their placeholders
+    (the value of each is a constant of the graph)."""
+    for node in reversed(guards):
+        if node.users:
+            raise CaptureUnsupported("a guard of a non-tensor argument is used")
+        graph.erase_node(node)
+    for node in list(graph.nodes):
+        if node.op == "placeholder" and node.target not in traced:
+            if node.users:
+                raise CaptureUnsupported(f"the non-tensor argument {node.target!r} is used")
+            graph.erase_node(node)
 
 
 def _is_traced_input(value: Any) -> bool:
@@ -164,7 +222,7 @@ def _same_constant(a: Any, b: Any) -> bool:
 
 def _record_weight_users(gm: torch.fx.GraphModule, trace: BlockTrace,
                          model: torch.nn.Module) -> None:
-    """Which block uses which parameter / buffer (as the tracing runner records them)."""
+    """Which block uses which parameter / buffer (as ``partition.trace_blocks`` records them)."""
     users = trace.users
     for node in gm.graph.nodes:
         block = node.meta.get(BLOCK_META)

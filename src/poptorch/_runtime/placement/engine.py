@@ -42,13 +42,16 @@ from .pipeline import (
     BACKWARD,
     FORWARD,
     INPUT_HALF,
-    WAIT_TIMEOUT_S,
     WEIGHT_HALF,
-    Op,
+    Action,
     ScheduleEvent,
     ScheduleRecord,
 )
 from .stages import StagedModel
+
+#: Longest time a worker waits for the actions its next action depends on before
+#: declaring the schedule stalled.
+WAIT_TIMEOUT_S = 600.0
 
 
 class _Aborted(Exception):
@@ -141,7 +144,7 @@ class Engine:
         self.workers = {}
 
     # ---------------------------------------------------------------- pipelined
-    def run_lanes(self, lanes: list[list[Op]], inputs: list[dict[str, Any]],
+    def run_lanes(self, lanes: list[list[Action]], inputs: list[dict[str, Any]],
                   loss_of: Callable[[Any], torch.Tensor] | None,
                   record: ScheduleRecord, before: Callable | None = None,
                   contexts: tuple = ()) -> list[Any]:
@@ -161,7 +164,7 @@ class Engine:
         return step.results
 
     # ---------------------------------------------------------------- sharded
-    def run_in_order(self, ops: list[Op], inputs: list[dict[str, Any]],
+    def run_in_order(self, ops: list[Action], inputs: list[dict[str, Any]],
                      loss_of: Callable[[Any], torch.Tensor] | None,
                      record: ScheduleRecord, cut: bool = False,
                      before: Callable | None = None) -> list[Any]:
@@ -193,7 +196,7 @@ class _Step:
         self.crossed: dict[tuple[int, int], dict[int, list]] = {}  # (s, m) -> producer -> pairs
         self.losses: dict[int, torch.Tensor] = {}
         self.halves: dict[tuple[int, int], split_backward.SplitBackward] = {}
-        self.events: dict[Op, Any] = {}  # CUDA events of finished actions
+        self.events: dict[Action, Any] = {}  # CUDA events of finished actions
         self.done: set = set()
         self.cond = threading.Condition()
         self.error: BaseException | None = None
@@ -204,7 +207,7 @@ class _Step:
         self.all_finished = threading.Event()  # the driver waits on this alone
 
     # ------------------------------------------------------------ worker side
-    def run_lane(self, d: int, lane: list[Op], grad: bool) -> None:
+    def run_lane(self, d: int, lane: list[Action], grad: bool) -> None:
         worker = self.engine.workers[d]
         try:
             with torch.set_grad_enabled(grad), context.running_on_ipu(), \
@@ -213,7 +216,7 @@ class _Step:
                 for op in lane:
                     self._wait_for(op)
                     self.run_op(d, op)
-                    if op[0] != WEIGHT_HALF:  # nobody waits for a weight half
+                    if op.kind != WEIGHT_HALF:  # nobody waits for a weight half
                         with self.cond:
                             self.done.add(_handed_over(op))
                             self.cond.notify_all()
@@ -233,12 +236,12 @@ class _Step:
                 if self.finished == self.lanes:
                     self.all_finished.set()
 
-    def _wait_for(self, op: Op) -> None:
+    def _wait_for(self, op: Action) -> None:
         kind, s, m = op
         if kind == WEIGHT_HALF:  # after its input half, on the same lane
             return
-        deps = ([(FORWARD, p, m) for p in self.engine.producers[s]] if kind == FORWARD else
-                [(BACKWARD, c, m) for c in self.engine.consumers[s]])
+        deps = ([Action(FORWARD, p, m) for p in self.engine.producers[s]] if kind == FORWARD
+                else [Action(BACKWARD, c, m) for c in self.engine.consumers[s]])
         if not deps:
             return
         deadline = time.monotonic() + WAIT_TIMEOUT_S
@@ -262,7 +265,7 @@ class _Step:
             raise self.error
 
     # ------------------------------------------------------------ actions
-    def run_op(self, lane: int, op: Op) -> None:
+    def run_op(self, lane: int, op: Action) -> None:
         kind, s, m = op
         if self.before is not None:
             self.before(lane, op)
@@ -291,7 +294,7 @@ class _Step:
                 args.append(_to(self.inputs[m][source[1]], device))
             else:
                 _, p, pos = source
-                self._wait_event((FORWARD, p, m))
+                self._wait_event(Action(FORWARD, p, m))
                 value = self.outputs[(p, m)][pos]
                 args.append(self._cross(value, device, crossed.setdefault(p, [])))
         if stage.checkpoints and self.loss_of is not None and torch.is_grad_enabled():
@@ -302,7 +305,7 @@ class _Step:
         self.outputs[(s, m)] = out
         if self.cut:
             self.crossed[(s, m)] = crossed
-        self._record_event((FORWARD, s, m))
+        self._record_event(Action(FORWARD, s, m))
         if s == self.last:
             self._finish_microbatch(m, args, out)
 
@@ -339,7 +342,7 @@ class _Step:
             loss = self.losses.pop(m)
             roots[id(loss)] = [loss, None]
         for c in self.engine.consumers[s]:
-            self._wait_event((BACKWARD, c, m))
+            self._wait_event(Action(BACKWARD, c, m))
             for original, copy in self.crossed.get((c, m), {}).pop(s, []):
                 if copy.grad is None:
                     continue
@@ -362,7 +365,7 @@ class _Step:
             else:
                 half.input_half(tensors, grads, inputs)
                 self.halves[(s, m)] = half
-        self._record_event((BACKWARD, s, m))
+        self._record_event(Action(BACKWARD, s, m))
         self.outputs.pop((s, m), None)
 
     def _cross(self, value: Any, device: torch.device, pairs: list) -> Any:
@@ -379,23 +382,23 @@ class _Step:
         return pytree.tree_map_only(torch.Tensor, cross, value)
 
     # ------------------------------------------------------------ CUDA ordering
-    def _record_event(self, op: Op) -> None:
-        worker = self.engine.workers.get(self.engine.stage_device[op[1]])
+    def _record_event(self, op: Action) -> None:
+        worker = self.engine.workers.get(self.engine.stage_device[op.stage])
         if worker is not None and worker.stream is not None:
             event = torch.cuda.Event()
             event.record(worker.stream)
             self.events[op] = event
 
-    def _wait_event(self, op: Op) -> None:
+    def _wait_event(self, op: Action) -> None:
         event = self.events.get(op)
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
 
 
-def _handed_over(op: Op) -> Op:
+def _handed_over(op: Action) -> Action:
     """What finishing ``op`` gives the stages waiting on it (an input half: the
     stage's backward, as far as they are concerned)."""
-    return (BACKWARD, op[1], op[2]) if op[0] == INPUT_HALF else op
+    return Action(BACKWARD, op.stage, op.microbatch) if op.kind == INPUT_HALF else op
 
 
 def _to(value: Any, device: torch.device) -> Any:

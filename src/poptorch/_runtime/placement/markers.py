@@ -3,7 +3,8 @@
 The public annotations (``poptorch.BeginBlock``, ``Block``, ``BlockFunction``, ``IPU``,
 ``recomputationCheckpoint``) do nothing by themselves: they report block boundaries to
 the listener of the current thread, which the model-parallel runtime installs while it
-runs the model (a tracer at compile time, a :class:`~.stagerun.StageRun` on each call).
+runs the model (a tracer at compile time, a :class:`~.stagerun.StageRun` when the
+stages run one after another in the calling thread).
 Outside a PopTorch executor no listener is installed and an annotated model behaves
 exactly like the plain model. This module is the meeting point of both sides, so that
 the runtime never imports the public annotations.
@@ -16,10 +17,11 @@ from typing import Any, Optional
 
 import torch
 
+from ..torch_internals import forward_pre_hooks
+
 _listener_state = threading.local()
 # Order in which BeginBlock annotations were made (the guide's ordering rule).
 _annotation_counter = itertools.count()
-_BEGIN_BLOCK_ATTR = "_poptorch_begin_block"
 # Class attribute of modules that start a block whenever they are called (the legacy
 # wrapper form of BeginBlock and poptorch.IPU).
 STARTS_BLOCK_ATTR = "_poptorch_starts_block"
@@ -58,26 +60,28 @@ class BeginBlockHook:
 
 
 def attach_begin_block(module: torch.nn.Module, user_id: Any, ipu_id: Optional[int]) -> None:
-    """Annotate ``module`` in place (replacing an earlier annotation)."""
+    """Annotate ``module`` in place (replacing an earlier annotation): a
+    :class:`BeginBlockHook` among its forward pre-hooks, which is where the annotation
+    is found again (also on copies of the module, which copy their hooks)."""
     detach_begin_block(module)
-    hook = BeginBlockHook(user_id, ipu_id, type(module).__name__)
-    handle = module.register_forward_pre_hook(hook)
-    module.__dict__[_BEGIN_BLOCK_ATTR] = (hook, handle.id)
+    module.register_forward_pre_hook(BeginBlockHook(user_id, ipu_id, type(module).__name__))
 
 
 def detach_begin_block(module: torch.nn.Module) -> bool:
     """Remove the BeginBlock annotation of ``module``; False when it had none."""
-    mark = module.__dict__.pop(_BEGIN_BLOCK_ATTR, None)
-    if mark is None:
-        return False
-    module._forward_pre_hooks.pop(mark[1], None)
-    return True
+    hooks = forward_pre_hooks(module)
+    keys = [key for key, hook in hooks.items() if isinstance(hook, BeginBlockHook)]
+    for key in keys:
+        del hooks[key]
+    return bool(keys)
 
 
 def begin_block_of(module: torch.nn.Module) -> Optional[BeginBlockHook]:
     """The BeginBlock annotation of ``module`` (None when it has none)."""
-    mark = module.__dict__.get(_BEGIN_BLOCK_ATTR)
-    return None if mark is None else mark[0]
+    for hook in forward_pre_hooks(module).values():
+        if isinstance(hook, BeginBlockHook):
+            return hook
+    return None
 
 
 def starts_block(module: torch.nn.Module) -> bool:

@@ -18,27 +18,27 @@ off chip.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 
 from ...enums import Liveness
 from ..config import PlacementConfig
 from .partition import Partition
-from .pipeline import BACKWARD, FORWARD, Op
+from .pipeline import BACKWARD, FORWARD, Action
 
 HOST = torch.device("cpu")
 
 
 def parallel_phased_schedule(num_phases: int, num_microbatches: int,
-                             training: bool) -> List[List[Op]]:
+                             training: bool) -> list[list[Action]]:
     """Two lanes (even / odd phases), each running its phases phase-major."""
-    lanes: List[List[Op]] = [[], []]
+    lanes: list[list[Action]] = [[], []]
     for p in range(num_phases):
-        lanes[p % 2] += [(FORWARD, p, m) for m in range(num_microbatches)]
+        lanes[p % 2] += [Action(FORWARD, p, m) for m in range(num_microbatches)]
     if training:
         for p in reversed(range(num_phases)):
-            lanes[p % 2] += [(BACKWARD, p, m) for m in range(num_microbatches)]
+            lanes[p % 2] += [Action(BACKWARD, p, m) for m in range(num_microbatches)]
     return [lane for lane in lanes if lane]
 
 
@@ -53,16 +53,16 @@ class StreamingMemory:
     accounts for what is resident (``peak_resident_bytes``, ``streamed_bytes``)."""
 
     def __init__(self, model: torch.nn.Module, partition: Partition,
-                 devices: List[torch.device], config: PlacementConfig) -> None:
+                 devices: list[torch.device], config: PlacementConfig) -> None:
         strategy = partition.strategy
         self.liveness: Liveness = strategy.tensors_liveness
         weight_loc = config.weight_locations
         act_loc = config.activation_locations
         self.stream_activations = (self.liveness != Liveness.AlwaysLive
                                    or _location_off_chip(act_loc, 1))
-        self._device_of: Dict[int, torch.device] = {}
-        self._phase_weights: Dict[int, List[torch.Tensor]] = {}
-        self._pinned: List[torch.Tensor] = []
+        self._device_of: dict[int, torch.device] = {}
+        self._phase_weights: dict[int, list[torch.Tensor]] = {}
+        self._pinned: list[torch.Tensor] = []
         weights = list(model.parameters()) + list(model.buffers())
         for t in weights:
             stage = partition.weight_stage.get(id(t))
@@ -76,11 +76,11 @@ class StreamingMemory:
                 self._phase_weights.setdefault(plan.phase or 0, []).append(t)
             else:
                 self._pinned.append(t)
-        self.resident: Dict[int, bool] = {p: False for p in self._phase_weights}
+        self.resident: dict[int, bool] = dict.fromkeys(self._phase_weights, False)
         self.resident_bytes = 0
         self.peak_resident_bytes = 0
         self.streamed_bytes = 0
-        self.loads: List[int] = []  # phases loaded, in order
+        self.loads: list[int] = []  # phases loaded, in order
         for t in self._pinned:
             self._move(t, self._device_of[id(t)])
         self.resident_bytes = sum(_nbytes(t) for t in self._pinned)
@@ -89,10 +89,10 @@ class StreamingMemory:
             self._offload_phase(phase, count=False)
 
     @property
-    def streamed_phases(self) -> List[int]:
+    def streamed_phases(self) -> list[int]:
         return sorted(self._phase_weights)
 
-    def enter(self, phase: int, lane_previous: Optional[int]) -> None:
+    def enter(self, phase: int, lane_previous: int | None) -> None:
         """A lane starts running ``phase`` after ``lane_previous``."""
         if lane_previous is not None and lane_previous != phase:
             self._offload_phase(lane_previous)
@@ -111,7 +111,7 @@ class StreamingMemory:
         for phase in list(self.resident):
             self._offload_phase(phase)
 
-    def _offload_phase(self, phase: Optional[int], count: bool = True) -> None:
+    def _offload_phase(self, phase: int | None, count: bool = True) -> None:
         if phase not in self.resident or (count and not self.resident[phase]):
             return
         for t in self._phase_weights[phase]:
@@ -129,7 +129,7 @@ class StreamingMemory:
             if t.grad is not None:
                 t.grad = t.grad.to(device)
 
-    def activation_scope(self, devices: List[torch.device]):
+    def activation_scope(self, devices: list[torch.device]):
         """Saved activations go to host memory between forward and backward."""
         if self.stream_activations and any(d.type != "cpu" for d in devices):
             return torch.autograd.graph.save_on_cpu(pin_memory=False)

@@ -35,9 +35,9 @@ from ..torch_internals import pytree
 from ...enums import OutputMode
 from ...errors import Error
 from . import recompute
-from .capture import CapturedModel, _capture
+from .capture import CapturedModel, check_markers, trace_model
 from .partition import Partition, resolve_partition
-from .pipeline import ScheduleEvent, ScheduleRecord, stage_schedules
+from .pipeline import PROCESSES, ScheduleEvent, ScheduleRecord, stage_schedules
 from .stages import StagedModel, split_stages
 from .strategy import PIPELINED, kind_of, publish_schedule, schedule_name
 
@@ -328,7 +328,7 @@ class StageProcessRunner:
         strategy object (every stage's action order, as torch's schedule runs it)."""
         n = self.layout.stages
         lanes = stage_schedules(schedule_name(self.strategy), n, count, training)
-        record = ScheduleRecord(n)
+        record = ScheduleRecord(n, runtime=PROCESSES)
         for s, lane in enumerate(lanes):
             record.events += [ScheduleEvent(s, kind, st, m, 0.0) for kind, st, m in lane]
         self.last_schedule = record
@@ -339,7 +339,7 @@ def _capture_or_explain(model: torch.nn.Module, example: tuple, strategy: Any) -
     """The captured model, or an error saying why it cannot be split over processes."""
     args, kwargs = example
     try:
-        return _capture(model, args, kwargs, strategy)
+        return check_markers(trace_model(model, args, kwargs, strategy), None)
     except Error:
         raise
     except Exception as exc:  # pylint: disable=broad-except

@@ -11,20 +11,21 @@ tensor an operation uses:
 * a tensor on another device (a model input, or a tensor from another stage of the
   same unit) is moved to the current stage's device.
 
-Units are entered through a *gate* (a :class:`~.pipeline.LaneScheduler`), which blocks
-until the schedule lets this micro-batch run that unit.
+``on_unit(unit)`` is called as the forward pass enters each unit (phased execution
+streams the phase's weights in there).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+import contextlib
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from ..torch_internals import pytree
 
+from ..torch_internals import pytree
 from . import markers
 from .partition import BlockNamer, Partition
-from .pipeline import FORWARD, LaneScheduler
 
 _ORIGIN = "_poptorch_origin"
 
@@ -32,26 +33,23 @@ _ORIGIN = "_poptorch_origin"
 class StageRun(TorchFunctionMode):
     """One micro-batch going through the stages (module docstring)."""
 
-    def __init__(self, partition: Partition, devices: List[torch.device], microbatch: int,
-                 unit_of_stage: List[int], gate: Optional[LaneScheduler],
-                 cut: bool) -> None:
+    def __init__(self, partition: Partition, devices: list[torch.device],
+                 unit_of_stage: list[int], cut: bool,
+                 on_unit: Callable[[int], None] | None = None) -> None:
         super().__init__()
         self.partition = partition
         self.devices = devices
-        self.microbatch = microbatch
         self.unit_of_stage = unit_of_stage
-        self.num_units = max(unit_of_stage) + 1
-        self.gate = gate
+        self.on_unit = on_unit
         self.cut = cut
         self.namer = BlockNamer()
-        self.stage: Optional[int] = None
+        self.stage: int | None = None
         self.unit = -1
         self.device = devices[partition.stages[0].ipu]
         self._token = object()
-        self._copies: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
-        self._sends: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.loss: Optional[torch.Tensor] = None
-        self.stage_trail: List[int] = []  # stages entered, in order (sharded record)
+        self._copies: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._sends: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.loss: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- block listener
     def reset_auto_id(self) -> None:
@@ -76,33 +74,15 @@ class StageRun(TorchFunctionMode):
             self._advance_to_unit(unit)
         self.stage = stage
         self.device = self.devices[self.partition.stages[stage].ipu]
-        self.stage_trail.append(stage)
 
     def _advance_to_unit(self, unit: int) -> None:
-        if self.gate is None:
-            self.unit = unit
-            return
-        # Units are entered in ascending order (checked at compile time); a unit the
-        # micro-batch skips is entered and left at once so the schedule moves on.
-        while self.unit < unit:
-            if self.unit >= 0:
-                self.gate.release(FORWARD, self.unit, self.microbatch)
-            self.unit += 1
-            self.gate.acquire(FORWARD, self.unit, self.microbatch)
+        if self.on_unit is not None:
+            self.on_unit(unit)
+        self.unit = unit
 
     def start(self) -> None:
         """Enter the stage where the model's forward pass begins."""
         self._enter_stage(self.partition.block_stage[self.partition.sequence[0]])
-
-    def finish_forward(self) -> None:
-        """After the model returned: pass through the remaining units to the last one
-        (where the loss is computed)."""
-        if self.gate is not None:
-            self._advance_to_unit(self.num_units - 1)
-
-    def release_forward(self) -> None:
-        if self.gate is not None:
-            self.gate.release(FORWARD, self.unit, self.microbatch)
 
     # ---------------------------------------------------------------- torch function mode
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -112,10 +92,8 @@ class StageRun(TorchFunctionMode):
         origin = (self._token, self.unit)
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
-                try:
+                with contextlib.suppress(AttributeError, RuntimeError):  # no __dict__
                     setattr(t, _ORIGIN, origin)
-                except (AttributeError, RuntimeError):  # tensors without a __dict__
-                    pass
         return out
 
     def _adopt(self, t: torch.Tensor) -> torch.Tensor:
@@ -142,11 +120,12 @@ class StageRun(TorchFunctionMode):
 
     # ---------------------------------------------------------------- backward
     def backward_unit(self, unit: int) -> None:
-        """Backward pass of ``unit``: from the loss (last unit) and from the gradients
-        that later units left on the copies of this unit's tensors."""
-        roots: List[torch.Tensor] = []
-        grads: List[Any] = []
-        if unit == self.num_units - 1 and self.loss is not None:
+        """Backward pass of ``unit`` (cut runs): from the loss (computed in the unit the
+        forward pass ended in) and from the gradients that later units left on the
+        copies of this unit's tensors."""
+        roots: list[torch.Tensor] = []
+        grads: list[Any] = []
+        if unit == self.unit and self.loss is not None:
             roots.append(self.loss)
             grads.append(None)
         for original, copy in self._sends.pop(unit, []):
@@ -155,8 +134,7 @@ class StageRun(TorchFunctionMode):
                 grads.append(copy.grad.to(original.device))
         if roots:
             torch.autograd.backward(roots, grads)
-        if unit == 0:
-            self._copies.clear()
+        if unit == self.unit:
             self.loss = None
 
 

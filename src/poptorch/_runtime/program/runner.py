@@ -15,6 +15,7 @@ import torch
 from ..torch_internals import foreach_copy_
 
 from ..batching.plan import Microbatch
+from .overlapped_io import FirstForwardCheck
 
 
 
@@ -55,33 +56,43 @@ class SequentialRunner:
     returns a training micro-batch's output and its loss in one call (the compiled
     backend compiles the two together), else the loss comes from ``loss_of(output)``.
     ``buffers``: the model's buffers, whose history a micro-batch does not see from
-    the one before (:py:func:`drop_history`)."""
+    the one before (:py:func:`drop_history`). ``check``: PopTorch's rules of the overlap
+    markers, checked on the first forward (``overlapped_io.FirstForwardCheck``)."""
 
     def __init__(self, forward: Callable[..., Any],
                  forward_loss: Callable[[tuple, dict], tuple[Any, torch.Tensor]] | None
-                 = None, buffers: tuple[torch.Tensor, ...] = ()) -> None:
+                 = None, buffers: tuple[torch.Tensor, ...] = (),
+                 check: FirstForwardCheck | None = None) -> None:
         self.forward = forward
         self.forward_loss = forward_loss
         self.buffers = buffers
+        self.check = check
 
     def __call__(self, microbatches: list[Microbatch],
                  loss_of: LossOf | None) -> list[Any]:
         outputs = []
         forward, forward_loss, buffers = self.forward, self.forward_loss, self.buffers
         for args, kwargs in microbatches:
-            if loss_of is None:
-                out = forward(*args, **kwargs)
+            if loss_of is not None and buffers:
+                drop_history(buffers)
+            if forward_loss is not None and loss_of is not None:
+                out, loss = forward_loss(args, kwargs)
+                loss_of.finish(loss).backward()
             else:
-                if buffers:
-                    drop_history(buffers)
-                if forward_loss is None:
-                    out = forward(*args, **kwargs)
+                out = forward(*args, **kwargs) if self.check is None \
+                    else self._checked(args, kwargs)
+                if loss_of is not None:
                     loss_of(out).backward()
-                else:
-                    out, loss = forward_loss(args, kwargs)
-                    loss_of.finish(loss).backward()
             outputs.append(out)
         return outputs
+
+    def _checked(self, args: tuple, kwargs: dict) -> Any:
+        """The first forward, under the overlap markers' check."""
+        check = self.check
+        assert check is not None  # (called while set)
+        out = check.run(self.forward, args, kwargs)
+        self.check = None
+        return out
 
 
 class ReplicaState(Protocol):

@@ -1,0 +1,205 @@
+"""The overlap markers of a captured model: nodes of its graph, checked on the graph.
+
+While ``capture.py`` traces a model, ``set_overlap_for_input`` /
+``set_overlap_for_output`` (``ops/hints.py``) report to a :class:`GraphMarkers`
+(``context.overlap_checker()``), which adds one marker node per marked value. Once the
+graph is traced, :meth:`GraphMarkers.record` reads the
+:class:`~..program.overlapped_io.MarkerRecord` of PopTorch's rules off it:
+
+* the placeholders, and the ``getitem`` nodes that pick values out of a tuple, list or
+  dict placeholder, are the raw inputs (their values in the example call say which
+  input tensors they hold);
+* every other node that reads a raw input uses it (metadata reads such as ``x.shape``
+  or ``x.size()`` excepted), and so does the model's return when it returns one;
+* the leaves of the output node are what the model returns.
+
+:func:`finish` checks the rules (when the options are known) and removes the marker
+nodes: the stage modules never run them.
+"""
+from __future__ import annotations
+
+import operator
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+import torch.fx
+
+from ...enums import OverlapMode
+from ..program.overlapped_io import (
+    METADATA_ATTRIBUTES,
+    METADATA_METHODS,
+    MarkerRecord,
+    OverlapSettings,
+    input_tensors,
+    map_structure,
+)
+from ..torch_internals import pytree
+
+_MARKER_META = "poptorch_overlap_marker"  # (kind, call order, mode) of a marker node
+
+
+def input_marker(value: Any) -> Any:
+    """The target of a ``set_overlap_for_input`` node (removed before anything runs)."""
+    return value
+
+
+def output_marker(value: Any) -> Any:
+    """The target of a ``set_overlap_for_output`` node (removed before anything runs)."""
+    return value
+
+
+def is_marker(target: Any) -> bool:
+    """Whether ``target`` is that of a marker node."""
+    return target is input_marker or target is output_marker
+
+
+class GraphMarkers:
+    """The overlap checker of a model being traced (module docstring). ``example``:
+    the arguments of the traced call by parameter name; ``forward``, ``args`` and
+    ``kwargs`` number the input tensors as an eager forward would."""
+
+    def __init__(self, tracer: torch.fx.Tracer, example: dict[str, Any],
+                 forward: Any, args: tuple, kwargs: dict) -> None:
+        self.tracer = tracer
+        self.example = example
+        self.tensors, self.names = input_tensors(forward, args, kwargs)
+        self.calls = 0
+        self.nodes: list[torch.fx.Node] = []
+        self.untraced: list[int] = []  # call orders of input markers on untraced tensors
+
+    # the markers (ops/hints.py) call these while the model is traced
+    def mark_input(self, structure: Any, mode: OverlapMode) -> Any:
+        return self._mark(structure, input_marker, "input", mode)
+
+    def mark_output(self, structure: Any, mode: OverlapMode) -> Any:
+        return self._mark(structure, output_marker, "output", mode)
+
+    def _mark(self, structure: Any, target: Any, kind: str, mode: OverlapMode) -> Any:
+        self.calls += 1
+        order = self.calls
+
+        def mark(value: Any) -> Any:
+            if not isinstance(value, torch.fx.Proxy):  # a tensor no traced op made
+                if kind == "input":  # ... is no input of the model
+                    self.untraced.append(order)
+                    return value
+                raise ValueError("set_overlap_for_output of a tensor the graph does not "
+                                 "trace")
+            proxy = self.tracer.create_proxy("call_function", target, (value, ), {})
+            proxy.node.meta[_MARKER_META] = (kind, order, mode)
+            self.nodes.append(proxy.node)
+            return proxy
+        return map_structure(structure, mark)
+
+    # after tracing
+    def record(self, graph: torch.fx.Graph) -> tuple[MarkerRecord, list[Hashable]]:
+        """The record of the traced forward, and the keys of what it returns."""
+        index: dict[int, int] = {}
+        for n, t in enumerate(self.tensors):
+            index.setdefault(id(t), n)
+        record = MarkerRecord(self.names, [("input", n) for n in range(len(self.tensors))])
+        for order in self.untraced:
+            record.input_misplaced(order)
+        raw: dict[torch.fx.Node, list[int]] = {}  # raw input nodes -> input tensors held
+        values: dict[torch.fx.Node, Any] = {}  # ... and their values in the example
+
+        def hold(node: torch.fx.Node, value: Any) -> None:
+            values[node] = value
+            raw[node] = [index[id(t)] for t in pytree.tree_leaves(value)
+                         if isinstance(t, torch.Tensor) and id(t) in index]
+
+        def key(node: torch.fx.Node) -> Hashable:
+            held = raw.get(node)
+            if held and len(held) == 1 and isinstance(values[node], torch.Tensor):
+                return record.input_keys[held[0]]
+            return node
+
+        returned: list[Hashable] = []
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                if node.target in self.example:
+                    hold(node, self.example[node.target])
+                continue
+            if node.op == "output":
+                for leaf in pytree.tree_leaves(node.args[0]):
+                    if isinstance(leaf, torch.fx.Node):
+                        held = raw.get(leaf)
+                        returned += ([record.input_keys[n] for n in held] if held
+                                     else [leaf])
+                continue
+            marker = node.meta.get(_MARKER_META)
+            if marker is not None:
+                kind, order, mode = marker
+                arg = node.args[0]
+                if kind == "output":
+                    record.output_marked(order, key(arg) if isinstance(arg, torch.fx.Node)
+                                         else arg, node, mode)
+                elif isinstance(arg, torch.fx.Node) and raw.get(arg):
+                    for n in raw[arg]:
+                        record.input_marked(n, mode)
+                else:
+                    record.input_misplaced(order)
+                continue
+            picked = _picked(node, values)
+            if picked is not _NOTHING:
+                hold(node, picked)
+                continue
+            if _reads_metadata(node):
+                continue
+            for arg in node.all_input_nodes:
+                for n in raw.get(arg, ()):
+                    record.use(n, _op_name(node))
+        return record, returned
+
+
+_NOTHING = object()
+
+
+def _picked(node: torch.fx.Node, values: dict[torch.fx.Node, Any]) -> Any:
+    """The value a ``getitem`` node picks out of a tuple, list or dict input (indexing
+    a container is no op on a tensor); ``_NOTHING`` for any other node."""
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return _NOTHING
+    source, item = node.args
+    if not isinstance(source, torch.fx.Node) or source not in values \
+            or not isinstance(values[source], (tuple, list, dict)) \
+            or isinstance(item, torch.fx.Node):
+        return _NOTHING
+    try:
+        return values[source][item]
+    except (IndexError, KeyError, TypeError):
+        return _NOTHING
+
+
+def _reads_metadata(node: torch.fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in METADATA_METHODS
+    return (node.op == "call_function" and node.target is getattr
+            and len(node.args) > 1 and node.args[1] in METADATA_ATTRIBUTES)
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    if node.op == "call_module":
+        module = node.graph.owning_module
+        if module is not None:
+            return type(module.get_submodule(str(node.target))).__name__
+    if isinstance(node.target, str):
+        return node.target
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def finish(gm: torch.fx.GraphModule, markers: GraphMarkers,
+           settings: OverlapSettings | None) -> None:
+    """Check the markers against PopTorch's rules (``settings``: the options they read;
+    None: not checked), then remove them from ``gm``."""
+    if settings is not None and (markers.nodes or markers.untraced):
+        record, returned = markers.record(gm.graph)
+        record.check(returned, settings)
+    for node in reversed(markers.nodes):
+        marked = node.args[0]
+        assert isinstance(marked, torch.fx.Node)  # (tensors are traced as nodes)
+        node.replace_all_uses_with(marked)
+        gm.graph.erase_node(node)
+    if markers.nodes:
+        gm.recompile()
