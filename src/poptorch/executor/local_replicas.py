@@ -62,7 +62,8 @@ def local_replica_runner(model: torch.nn.Module, options: Any, config: RuntimeCo
         info_once(("concurrent-replicas", tuple(map(str, devices))),
                   "%d local replicas run concurrently, on %s.", r,
                   ", ".join(map(str, devices)))
-        concurrent = ConcurrentReplicas(model, devices, broadcast, plan.per_step)
+        check = runner.check if isinstance(runner, SequentialRunner) else None
+        concurrent = ConcurrentReplicas(model, devices, broadcast, plan.per_step, check)
         return concurrent, concurrent
     has_buffers = r > 1 and next(model.buffers(), None) is not None
     if not grouped and not has_buffers:

@@ -93,7 +93,7 @@ def build_runner(model: torch.nn.Module, config: RuntimeConfig | Any, training: 
         config = RuntimeConfig.of(config)
     if config.distributed.stages_on_processes:  # one process per stage (torchrun)
         from .processes import StageProcessRunner  # pylint: disable=import-outside-toplevel
-        return StageProcessRunner(model, config, training, example)  # type: ignore
+        return StageProcessRunner(model, config, training, example, overlap)  # type: ignore
     if not config.placement.strategy_given and not (
             has_static_annotations(model) or _forward_uses_blocks(model)):
         return None

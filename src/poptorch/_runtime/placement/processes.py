@@ -120,7 +120,7 @@ class StageProcessRunner:
     """The step runner of a model whose stages run on processes (module docstring)."""
 
     def __init__(self, model: torch.nn.Module, config: RuntimeConfig, training: bool,
-                 example: Optional[tuple]) -> None:
+                 example: Optional[tuple], overlap: Any = None) -> None:
         strategy = config.placement.strategy
         if kind_of(strategy) != PIPELINED:
             raise Error(
@@ -151,7 +151,7 @@ class StageProcessRunner:
         self.device = _devices.acquire_devices(config.placement.device_options, 1)[0]
         self.input_device = self.output_device = self.device
         self.last_schedule: Optional[ScheduleRecord] = None
-        captured = _capture_or_explain(model, example, strategy)
+        captured = _capture_or_explain(model, example, strategy, overlap)
         part = resolve_partition(captured.trace, strategy, config, training, 0)
         world = world_module.join(config.distributed.process_id,
                                   config.distributed.num_processes, self.device)
@@ -335,11 +335,13 @@ class StageProcessRunner:
         publish_schedule(self.strategy, record)
 
 
-def _capture_or_explain(model: torch.nn.Module, example: tuple, strategy: Any) -> CapturedModel:
-    """The captured model, or an error saying why it cannot be split over processes."""
+def _capture_or_explain(model: torch.nn.Module, example: tuple, strategy: Any,
+                        overlap: Any) -> CapturedModel:
+    """The captured model (its overlap markers checked with the options' ``overlap``
+    settings), or an error saying why it cannot be split over processes."""
     args, kwargs = example
     try:
-        return check_markers(trace_model(model, args, kwargs, strategy), None)
+        return check_markers(trace_model(model, args, kwargs, strategy), overlap)
     except Error:
         raise
     except Exception as exc:  # pylint: disable=broad-except

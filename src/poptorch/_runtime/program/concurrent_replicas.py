@@ -28,6 +28,7 @@ from ..torch_internals import foreach_copy_, pytree
 from .. import context
 from ..attributes import own_attribute
 from ..batching.plan import Microbatch
+from .overlapped_io import FirstForwardCheck
 from .runner import LossOf
 
 
@@ -76,8 +77,11 @@ class ConcurrentReplicas:
     module docstring). ``devices[0]`` is where ``model`` lives."""
 
     def __init__(self, model: torch.nn.Module, devices: list[torch.device],
-                 broadcast_buffers: bool, per_step: int) -> None:
+                 broadcast_buffers: bool, per_step: int,
+                 check: FirstForwardCheck | None = None) -> None:
         self.model = model
+        # PopTorch's rules of the overlap markers, checked on replica 0's first forward
+        self.check = check
         self.per_step = per_step
         self.devices = devices
         self.broadcast_each_step = broadcast_buffers
@@ -163,7 +167,12 @@ class ConcurrentReplicas:
             # Named as the sequential runners name their micro-batches in traces.
             with torch.profiler.record_function(
                     f"poptorch::micro-batch {(k + i * r) % per_step} replica {k}"):
-                out = model(*args, **kwargs)
+                check = self.check if k == 0 else None
+                if check is None:
+                    out = model(*args, **kwargs)
+                else:
+                    out = check.run(model, args, kwargs)
+                    self.check = None
             if loss_of is not None:
                 loss_of(out).backward()
             outputs.append(_moved(out, home) if k else out)
