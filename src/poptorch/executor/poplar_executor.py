@@ -23,6 +23,7 @@ from .call_support import (CallRollback, Snapshot, check_inference_accumulation,
 from .inspection import ExecutorInspection
 from .replica_grouping import GroupableParameter
 from .._logging import logger
+from .._overrides import substitutions  # ops helper: lead re-applies in the new call path
 from .._runtime import context
 from .._runtime.compilation import Compilation
 from .._runtime.batching.plan import split_inputs
@@ -187,10 +188,15 @@ class PoplarExecutor(ExecutorInspection):
     def compile(self, *args, **kwargs) -> None:
         """Compile the model for these inputs without running it (no-op if compiled)."""
         if self._compiled is None:
-            self._compile(args, kwargs)
+            with substitutions():  # ops helper: lead re-applies in the new call path
+                self._compile(args, kwargs)
 
     # ------------------------------------------------------------------ run
     def __call__(self, *args, **kwargs) -> Any:
+        with substitutions():  # ops helper: lead re-applies in the new call path
+            return self._call_substituted(*args, **kwargs)
+
+    def _call_substituted(self, *args, **kwargs) -> Any:  # ops helper: the former __call__
         if self._training and not torch.is_grad_enabled():
             return self._call_with_grad(args, kwargs)
         compiled = self._compiled
