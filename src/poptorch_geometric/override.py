@@ -100,8 +100,8 @@ class _TorchGeometricOpsSubstitutionManager:
     _wrappers_lock = threading.Lock()
 
     def __init__(self) -> None:
-        # target -> {name: (original, whether the target itself defined it)}
-        self.overrides: dict[Any, dict[str, tuple[Any, bool]]] = {}
+        # (target, name, original, whether the target itself defined it), in order
+        self.overrides: list[tuple[Any, str, Any, bool]] = []
 
     def __enter__(self) -> _TorchGeometricOpsSubstitutionManager:
         self.replace()
@@ -112,13 +112,13 @@ class _TorchGeometricOpsSubstitutionManager:
         self.restore()
 
     @classmethod
-    def _installed(cls, target: Any, name: str, original: Any,
-                   replacement: Callable[..., Any]) -> Callable[..., Any]:
-        """The wrapper standing in for ``original`` (made once, then reused)."""
+    def _wrapper(cls, target: Any, name: str, original: Any,
+                 replacement: Callable[..., Any]) -> Callable[..., Any]:
+        """The object standing in for ``original`` (made once, then reused)."""
+        known = cls._wrappers.get((target, name))
+        if known is not None and known[0] is original:
+            return known[1]
         with cls._wrappers_lock:
-            known = cls._wrappers.get((target, name))
-            if known is not None and known[0] is original:
-                return known[1]
 
             @functools.wraps(original)
             def substituted(*args: Any, **kwargs: Any) -> Any:
@@ -128,28 +128,31 @@ class _TorchGeometricOpsSubstitutionManager:
             return substituted
 
     def replace(self) -> None:
-        """Install every substitution, remembering what was there."""
+        """Install every substitution, remembering what was there.
+
+        Runs around every model call, so it does little: a lookup and a ``setattr``
+        per entry once the wrappers exist."""
+        saved = self.overrides
         try:
             for target, replacements in self.subsitutions.items():
+                is_class = isinstance(target, type)
                 for name, replacement in replacements.items():
                     original = getattr(target, name)
-                    own = name in getattr(target, "__dict__", {})
-                    self.overrides.setdefault(target, {})[name] = (original, own)
-                    setattr(target, name,
-                            self._installed(target, name, original, replacement))
+                    own = not is_class or name in target.__dict__
+                    saved.append((target, name, original, own))
+                    setattr(target, name, self._wrapper(target, name, original, replacement))
         except BaseException:
             self.restore()
             raise
 
     def restore(self) -> None:
         """Put back what ``replace`` found (attributes inherited before stay inherited)."""
-        for target, saved in self.overrides.items():
-            for name, (original, own) in saved.items():
-                if own or not isinstance(target, type):
-                    setattr(target, name, original)
-                else:
-                    delattr(target, name)
-        self.overrides = {}
+        saved, self.overrides = self.overrides, []
+        for target, name, original, own in reversed(saved):
+            if own:
+                setattr(target, name, original)
+            else:
+                delattr(target, name)
 
 
 _optional_lock = threading.Lock()
