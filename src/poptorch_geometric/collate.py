@@ -10,12 +10,13 @@ import torch
 from torch_geometric.data import Batch, HeteroData
 from torch_geometric.data.data import BaseData
 
+import poptorch
 from poptorch._utils import combine_batch_tensors_gen
 
 from .fixed_size_options import FixedSizeOptions
-from .padding import Level, attribute_level, padding_graph, split_evenly
+from .padding import attribute_levels, padding_graph, split_evenly
 from .pyg_collate import Collater
-from .trimming import trim_edges, trim_nodes
+from .trimming import Levels, trim_edges, trim_nodes
 from .types import PyGArgsParser
 
 __all__ = ["CombinedBatchingCollater", "FixedSizeCollater", "make_exclude_keys"]
@@ -107,7 +108,8 @@ class FixedSizeCollater(Collater):
                 "the batch to a fixed size. The number of graphs received for batching is "
                 f"{num_real + 1}, including at least one padding graph, but space for only "
                 f"{self.opts.num_graphs} graphs has been requested.")
-        data_list = self._trimmed(data_list, num_pad_graphs > 0)
+        levels = attribute_levels(data_list, self.exclude_keys)
+        data_list = self._trimmed(data_list, num_pad_graphs > 0, levels)
         if self.skip_over_size:
             data_list = self._fitting(data_list)
             num_real = len(data_list)
@@ -123,7 +125,7 @@ class FixedSizeCollater(Collater):
                 "nodes and edges.")
         _check_padding_nodes(data_list[0], pad_nodes, pad_edges)
         padded = data_list + self._padding_graphs(data_list, num_pad_graphs, pad_nodes,
-                                                  pad_edges)
+                                                  pad_edges, levels)
         batch = super().__call__(padded)
         if self.add_masks_to_batch:
             _add_masks(batch, self.opts.num_graphs, num_real, real_nodes, real_edges)
@@ -131,26 +133,29 @@ class FixedSizeCollater(Collater):
         return batch
 
     # -- trimming ---------------------------------------------------------------------
-    def _trimmed(self, data_list: list[BaseData], has_padding_graph: bool) -> list[BaseData]:
+    def _trimmed(self, data_list: list[BaseData], has_padding_graph: bool,
+                 levels: Levels) -> list[BaseData]:
         if self.trim_nodes:
             limit = _reserve_padding_node(self.opts.num_nodes, len(data_list),
                                           has_padding_graph)
-            data_list = self._prune_nodes(data_list, limit)
+            data_list = self._prune_nodes(data_list, limit, levels)
         if self.trim_edges:
-            data_list = self._prune_edges(data_list)
+            data_list = self._prune_edges(data_list, levels=levels)
         return data_list
 
-    def _prune_nodes(self, data_list: list[BaseData],
-                     limit: Counts | None = None) -> list[BaseData]:
+    def _prune_nodes(self, data_list: list[BaseData], limit: Counts | None = None,
+                     levels: Levels | None = None) -> list[BaseData]:
         """``data_list`` with random nodes removed to at most ``limit`` (default: the
         options' number of nodes)."""
-        return trim_nodes(data_list, self.opts.num_nodes if limit is None else limit)
+        levels = attribute_levels(data_list, self.exclude_keys) if levels is None else levels
+        return trim_nodes(data_list, self.opts.num_nodes if limit is None else limit, levels)
 
-    def _prune_edges(self, data_list: list[BaseData],
-                     limit: Counts | None = None) -> list[BaseData]:
+    def _prune_edges(self, data_list: list[BaseData], limit: Counts | None = None,
+                     levels: Levels | None = None) -> list[BaseData]:
         """``data_list`` with random edges removed to at most ``limit`` (default: the
         options' number of edges)."""
-        return trim_edges(data_list, self.opts.num_edges if limit is None else limit)
+        levels = attribute_levels(data_list, self.exclude_keys) if levels is None else levels
+        return trim_edges(data_list, self.opts.num_edges if limit is None else limit, levels)
 
     def _fitting(self, data_list: list[BaseData]) -> list[BaseData]:
         """The graphs of ``data_list`` that fit, taken in order, each leaving a node and
@@ -186,14 +191,10 @@ class FixedSizeCollater(Collater):
                         limit=type_limit, trim=f"trim_{what}"))
 
     def _padding_graphs(self, data_list: list[BaseData], count: int, pad_nodes: Counts,
-                        pad_edges: Counts) -> list[BaseData]:
+                        pad_edges: Counts, levels: Levels) -> list[BaseData]:
         if count == 0:
             return []
         template = data_list[0]
-        levels: dict[tuple[int, str], Level] = {
-            (index, key): attribute_level(data_list, index, key)
-            for index, store in enumerate(template.stores) for key in store
-            if key not in self.exclude_keys and key != "num_nodes"}
         nodes_per_graph = _split(pad_nodes, count)
         edges_per_graph = _split_edges(template, pad_edges, nodes_per_graph)
         return [padding_graph(template, levels, nodes, edges, self.opts, self.exclude_keys)
@@ -370,6 +371,7 @@ class CombinedBatchingCollater:
         if len(parts) == 1:
             return parts[0]
         tensors = [list(self.parser.yieldTensors(part)) for part in parts]
+        _check_same_shapes(parts[0], tensors)
         combined = self.parser.reconstruct(parts[0], combine_batch_tensors_gen(tensors))
         first = parts[0]
         if isinstance(combined, HeteroData):
@@ -379,3 +381,18 @@ class CombinedBatchingCollater:
             combined.num_nodes = first.num_nodes
         return combined
 
+
+
+def _check_same_shapes(first: BaseData, tensors: list[list[torch.Tensor]]) -> None:
+    """The model call splits a joined tensor into equal parts along dimension 0: the
+    micro-batches must have tensors of equal shapes."""
+    names = [key for store in first.stores for key in sorted(store.keys())
+             if isinstance(store[key], torch.Tensor)]
+    for position, name in enumerate(names):
+        shapes = [tuple(part[position].shape) for part in tensors]
+        if len(set(shapes)) > 1:
+            raise poptorch.Error(
+                f"The micro-batches of one model call have different shapes for '{name}' "
+                f"({shapes}): joined along dimension 0 they could not be split back into "
+                "micro-batches. Give every micro-batch the same shapes: pad the graphs "
+                "(torch_geometric.transforms.Pad) or use FixedSizeDataLoader.")

@@ -20,38 +20,61 @@ from torch_geometric.data.data import BaseData
 
 from .fixed_size_options import FixedSizeOptions
 
-__all__ = ["Level", "attribute_level", "padding_graph", "split_evenly", "store_types"]
+__all__ = ["EDGE_LEVEL_KEYS", "Level", "attribute_levels", "padding_graph", "split_evenly",
+           "store_types"]
 
 Level = Literal["node", "edge", "graph"]
 
 
-def attribute_level(data_list: Sequence[BaseData], store_index: int, key: str) -> Level:
-    """Whether attribute ``key`` of store ``store_index`` (in ``data.stores``) is node-,
-    edge- or graph-level, as PyG decides it on the first graph; a size that only matches
-    the first graph by chance (a graph of one node or edge with a per-graph label) is
-    checked against the other graphs."""
+EDGE_LEVEL_KEYS = frozenset({"e_id"})
+"""Edge-level keys whose names do not say so (PyG decides by ``"edge" in key`` when a
+graph has as many nodes as edges): ``e_id`` of PyG's sampling loaders."""
+
+
+def attribute_levels(data_list: Sequence[BaseData],
+                     exclude_keys: Sequence[str] = ()) -> dict[tuple[int, str], Level]:
+    """Whether each attribute (by store index in ``data.stores`` and key) is node-, edge-
+    or graph-level over the whole of ``data_list``.
+
+    A tensor attribute is node-level if its size along its concatenation dimension is
+    every graph's number of nodes, edge-level if it is every graph's number of edges,
+    graph-level otherwise. Where both fit in every graph (as many nodes as edges), PyG's
+    decision stands (``"edge"`` in the key, or ``e_id``). The stores of a heterogeneous
+    graph say which level they hold; its global store holds graph-level attributes.
+    """
     first = data_list[0]
-    store = first.stores[store_index]
-    value = store[key]
-    if isinstance(first, HeteroData) and store_index == 0:
-        return "graph"  # a heterogeneous graph's global store
-    if store.is_edge_attr(key):
-        level: Level = "edge"
-    elif store.is_node_attr(key):
-        level = "node"
-    else:
-        return "graph"
-    if not isinstance(value, torch.Tensor) or len(data_list) == 1:
-        return level
-    dim = first.__cat_dim__(key, value, store)
-    if value.shape[dim] != 1:
-        return level
-    for data in data_list[1:]:
-        other = data.stores[store_index]
-        count = other.num_nodes if level == "node" else other.num_edges
-        if other[key].shape[dim] != count:
-            return "graph"
-    return level
+    hetero = isinstance(first, HeteroData)
+    levels: dict[tuple[int, str], Level] = {}
+    for index, store in enumerate(first.stores):
+        stores = [data.stores[index] for data in data_list]
+        counted_nodes = counted_edges = None
+        for key, value in store.items():
+            if key in exclude_keys or key == "num_nodes":
+                continue
+            if (hetero and index == 0) or not isinstance(value, torch.Tensor) or \
+                    value.dim() == 0:
+                levels[(index, key)] = "graph"
+                continue
+            dim = first.__cat_dim__(key, value, store)
+            sizes = [other[key].shape[dim] for other in stores]
+            node_level = edge_level = False
+            if hetero:
+                if index <= len(first.node_types):
+                    counted_nodes = counted_nodes or [s.num_nodes or 0 for s in stores]
+                    node_level = sizes == counted_nodes
+                else:
+                    counted_edges = counted_edges or [s.num_edges for s in stores]
+                    edge_level = sizes == counted_edges
+            else:
+                counted_nodes = counted_nodes or [s.num_nodes or 0 for s in stores]
+                counted_edges = counted_edges or [s.num_edges for s in stores]
+                node_level, edge_level = sizes == counted_nodes, sizes == counted_edges
+            if node_level and edge_level:
+                edge_level = key in EDGE_LEVEL_KEYS or store.is_edge_attr(key)
+                node_level = not edge_level
+            levels[(index, key)] = "node" if node_level else "edge" if edge_level \
+                else "graph"
+    return levels
 
 
 def split_evenly(amount: int, pieces: int) -> list[int]:

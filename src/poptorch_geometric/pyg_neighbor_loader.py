@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.utils.data
 import torch_geometric.typing
-from torch_geometric.data import Batch, HeteroData
+from torch_geometric.data import HeteroData
 from torch_geometric.data.data import BaseData
 from torch_geometric.loader import NeighborLoader
 from torch_geometric.sampler import NeighborSampler
@@ -120,9 +120,10 @@ class FixedSizeNeighborLoader(torch.utils.data.DataLoader):
         """The graph PyG's ``NeighborLoader`` samples around input nodes ``index``."""
         return self.neighbour_loader(index)
 
-    def fixedSizeCollate(self, sampled: BaseData) -> Batch:
-        """``sampled`` padded to the fixed sizes (the sampling's own values, such as
-        ``batch_size`` and ``input_id``, put back unchanged)."""
+    def fixedSizeCollate(self, sampled: BaseData) -> BaseData:
+        """``sampled`` padded to the fixed sizes, of its own class (the sampling's own
+        values, such as ``batch_size`` and ``input_id``, put back unchanged; the
+        padding graphs' nodes are told apart by ``batch``, or by the masks)."""
         store = sampled[self.input_type] if isinstance(sampled, HeteroData) else sampled
         kept = {key: store[key] for key in _SAMPLING_KEYS if key in store}
         for key in kept:
@@ -132,12 +133,15 @@ class FixedSizeNeighborLoader(torch.utils.data.DataLoader):
         finally:
             for key, value in kept.items():
                 store[key] = value
-        target = out[self.input_type] if isinstance(out, HeteroData) else out
+        # a sampled graph, as NeighborLoader gives it (a Batch would read ``batch_size``
+        # as its number of graphs)
+        padded = type(sampled).from_dict(out.to_dict())
+        target = padded[self.input_type] if isinstance(padded, HeteroData) else padded
         for key, value in kept.items():
             target[key] = value
-        return out
+        return padded
 
-    def _collate(self, index: list[int]) -> Batch:
+    def _collate(self, index: list[int]) -> BaseData:
         return self.fixedSizeCollate(self.nativeCollate(index))
 
     def _create_collater(self) -> Any:

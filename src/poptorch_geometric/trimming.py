@@ -4,15 +4,22 @@ for its fixed size (``OverSizeStrategy.TrimNodes`` / ``TrimEdges``).
 Node trimming keeps at least one node of every graph that has nodes (so no graph
 disappears) and removes the edges of the removed nodes; edge trimming keeps every node.
 Which nodes and edges go is drawn from torch's global random generator.
+
+Homogeneous graphs are cut with the attribute levels of the whole batch
+(``padding.attribute_levels``): PyG's own ``subgraph`` decides by the name of a key
+when a graph has as many nodes as edges, and would cut ``e_id`` as a node attribute.
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch_geometric.data import HeteroData
+from torch_geometric.data import Data, HeteroData
 from torch_geometric.data.data import BaseData
+
+from .padding import Level
 
 __all__ = ["keep_mask", "trim_edges", "trim_nodes"]
 
@@ -42,7 +49,11 @@ def _slices(mask: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
     return list(torch.split(mask, list(counts)))
 
 
-def trim_nodes(data_list: list[BaseData], limit: int | dict[Any, int]) -> list[BaseData]:
+Levels = dict[tuple[int, str], Level]
+
+
+def trim_nodes(data_list: list[BaseData], limit: int | dict[Any, int],
+               levels: Levels) -> list[BaseData]:
     """``data_list`` with random nodes removed so that at most ``limit`` remain (per
     node type for heterogeneous graphs)."""
     if isinstance(data_list[0], HeteroData):
@@ -64,11 +75,12 @@ def trim_nodes(data_list: list[BaseData], limit: int | dict[Any, int]) -> list[B
     mask = keep_mask(counts, limit, keep_one_each=True)
     if mask is None:
         return data_list
-    return [data.subgraph(part) for data, part in zip(data_list, _slices(mask, counts),
-                                                      strict=True)]
+    return [_subgraph(data, part, levels)
+            for data, part in zip(data_list, _slices(mask, counts), strict=True)]
 
 
-def trim_edges(data_list: list[BaseData], limit: int | dict[Any, int]) -> list[BaseData]:
+def trim_edges(data_list: list[BaseData], limit: int | dict[Any, int],
+               levels: Levels) -> list[BaseData]:
     """``data_list`` with random edges removed so that at most ``limit`` remain (per
     edge type for heterogeneous graphs)."""
     if isinstance(data_list[0], HeteroData):
@@ -88,7 +100,7 @@ def trim_edges(data_list: list[BaseData], limit: int | dict[Any, int]) -> list[B
     mask = keep_mask(counts, limit, keep_one_each=False)
     if mask is None:
         return data_list
-    return [data.edge_subgraph(part)
+    return [_edge_subgraph(data, part, levels)
             for data, part in zip(data_list, _slices(mask, counts), strict=True)]
 
 
@@ -97,3 +109,46 @@ def _check_room(limit: int, num_graphs: int, what: str) -> None:
         raise RuntimeError(f"The number of nodes to trim to ({limit}){what} is less than "
                            f"the number of graphs in the batch ({num_graphs}), which would "
                            "result in empty graphs. Increase the number of nodes.")
+
+
+def _holds_node_indices(data: Data, key: str, value: torch.Tensor) -> bool:
+    increment = data.__inc__(key, value)
+    if isinstance(increment, torch.Tensor):
+        return bool(increment.ne(0).any())
+    return bool(increment)
+
+
+def _select(data: Data, levels: Levels, keep: dict[str, torch.Tensor],
+            renumber: torch.Tensor | None) -> Data:
+    """A copy of ``data`` with the rows ``keep[level]`` of its node- / edge-level
+    tensors; node indices renumbered by ``renumber`` (old index -> new index)."""
+    out = copy.copy(data)
+    for key, value in data.items():
+        level = levels.get((0, key), "graph")
+        if not isinstance(value, torch.Tensor) or level not in keep:
+            continue
+        dim = data.__cat_dim__(key, value)
+        selected = value.index_select(dim, keep[level].nonzero().flatten())
+        if renumber is not None and _holds_node_indices(data, key, value):
+            selected = renumber[selected]
+        out[key] = selected
+    return out
+
+
+def _subgraph(data: Data, keep_nodes: torch.Tensor, levels: Levels) -> Data:
+    """``data`` without the nodes outside ``keep_nodes`` and their edges."""
+    if "edge_index" in data:
+        edge_index = data.edge_index
+        keep_edges = keep_nodes[edge_index[0]] & keep_nodes[edge_index[1]]
+    else:
+        keep_edges = torch.zeros(0, dtype=torch.bool)
+    renumber = torch.cumsum(keep_nodes.long(), 0) - 1
+    out = _select(data, levels, {"node": keep_nodes, "edge": keep_edges}, renumber)
+    if "num_nodes" in data:
+        out.num_nodes = int(keep_nodes.sum())
+    return out
+
+
+def _edge_subgraph(data: Data, keep_edges: torch.Tensor, levels: Levels) -> Data:
+    """``data`` without the edges outside ``keep_edges`` (every node stays)."""
+    return _select(data, levels, {"edge": keep_edges}, None)
