@@ -3,6 +3,7 @@ model runs, and everything is put back afterwards, also when the call raises."""
 from __future__ import annotations
 
 import contextlib
+import types
 from typing import ClassVar
 
 import pytest
@@ -14,7 +15,7 @@ import poptorch  # noqa: E402
 import poptorch._poplar_executor  # noqa: E402
 from poptorch import _overrides  # noqa: E402
 from poptorch._overrides import _OverwriteContextManager, substitutions  # noqa: E402
-from poptorch_geometric import ops  # noqa: E402
+from poptorch_geometric import ops, override  # noqa: E402
 from poptorch_geometric.override import _TorchGeometricOpsSubstitutionManager  # noqa: E402
 
 MANAGER = _TorchGeometricOpsSubstitutionManager
@@ -135,6 +136,33 @@ def test_interpolation_nearest_and_fps_inside_a_model():
     torch.testing.assert_close(interpolated, ops.knn_interpolate(*inputs, k=2))
     assert torch.equal(nearest, poptorch.nearest(pos_x, pos_y, batch_x, batch_y))
     assert sampled.tolist() == poptorch.fps(pos_x, [0, 5, 10], 0.6).tolist()
+
+
+def test_torch_cluster_functions_are_replaced_when_it_is_installed(monkeypatch):
+    """torch-cluster cannot be built here: a stand-in module with its function names
+    takes its place in the table, as ``registerOptionalOverrides`` puts the real one."""
+    stand_in = types.ModuleType("torch_cluster")
+
+    def unavailable(*args, **kwargs):
+        raise ImportError("the stand-in has no kernels")
+
+    for name in ("knn", "knn_graph", "radius", "radius_graph", "nearest", "fps"):
+        setattr(stand_in, name, unavailable)
+    monkeypatch.setitem(MANAGER.subsitutions, stand_in, {})
+    override._add_torch_cluster(stand_in)
+    assert set(MANAGER.subsitutions[stand_in]) == {"knn", "knn_graph", "radius",
+                                                   "radius_graph", "nearest"}
+
+    class UsesTorchCluster(torch.nn.Module):
+        def forward(self, x, y):
+            return stand_in.knn(x, y, 2), stand_in.nearest(y, x)
+
+    torch.manual_seed(3)
+    x, y = torch.randn(6, 2), torch.randn(3, 2)
+    assign, nearest = poptorch.inferenceModel(UsesTorchCluster())(x, y)
+    assert torch.equal(assign, ops.knn(x, y, 2))  # 6 points: every slot used
+    assert torch.equal(nearest, poptorch.nearest(y, x))
+    assert stand_in.knn is unavailable and stand_in.fps is unavailable
 
 
 # -- the registry (poptorch._overrides) ------------------------------------------------

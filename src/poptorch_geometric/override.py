@@ -7,11 +7,11 @@ the call raises. Outside a wrapped model PyG is untouched.
 
 What is replaced (PyG 2.8 names; an attribute an installed PyG lacks is left out):
 
-* ``knn``, ``knn_graph``, ``radius``, ``radius_graph``, ``nearest``, ``fps`` of
+* ``knn``, ``knn_graph``, ``radius``, ``radius_graph``, ``nearest`` and ``fps`` of
   ``torch_geometric.nn`` and ``torch_geometric.nn.pool`` (which need pyg-lib in PyG 2.8),
-  and the same functions of ``torch_cluster`` when it is installed. They return PyG's
-  result (the ``-1`` slots of the static-shape ops dropped), so PyG code that uses the
-  edges directly keeps working;
+  and all but ``fps`` of ``torch_cluster`` when it is installed. The edge functions
+  return PyG's result (the ``-1`` slots of the static-shape ops dropped), so PyG code
+  that uses the edges directly keeps working;
 * ``knn_interpolate`` of ``torch_geometric.nn`` and ``torch_geometric.nn.unpool``;
 * ``forward`` of ``ClusterGCNConv``, ``HeteroLinear``, ``InstanceNorm``, ``MFConv`` and
   ``Aggregation.assert_sorted_index``: versions of fixed shapes that a compiled program
@@ -38,6 +38,7 @@ import torch_geometric.nn.pool
 import torch_geometric.nn.unpool
 
 import poptorch
+from poptorch._logging import info_once
 
 from . import ops
 from .ops._points import without_padding
@@ -159,6 +160,12 @@ _optional_lock = threading.Lock()
 _optional_registered = False
 
 
+def _add_torch_cluster(torch_cluster: Any) -> None:
+    """Replace ``torch_cluster``'s point functions too (it has PyG's semantics)."""
+    _TorchGeometricOpsSubstitutionManager.subsitutions[torch_cluster] = _existing(
+        torch_cluster, _POINT_FUNCTIONS)
+
+
 def registerOptionalOverrides() -> None:
     """Also replace ``torch_cluster``'s point functions when it is installed (once)."""
     global _optional_registered
@@ -166,11 +173,16 @@ def registerOptionalOverrides() -> None:
         if _optional_registered:
             return
         _optional_registered = True
-        if importlib.util.find_spec("torch_cluster") is None:
+        try:
+            if importlib.util.find_spec("torch_cluster") is None:
+                return
+            torch_cluster = importlib.import_module("torch_cluster")
+        except (ImportError, OSError, ValueError) as error:  # a build for another torch
+            info_once(("poptorch_geometric", "torch_cluster"),
+                      "poptorch_geometric: torch_cluster is installed but cannot be "
+                      "imported (%s); its functions are not replaced", error)
             return
-        torch_cluster = importlib.import_module("torch_cluster")
-        _TorchGeometricOpsSubstitutionManager.subsitutions[torch_cluster] = _existing(
-            torch_cluster, _POINT_FUNCTIONS)
+        _add_torch_cluster(torch_cluster)
 
 
 registerOptionalOverrides()
