@@ -213,6 +213,15 @@ def test_managers_enter_in_order_and_leave_in_reverse(registry):
     assert len(calls) % 4 == 0  # every call (compiling included) replaces and restores
 
 
+def test_compiling_without_running_also_enters_the_managers(registry):
+    """``compile()`` may trace the model (PopTorch's does), so it is covered too."""
+    _OverwriteContextManager.registerSubsitutionManager(_First)
+    poptorch.inferenceModel(_Recorder()).compile(torch.ones(1))
+    assert _Counting.log[:1] == [("replace", "_First")]
+    assert _Counting.log[-1:] == [("restore", "_First")]
+    assert len(_Counting.log) % 2 == 0
+
+
 def test_nested_entries_replace_once(registry):
     _OverwriteContextManager.registerSubsitutionManager(_First)
     with substitutions():
