@@ -14,9 +14,11 @@ import poptorch
 from poptorch._utils import combine_batch_tensors_gen
 
 from .fixed_size_options import FixedSizeOptions
-from .padding import attribute_levels, padding_graph, split_evenly
+from .levels import Infos, check_padded, classify
+from .padding import padding_graph, split_evenly
 from .pyg_collate import Collater
-from .trimming import Levels, trim_edges, trim_nodes
+from .sizes import measure
+from .trimming import trim_edges, trim_nodes
 from .types import PyGArgsParser
 
 __all__ = ["CombinedBatchingCollater", "FixedSizeCollater", "make_exclude_keys"]
@@ -79,6 +81,9 @@ class FixedSizeCollater(Collater):
             raise ValueError("FixedSizeCollater: skip_over_size leaves out the graphs that "
                              "do not fit, trimming makes them fit: choose one.")
         self.skip_over_size = bool(skip_over_size)
+        self._known: Infos = {}  # attribute levels the batches so far showed for sure
+        self._last_infos: Infos = {}
+        self._aranges: dict[Any, torch.Tensor] = {}
         if not isinstance(fixed_size_options, FixedSizeOptions):
             raise TypeError("FixedSizeCollater: fixed_size_options must be a "
                             "poptorch_geometric.FixedSizeOptions, got "
@@ -96,25 +101,35 @@ class FixedSizeCollater(Collater):
         if any(type(d) is not type(data_list[0]) for d in data_list):
             raise TypeError("FixedSizeCollater: the graphs of a batch must be of one class, "
                             f"got {sorted({type(d).__name__ for d in data_list})}.")
-        hetero = isinstance(data_list[0], HeteroData)
-        if hetero and not self.opts.is_hetero():
+        if isinstance(data_list[0], HeteroData) and not self.opts.is_hetero():
             self.opts.to_hetero(data_list[0].node_types, data_list[0].edge_types)
-        num_real = len(data_list)
-        num_pad_graphs = self.opts.num_graphs - num_real
-        if num_pad_graphs < 0:
+        if self.opts.num_graphs < len(data_list):
             raise RuntimeError(
                 "The maximum number of graphs requested doesn't allocate enough room for all "
                 "the graphs in the batch plus at least one extra graph required for padding "
                 "the batch to a fixed size. The number of graphs received for batching is "
-                f"{num_real + 1}, including at least one padding graph, but space for only "
-                f"{self.opts.num_graphs} graphs has been requested.")
-        levels = attribute_levels(data_list, self.exclude_keys)
-        data_list = self._trimmed(data_list, num_pad_graphs > 0, levels)
+                f"{len(data_list) + 1}, including at least one padding graph, but space for "
+                f"only {self.opts.num_graphs} graphs has been requested.")
+        batch = self._collate(data_list, self._known)
+        if not check_padded(batch, self._last_infos, self.opts.num_nodes, self.opts.num_edges):
+            # a level this collater had learnt does not hold for this batch
+            self._known.clear()
+            batch = self._collate(data_list, self._known)
+        return batch
+
+    def _collate(self, data_list: list[BaseData], known: Infos) -> Batch:
+        num_pad_graphs = self.opts.num_graphs - len(data_list)
+        sizes = measure(data_list)
+        infos = classify(data_list, self.exclude_keys, sizes, known)
+        trimmed = self._trimmed(data_list, num_pad_graphs > 0, infos)
+        if trimmed is not data_list:
+            data_list, sizes = trimmed, measure(trimmed)
         if self.skip_over_size:
             data_list = self._fitting(data_list)
-            num_real = len(data_list)
-            num_pad_graphs = self.opts.num_graphs - num_real
-        real_nodes, real_edges = _counts(data_list)
+            num_pad_graphs = self.opts.num_graphs - len(data_list)
+            sizes = measure(data_list)
+        num_real = len(data_list)
+        real_nodes, real_edges = sizes.totals()
         pad_nodes = _remaining(self.opts.num_nodes, real_nodes, "nodes", data_list)
         pad_edges = _remaining(self.opts.num_edges, real_edges, "edges", data_list)
         self._check_fits(pad_nodes, pad_edges, num_real)
@@ -125,16 +140,44 @@ class FixedSizeCollater(Collater):
                 "nodes and edges.")
         _check_padding_nodes(data_list[0], pad_nodes, pad_edges)
         padded = data_list + self._padding_graphs(data_list, num_pad_graphs, pad_nodes,
-                                                  pad_edges, levels)
+                                                  pad_edges, infos)
         batch = super().__call__(padded)
         if self.add_masks_to_batch:
-            _add_masks(batch, self.opts.num_graphs, num_real, real_nodes, real_edges)
+            self._add_masks(batch, num_real, real_nodes, real_edges)
         _store_num_nodes(batch, self.opts.num_nodes)
+        self._last_infos = infos
         return batch
+
+    def _add_masks(self, batch: Batch, num_real: int, real_nodes: Counts,
+                   real_edges: Counts) -> None:
+        """True for the real graphs, nodes and edges, False for the padding."""
+        batch.graphs_mask = self._positions("graphs", self.opts.num_graphs) < num_real
+        if isinstance(batch, HeteroData):
+            assert isinstance(real_nodes, dict) and isinstance(real_edges, dict)
+            assert isinstance(self.opts.num_nodes, dict)
+            assert isinstance(self.opts.num_edges, dict)
+            for node_type in batch.node_types:
+                positions = self._positions(node_type, self.opts.num_nodes[node_type])
+                batch[node_type].nodes_mask = positions < real_nodes.get(node_type, 0)
+            for edge_type in batch.edge_types:
+                positions = self._positions(edge_type, self.opts.num_edges[edge_type])
+                batch[edge_type].edges_mask = positions < real_edges.get(edge_type, 0)
+            return
+        assert isinstance(self.opts.num_nodes, int) and isinstance(self.opts.num_edges, int)
+        assert isinstance(real_nodes, int) and isinstance(real_edges, int)
+        batch.nodes_mask = self._positions("nodes", self.opts.num_nodes) < real_nodes
+        batch.edges_mask = self._positions("edges", self.opts.num_edges) < real_edges
+
+    def _positions(self, what: Any, count: int) -> torch.Tensor:
+        """``arange(count)``, made once per collater (masks compare against it)."""
+        positions = self._aranges.get(what)
+        if positions is None or positions.numel() != count:
+            positions = self._aranges[what] = torch.arange(count)
+        return positions
 
     # -- trimming ---------------------------------------------------------------------
     def _trimmed(self, data_list: list[BaseData], has_padding_graph: bool,
-                 levels: Levels) -> list[BaseData]:
+                 levels: Infos) -> list[BaseData]:
         if self.trim_nodes:
             limit = _reserve_padding_node(self.opts.num_nodes, len(data_list),
                                           has_padding_graph)
@@ -144,27 +187,29 @@ class FixedSizeCollater(Collater):
         return data_list
 
     def _prune_nodes(self, data_list: list[BaseData], limit: Counts | None = None,
-                     levels: Levels | None = None) -> list[BaseData]:
+                     levels: Infos | None = None) -> list[BaseData]:
         """``data_list`` with random nodes removed to at most ``limit`` (default: the
         options' number of nodes)."""
-        levels = attribute_levels(data_list, self.exclude_keys) if levels is None else levels
+        if levels is None:
+            levels = classify(data_list, self.exclude_keys, measure(data_list))
         return trim_nodes(data_list, self.opts.num_nodes if limit is None else limit, levels)
 
     def _prune_edges(self, data_list: list[BaseData], limit: Counts | None = None,
-                     levels: Levels | None = None) -> list[BaseData]:
+                     levels: Infos | None = None) -> list[BaseData]:
         """``data_list`` with random edges removed to at most ``limit`` (default: the
         options' number of edges)."""
-        levels = attribute_levels(data_list, self.exclude_keys) if levels is None else levels
+        if levels is None:
+            levels = classify(data_list, self.exclude_keys, measure(data_list))
         return trim_edges(data_list, self.opts.num_edges if limit is None else limit, levels)
 
     def _fitting(self, data_list: list[BaseData]) -> list[BaseData]:
         """The graphs of ``data_list`` that fit, taken in order, each leaving a node and
         an edge (per type) for the padding graph."""
         kept: list[BaseData] = []
-        first_nodes, first_edges = _counts([data_list[0]])
+        first_nodes, first_edges = measure(data_list[:1]).totals()
         nodes, edges = _zero(first_nodes), _zero(first_edges)
         for data in data_list:
-            more_nodes, more_edges = _counts([data])
+            more_nodes, more_edges = measure([data]).totals()
             new_nodes, new_edges = _add(nodes, more_nodes), _add(edges, more_edges)
             if _within(new_nodes, self.opts.num_nodes) and \
                     _within(new_edges, self.opts.num_edges):
@@ -191,7 +236,7 @@ class FixedSizeCollater(Collater):
                         limit=type_limit, trim=f"trim_{what}"))
 
     def _padding_graphs(self, data_list: list[BaseData], count: int, pad_nodes: Counts,
-                        pad_edges: Counts, levels: Levels) -> list[BaseData]:
+                        pad_edges: Counts, levels: Infos) -> list[BaseData]:
         if count == 0:
             return []
         template = data_list[0]
@@ -211,20 +256,6 @@ def _reserve_padding_node(num_nodes: Counts, num_graphs: int,
     if isinstance(num_nodes, dict):
         return {key: reserved(value) for key, value in num_nodes.items()}
     return reserved(num_nodes)
-
-
-def _counts(data_list: list[BaseData]) -> tuple[Counts, Counts]:
-    """The numbers of nodes and edges of ``data_list`` (per type when heterogeneous)."""
-    if isinstance(data_list[0], HeteroData):
-        nodes: dict[Any, int] = {}
-        edges: dict[Any, int] = {}
-        for data in data_list:
-            for node_type in data.node_types:
-                nodes[node_type] = nodes.get(node_type, 0) + (data[node_type].num_nodes or 0)
-            for edge_type in data.edge_types:
-                edges[edge_type] = edges.get(edge_type, 0) + data[edge_type].num_edges
-        return nodes, edges
-    return (sum(d.num_nodes or 0 for d in data_list), sum(d.num_edges for d in data_list))
 
 
 def _remaining(limit: Counts, real: Counts, what: str, data_list: list[BaseData]) -> Counts:
@@ -318,23 +349,6 @@ def _split_edges(template: BaseData, pad_edges: Counts,
         return [{key: parts[i] for key, parts in per_type.items()}
                 for i in range(len(nodes_per_graph))]
     return split(pad_edges, [bool(n) for n in nodes_per_graph])
-
-
-def _add_masks(batch: Batch, num_graphs: int, num_real: int, real_nodes: Counts,
-               real_edges: Counts) -> None:
-    batch.graphs_mask = torch.arange(num_graphs) < num_real
-    if isinstance(batch, HeteroData):
-        assert isinstance(real_nodes, dict) and isinstance(real_edges, dict)
-        for node_type in batch.node_types:
-            store = batch[node_type]
-            store.nodes_mask = torch.arange(store.num_nodes) < real_nodes.get(node_type, 0)
-        for edge_type in batch.edge_types:
-            store = batch[edge_type]
-            store.edges_mask = torch.arange(store.num_edges) < real_edges.get(edge_type, 0)
-        return
-    assert isinstance(real_nodes, int) and isinstance(real_edges, int)
-    batch.nodes_mask = torch.arange(batch.num_nodes) < real_nodes
-    batch.edges_mask = torch.arange(batch.num_edges) < real_edges
 
 
 class CombinedBatchingCollater:

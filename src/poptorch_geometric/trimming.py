@@ -6,7 +6,7 @@ disappears) and removes the edges of the removed nodes; edge trimming keeps ever
 Which nodes and edges go is drawn from torch's global random generator.
 
 Homogeneous graphs are cut with the attribute levels of the whole batch
-(``padding.attribute_levels``): PyG's own ``subgraph`` decides by the name of a key
+(``levels.classify``): PyG's own ``subgraph`` decides by the name of a key
 when a graph has as many nodes as edges, and would cut ``e_id`` as a node attribute.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from torch_geometric.data import Data, HeteroData
 from torch_geometric.data.data import BaseData
 
-from .padding import Level
+from .levels import Infos
 
 __all__ = ["keep_mask", "trim_edges", "trim_nodes"]
 
@@ -49,11 +49,8 @@ def _slices(mask: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
     return list(torch.split(mask, list(counts)))
 
 
-Levels = dict[tuple[int, str], Level]
-
-
 def trim_nodes(data_list: list[BaseData], limit: int | dict[Any, int],
-               levels: Levels) -> list[BaseData]:
+               levels: Infos) -> list[BaseData]:
     """``data_list`` with random nodes removed so that at most ``limit`` remain (per
     node type for heterogeneous graphs)."""
     if isinstance(data_list[0], HeteroData):
@@ -80,7 +77,7 @@ def trim_nodes(data_list: list[BaseData], limit: int | dict[Any, int],
 
 
 def trim_edges(data_list: list[BaseData], limit: int | dict[Any, int],
-               levels: Levels) -> list[BaseData]:
+               levels: Infos) -> list[BaseData]:
     """``data_list`` with random edges removed so that at most ``limit`` remain (per
     edge type for heterogeneous graphs)."""
     if isinstance(data_list[0], HeteroData):
@@ -111,31 +108,24 @@ def _check_room(limit: int, num_graphs: int, what: str) -> None:
                            "result in empty graphs. Increase the number of nodes.")
 
 
-def _holds_node_indices(data: Data, key: str, value: torch.Tensor) -> bool:
-    increment = data.__inc__(key, value)
-    if isinstance(increment, torch.Tensor):
-        return bool(increment.ne(0).any())
-    return bool(increment)
-
-
-def _select(data: Data, levels: Levels, keep: dict[str, torch.Tensor],
+def _select(data: Data, levels: Infos, keep: dict[str, torch.Tensor],
             renumber: torch.Tensor | None) -> Data:
     """A copy of ``data`` with the rows ``keep[level]`` of its node- / edge-level
     tensors; node indices renumbered by ``renumber`` (old index -> new index)."""
     out = copy.copy(data)
     for key, value in data.items():
-        level = levels.get((0, key), "graph")
-        if not isinstance(value, torch.Tensor) or level not in keep:
+        info = levels.get((0, key))
+        if not isinstance(value, torch.Tensor) or info is None or info.level not in keep \
+                or info.dim is None:
             continue
-        dim = data.__cat_dim__(key, value)
-        selected = value.index_select(dim, keep[level].nonzero().flatten())
-        if renumber is not None and _holds_node_indices(data, key, value):
+        selected = value.index_select(info.dim, keep[info.level].nonzero().flatten())
+        if renumber is not None and info.holds_node_indices:
             selected = renumber[selected]
         out[key] = selected
     return out
 
 
-def _subgraph(data: Data, keep_nodes: torch.Tensor, levels: Levels) -> Data:
+def _subgraph(data: Data, keep_nodes: torch.Tensor, levels: Infos) -> Data:
     """``data`` without the nodes outside ``keep_nodes`` and their edges."""
     if "edge_index" in data:
         edge_index = data.edge_index
@@ -149,6 +139,6 @@ def _subgraph(data: Data, keep_nodes: torch.Tensor, levels: Levels) -> Data:
     return out
 
 
-def _edge_subgraph(data: Data, keep_edges: torch.Tensor, levels: Levels) -> Data:
+def _edge_subgraph(data: Data, keep_edges: torch.Tensor, levels: Infos) -> Data:
     """``data`` without the edges outside ``keep_edges`` (every node stays)."""
     return _select(data, levels, {"edge": keep_edges}, None)
