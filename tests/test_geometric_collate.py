@@ -330,3 +330,17 @@ def test_as_many_nodes_as_edges_keeps_e_id_edge_level():
     assert batch.e_id.shape == (9,) and batch.n_id.shape == (3,)
     ends = batch.n_id[batch.edge_index[:, :real]] - 5
     torch.testing.assert_close(ends, data.edge_index[:, batch.e_id[:real] - 10])
+
+
+def test_a_collater_relearns_levels_a_batch_contradicts():
+    """Levels learnt from one batch are checked on the next padded batch: labels that
+    were per node there and are per graph here are padded per graph."""
+    collater = pg.FixedSizeCollater(pg.FixedSizeOptions(num_nodes=20, num_edges=10,
+                                                        num_graphs=3))
+    node_labels = [Data(x=torch.randn(n, 2), edge_index=torch.zeros(2, 0, dtype=torch.long),
+                        y=torch.arange(n)) for n in (3, 4)]
+    assert collater(node_labels).y.shape == (20,)
+    graph_labels = [Data(x=torch.randn(n, 2), edge_index=torch.zeros(2, 0, dtype=torch.long),
+                         y=torch.tensor([n])) for n in (3, 4)]
+    batch = collater(graph_labels)
+    assert batch.y.tolist() == [3, 4, 0] and batch.x.shape == (20, 2)
