@@ -27,8 +27,9 @@ PyG's ``DataLoader`` on the same data and the same real graphs per batch.
 Targets (issue 33): ``pop`` >= max(eager, compile) in graphs/s; the fixed-size loader
 >= 0.9 x PyG's DataLoader.
 
-Run: ``python benchmarks/bench_geometric.py [--quick] [--model gcn|gin]``. About 3
-minutes on a quiet 2-core machine (``--quick``: about 1).
+Run: ``python benchmarks/bench_geometric.py [--quick] [--model gcn|gin] [--threads N]``
+(one torch thread by default). About 4 minutes on a 2-core machine (``--quick``: about
+2), most of it compiling.
 """
 from __future__ import annotations
 
@@ -245,7 +246,11 @@ def main() -> None:
     parser.add_argument("--model", choices=("gcn", "gin"), action="append",
                         help="only this model (repeatable)")
     parser.add_argument("--batch", type=int, default=32, help="real graphs per batch")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: on a shared machine two threads "
+                             "spinning against other jobs make every contender 10x slower)")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     count, rounds = (640, 3) if args.quick else (1920, 5)
     data = make_dataset(count)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "

@@ -10,7 +10,7 @@ torch-cluster) are used when installed, never required.
 # ruff: noqa: F401, I001  (re-exports; the ops section below stays apart, marked)
 from poptorch import __version__
 
-from . import masker
+from . import compat, masker
 from .cluster_loader import FixedSizeClusterLoader
 from .collate import CombinedBatchingCollater, FixedSizeCollater, make_exclude_keys
 from .dataloader import DataLoader, FixedSizeDataLoader
@@ -34,6 +34,7 @@ _OverwriteContextManager.registerSubsitutionManager(_TorchGeometricOpsSubstituti
 # --- end of ops section ---
 
 registerCustomArgParsers()
+compat.install()  # data.keys as PopTorch Geometric 3.4's programs read it (compat.py)
 
 __all__ = [
     "CombinedBatchingCollater",
