@@ -55,12 +55,15 @@ def test_the_reader_sees_program_writes():
 
 
 def test_the_executor_call_is_short():
+    """``__call__`` (and ``_call``, its body under PopTorch Geometric's substitutions):
+    prepare / run under one undo guard / finish."""
     tree = ast.parse((SRC / "executor" / "poplar_executor.py").read_text())
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
-             and n.name == "__call__"]
-    assert len(calls) == 1
-    lines = calls[0].end_lineno - calls[0].lineno + 1
-    assert lines <= CALL_LINES, f"PoplarExecutor.__call__ has {lines} lines"
+    calls = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
+             and n.name in ("__call__", "_call")}
+    assert "__call__" in calls
+    for name, node in calls.items():
+        lines = node.end_lineno - node.lineno + 1
+        assert lines <= CALL_LINES, f"PoplarExecutor.{name} has {lines} lines"
 
 
 def _dict_reach_ins(tree: ast.AST) -> list[tuple[int, str]]:

@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 __all__ = ["REQUIRED_ON_INSTANCES", "pytree", "set_grad_enabled", "foreach_copy_", "foreach_div_", "foreach_mul_",
            "optimizer_hooks_registered", "profiler_enabled", "step_needs_wrapper",
            "torch_function_stack_depth", "DisableTorchFunction", "disable_dynamo",
-           "dynamo", "top_saved_tensors_default_hooks",
+           "dynamo", "dynamo_counters", "top_saved_tensors_default_hooks",
            "current_graph_task_id", "DisableAutocast", "disable_current_modes",
            "dispatch_get_all_op_names", "dispatch_has_kernel_for_dispatch_key",
            "fake_impl_entry", "inductor_cache_dir", "inductor_codecache",
@@ -142,6 +142,13 @@ def dynamo() -> Any:
     return importlib.import_module("torch._dynamo")
 
 
+def dynamo_counters() -> Any:
+    """torch._dynamo's event counters (``["frames"]["total"]``: frames compiled,
+    ``["stats"]["unique_graphs"]``: graphs compiled): how tests and benchmarks count
+    (re)compilations; torch has no public counter."""
+    return resolve("torch._dynamo.utils.counters")
+
+
 def tensor_inputs_check(tensors: tuple) -> Any:
     """A check, in C++, that later inputs are plain tensors like ``tensors``: called as
     ``check(*args)`` with as many arguments, True when each is of the same Python
@@ -213,6 +220,7 @@ REQUIRED: dict[str, str] = {
     "torch.autograd.profiler._is_profiler_enabled": "fast optimizer step",
     "torch._dynamo.exc.TorchDynamoException": "a failed capture (compiled fallback)",
     "torch._dynamo.exc.BackendCompilerFailed": "a failed code generation (compiled fallback)",
+    "torch._dynamo.utils.counters": "compile counts in tests and benchmarks (no public API)",
     "torch._C._autograd._top_saved_tensors_default_hooks": "recomputation",
     "torch._C._current_graph_task_id": "recomputation",
     "torch._C._DisableAutocast": "recomputation replay",

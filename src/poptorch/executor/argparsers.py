@@ -7,18 +7,18 @@ so ``tree_flatten``/``tree_unflatten`` take such objects apart and rebuild them.
 from __future__ import annotations
 
 import abc
-import copy
 import importlib.util
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import torch
-from .._runtime.torch_internals import pytree
 
 from .._logging import info_once
+from .._runtime.torch_internals import pytree
 
 __all__ = ["ICustomArgParser", "registerCustomArgParser", "registerGeometricCustomArgParsers"]
 
-_parsers: dict[type, "ICustomArgParser"] = {}
+_parsers: dict[type, ICustomArgParser] = {}
 
 
 class ICustomArgParser(abc.ABC):
@@ -43,7 +43,7 @@ def _unflatten(parser: ICustomArgParser, values, original) -> Any:
 
 
 def registerCustomArgParser(arg_data_type: type,
-                            arg_parser: Optional[ICustomArgParser]) -> None:
+                            arg_parser: ICustomArgParser | None) -> None:
     """Use ``arg_parser`` for arguments of type ``arg_data_type``.
 
     A parser already registered for the type is replaced; ``arg_parser=None`` removes it.
@@ -72,31 +72,10 @@ def registerCustomArgParser(arg_data_type: type,
     _parsers[arg_data_type] = arg_parser
 
 
-class _GeometricDataParser(ICustomArgParser):
-    """Parser for ``torch_geometric`` ``Data``/``Batch``/``HeteroData``: their tensor
-    attributes, in sorted key order (per node/edge store for heterogeneous graphs)."""
-
-    @staticmethod
-    def _tensor_slots(struct) -> list[tuple[Any, str]]:
-        slots: list = []
-        for store in struct.stores:
-            slots.extend((store, key) for key in sorted(store.keys())
-                         if isinstance(store[key], torch.Tensor))
-        return slots
-
-    def yieldTensors(self, struct) -> Iterator[torch.Tensor]:
-        for store, key in self._tensor_slots(struct):
-            yield store[key]
-
-    def reconstruct(self, original_structure, tensor_iterator):
-        rebuilt = copy.copy(original_structure)
-        for store, key in self._tensor_slots(rebuilt):
-            store[key] = next(tensor_iterator)
-        return rebuilt
-
-
 def registerGeometricCustomArgParsers() -> None:
-    """Register parsers for ``torch_geometric.data.Data``, ``Batch`` and ``HeteroData``.
+    """Register the parsers of ``torch_geometric``'s ``Data``, ``HeteroData`` and their
+    batch classes (``poptorch_geometric.PyGArgsParser``; importing
+    ``poptorch_geometric`` registers them too).
 
     Without ``torch_geometric`` installed there is nothing to register: the call logs
     that at INFO and returns.
@@ -106,7 +85,6 @@ def registerGeometricCustomArgParsers() -> None:
                   "registerGeometricCustomArgParsers: torch_geometric is not installed; "
                   "no parsers registered.")
         return
-    from torch_geometric.data import Batch, Data, HeteroData  # noqa: PLC0415 (optional)
-    parser = _GeometricDataParser()
-    for data_type in (Data, HeteroData, Batch):
-        registerCustomArgParser(data_type, parser)
+    # poptorch_geometric is the layer above poptorch: imported on request only
+    types = importlib.import_module("poptorch_geometric.types")
+    types.registerCustomArgParsers()

@@ -23,6 +23,7 @@ from .call_support import (check_buffers, check_inference_accumulation, count_te
 from .inspection import ExecutorInspection
 from .replica_grouping import GroupableParameter
 from .._logging import logger
+from .._overrides import substitutions, substitutions_registered
 from .._runtime import context
 from .._runtime.compilation import Compilation
 from .._runtime.batching.plan import split_inputs
@@ -180,10 +181,19 @@ class PoplarExecutor(ExecutorInspection):
     def compile(self, *args, **kwargs) -> None:
         """Compile the model for these inputs without running it (no-op if compiled)."""
         if self._compiled is None:
-            self._compile(args, kwargs)
+            with substitutions():  # (poptorch_geometric's ops in place of PyG's)
+                self._compile(args, kwargs)
 
     # ------------------------------------------------------------------ run
-    def __call__(self, *args, **kwargs) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if substitutions_registered():  # poptorch_geometric's ops in place of PyG's
+            with substitutions():
+                return self._call(args, kwargs)
+        return self._call(args, kwargs)
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
+        """A call: the fast path, the first call, or checked inputs run under one undo
+        guard; the fast path is decided after the first later call."""
         if self._training and not torch.is_grad_enabled():
             return self._call_with_grad(args, kwargs)
         compiled = self._compiled
