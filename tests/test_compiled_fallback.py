@@ -142,12 +142,13 @@ def test_code_generation_failure_falls_back(monkeypatch, caplog):
 
 @pytest.mark.parametrize("fail_at", [1, 3])
 def test_an_error_out_of_compiled_code_falls_back(monkeypatch, caplog, fail_at):
-    """The compiled code raises at its first call, or at a later one of the first
-    calls (the third run of the compiled graph: the second compiled call)."""
+    """The compiled code raises at its first run (the micro-batch's), or at a later one
+    of the first calls (the third run of compiled code: the compiled update's first)."""
     monkeypatch.setitem(_FAILURES, "calls", 0)
     monkeypatch.setitem(_FAILURES, "fail_at", fail_at)
     warning = _run_and_compare(Net, monkeypatch, caplog, "poptorch_test_run_fails")
-    assert "(run: UnboundLocalError: cannot access local variable 'arg33_1'" in warning
+    stage = "(run:" if fail_at == 1 else "(update run:"
+    assert f"{stage} UnboundLocalError: cannot access local variable 'arg33_1'" in warning
 
 
 def test_non_finite_compiled_results_fall_back(monkeypatch, caplog):

@@ -119,7 +119,9 @@ class CompiledBackend:
         forward, forward_loss = self._microbatch_functions(model, training)
         self.runner = SequentialRunner(forward, forward_loss, tuple(model.buffers()))
         self._update: Callable[[], Any] | None = None
-        self._update_for: Any = None  # the optimizer the update was compiled for
+        # the optimizer the update is compiled for: the compile's (the model's first
+        # call, eager, has created its state), then each one setOptimizer binds
+        self._update_for: Any = None if binding is None else binding.device
         self._traced_hyperparameters: tuple | None = None
         self._update_traces = 0
         self._changed_last_step = False
@@ -155,8 +157,8 @@ class CompiledBackend:
             self._update_eagerly()
             return
         if optimizer is not self._update_for:
-            # first step with this optimizer (at compile, after setOptimizer): eagerly,
-            # which creates its state; compiled from the next step on
+            # first step with an optimizer bound by setOptimizer: eagerly, which creates
+            # its state; compiled from the next step on
             self._update_for = optimizer
             self._update = None
             self._update_eagerly()
