@@ -110,3 +110,38 @@ def test_training_model_keeps_submodules_the_user_put_in_eval_mode():
     pop2(x, t)
     pop2.copyWeightsToHost()
     assert torch.count_nonzero(whole.bn.running_mean) > 0  # BatchNorm ran in train mode
+
+
+class Record:
+    """An output object that carries its loss as an attribute (as a PyTorch Geometric
+    ``Data`` that the model fills in)."""
+
+    def __init__(self, out: torch.Tensor, loss: torch.Tensor) -> None:
+        self.out, self.loss = out, loss
+
+
+class FillsARecord(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x, target):
+        out = self.fc(x)
+        return Record(out, F.cross_entropy(out, target))
+
+
+def test_an_output_object_with_a_loss_attribute_trains_on_it():
+    torch.manual_seed(0)
+    model = FillsARecord()
+    ref = copy.deepcopy(model)
+    x, t = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    pop = poptorch.trainingModel(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for _ in range(3):
+        record = pop(x, t)
+        opt.zero_grad()
+        ref_record = ref(x, t)
+        ref_record.loss.backward()
+        opt.step()
+        torch.testing.assert_close(record.loss, ref_record.loss.detach())
+    torch.testing.assert_close(model.fc.weight, ref.fc.weight)

@@ -11,7 +11,9 @@ PopTorch trains on the loss the model computes. In order of preference:
    element before the first (the ``(output, loss)`` convention), then the last such
    element in between;
 4. the ``"loss"`` entry of a returned mapping (a dict, or a dict-like output such as
-   Hugging Face's ``ModelOutput``), when it is a one-element tensor (named a loss).
+   Hugging Face's ``ModelOutput``), or the ``loss`` attribute of another returned object
+   (a PyTorch Geometric ``Data`` the model filled in), when it is a one-element tensor
+   (named a loss).
 
 Only 0-dim tensors count in rules 2 and 3: a reduced loss (``mean``, ``sum``, every
 ``torch.nn`` loss) is 0-dim whatever the batch size, while a prediction is not, even
@@ -65,6 +67,10 @@ def find_loss(output: Any, marked: list, traced: bool = False) -> torch.Tensor:
         if isinstance(named, torch.Tensor) and named.numel() == 1:
             return named.reshape(())
         return _raise_no_loss(output)
+    elif not isinstance(output, torch.Tensor):
+        named = getattr(output, "loss", None)
+        if isinstance(named, torch.Tensor) and named.numel() == 1:
+            return named.reshape(())
     if _is_scalar(candidate):
         return candidate
     return _raise_no_loss(output)
