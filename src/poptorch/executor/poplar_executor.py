@@ -27,6 +27,7 @@ from .._runtime import context
 from .._runtime.compilation import Compilation
 from .._runtime.batching.plan import split_inputs
 from .._runtime.batching.signature import detach_inputs
+from .._runtime.device_faults import translate as translate_device_fault  # issue-32
 from .._runtime.weights.modelcopy import TrainingMode, shallow_copy_module
 from .._runtime.program.optimizer import attach_optimizer, make_loss_scaler
 from .._runtime.program.device_loop import DeviceProgram
@@ -199,7 +200,15 @@ class PoplarExecutor(ExecutorInspection):
             # executor/fast_call.py: None = not known yet, False = never
             fast = compiled.calls.fast
             if fast:
-                result = fast(args, kwargs)
+                # issue-32: lead re-applies in the new call path (the try / except: the
+                # fast path's failures are device faults too; it undoes its own call)
+                try:
+                    result = fast(args, kwargs)
+                except BaseException as error:
+                    fault = translate_device_fault(error)
+                    if fault is not None:
+                        raise fault from error
+                    raise
                 if result is not MISS:
                     return result
         args, kwargs = detach_inputs(args, kwargs, self._once_key)
@@ -251,13 +260,18 @@ class PoplarExecutor(ExecutorInspection):
                     result = program.run(args, kwargs)
             if isinstance(snapshot, Snapshot) and first:
                 snapshot.check_buffers()
-        except BaseException:
+        except BaseException as error:
             # a failed call changes nothing: weights, optimizer state, buffers, loss
             # scale and the program's random stream are as before it
             if snapshot is not None:
                 snapshot.restore()
             if first:  # ... and a failed first call leaves nothing compiled
                 self.destroy()
+            # issue-32: lead re-applies in the new call path (3 lines: a device fault
+            # is raised as PopTorch's error, torch's as its cause; docs/errors.md)
+            fault = translate_device_fault(error)
+            if fault is not None:
+                raise fault from error
             raise
         if io_check is not None and io_check.done:
             calls.io_checked = True
