@@ -101,8 +101,11 @@ def test_dry_run_quick_installs_offline_runs_each_step_and_lists_what_a_budget_s
 
 
 def test_dry_run_default_lists_every_test_its_budget_stopped(tmp_path):
+    slow = tmp_path / "test_slow.py"  # 8 tests of 3 s: a budget of 10 s stops them
+    slow.write_text("import time, pytest\n\n\n@pytest.mark.parametrize('n', range(8))\n"
+                    "def test_slow(n):\n    time.sleep(3)\n")
     run, text = _run(tmp_path, GPU_CHECK_DRY_RUN="1", GPU_CHECK_SKIP="install,bench",
-                     GPU_CHECK_TESTS="tests/test_executor.py", GPU_CHECK_BUDGETS="tests=15",
+                     GPU_CHECK_TESTS=str(slow), GPU_CHECK_BUDGETS="tests=10",
                      OMP_NUM_THREADS="1")
     assert run.returncode == 0, run.stdout + run.stderr + text
     assert text.startswith("# OpenPopTorch GPU check (default)")
@@ -112,12 +115,12 @@ def test_dry_run_default_lists_every_test_its_budget_stopped(tmp_path):
                        text)
     assert counts, text
     not_run, collected = int(counts.group(1)), int(counts.group(2))
-    assert 0 < not_run < collected
+    assert collected == 8 and 1 <= not_run <= 8, text
     listed = text.split("did not run (all listed):\n```text\n")[1].split("```")[0].splitlines()
     assert len(listed) == not_run
-    assert all(test.startswith("tests/test_executor.py::") for test in listed)
+    assert all(re.fullmatch(r".*test_slow\.py::test_slow\[\d\]", test) for test in listed)
     assert f"- {not_run} tests (listed under Tests)" in text
-    assert re.search(r"\| tests on cpu \| 15 \| (\d+) \| stopped at the budget \|", text)
+    assert re.search(r"\| tests on cpu \| 10 \| (\d+) \| stopped at the budget \|", text)
 
 
 def test_gpu_bench_smoke_runs_every_section_on_the_cpu(tmp_path):
