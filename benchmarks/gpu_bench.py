@@ -20,14 +20,20 @@ width FLOPs per token, over the GPU's dense bf16 peak) for the eager loop and po
 ``--ddp`` runs under torchrun: poptorch against DistributedDataParallel with NCCL on
 the GPUs present.
 
-``--device cpu --smoke`` runs the same code on the CPU with tiny sizes (a test of the
-script itself, tests/test_gpu_check.py); its numbers mean nothing.
+Sizes (``--size``): ``default``; ``quick`` (``gpu_check.sh --quick``: the MLP only, a
+4-layer GPT-2 at context 256, shorter timings); ``smoke`` (``--device cpu --smoke``: the
+same code on the CPU with tiny sizes, a test of the script itself, tests/test_gpu_check.py;
+its numbers mean nothing). Rows are written to ``--output`` as they are measured, and
+``--progress FILE`` gets ``plan ROW`` for every row a section will measure and ``done
+ROW`` after each, so that ``gpu_check.sh`` can list what a section stopped at its time
+budget did not measure. The torchrun section needs 2 GPUs and says so with fewer.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import os
+import signal
 import sys
 import time
 import traceback
@@ -61,6 +67,26 @@ def peak_flops(device: torch.device) -> float | None:
         if key in name:
             return PEAK_BF16[key]
     return None
+
+
+class Report:
+    """The Markdown lines, written to the output file as they come (a section stopped
+    at its time budget keeps what it measured), and the rows' progress."""
+
+    def __init__(self, path: str | None, progress: str | None) -> None:
+        self.path, self.progress = path, progress
+        self.lines: list[str] = []
+
+    def append(self, line: str) -> None:
+        self.lines.append(line)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(line + "\n")
+
+    def mark(self, word: str, row: str) -> None:
+        if self.progress:
+            with open(self.progress, "a") as f:
+                f.write(f"{word} {row}\n")
 
 
 # --------------------------------------------------------------------------- contenders
@@ -135,6 +161,9 @@ def workloads_section(device, names, d, micro, min_seconds, out):
                "pop/eager | pop/best loop | pop-graph/eager | pop ran | compile s (compile / pop) |")
     out.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
+        for training in (False, True):
+            out.mark("plan", f"{name} {'train' if training else 'infer'}")
+    for name in names:
         kind, batch, make_x, make_y = WORKLOADS[name]
         g = torch.Generator().manual_seed(0)
         n = micro * batch
@@ -176,6 +205,7 @@ def workloads_section(device, names, d, micro, min_seconds, out):
                            f"{type(error).__name__}: {str(error).splitlines()[0][:150]} "
                            "| | | | | | | | |")
                 traceback.print_exc()
+            out.mark("done", f"{name} {'train' if training else 'infer'}")
     out.append("")
 
 
@@ -183,11 +213,14 @@ def device_name(device):
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
 
 
-def gpt2_section(device, smoke, out):
+def gpt2_section(device, size, out):
     """GPT-2 small in bfloat16: tokens/s and MFU, eager loop vs poptorch default."""
-    if smoke:
+    if size == "smoke":
         cfg = {"vocab": 128, "width": 32, "heads": 2, "layers": 1, "context": 16}
         batch, d, steps = 2, 2, 2
+    elif size == "quick":
+        cfg = {"vocab": 50257, "width": 768, "heads": 12, "layers": 4, "context": 256}
+        batch, d, steps = 8, 2, 4
     else:
         cfg = {"vocab": 50257, "width": 768, "heads": 12, "layers": 12, "context": 1024}
         batch, d, steps = 8, 4, 8
@@ -225,6 +258,8 @@ def gpt2_section(device, smoke, out):
             for xc, yc in zip(xs.split(b * dd), ys.split(b * dd), strict=False):
                 pop(xc, yc)
         rows["poptorch default (AdamW)"] = (pop_run, x, y)
+        for name in rows:
+            out.mark("plan", f"gpt2 {name}")
         for name, (fn, a, b) in rows.items():
             warm = _warm(fn, a, b, batch, d, device, 3 if "eager" in name else 24)
             t0 = time.perf_counter()
@@ -234,6 +269,7 @@ def gpt2_section(device, smoke, out):
             tokens = n * t / seconds
             mfu = "n/a" if peak is None else f"{tokens * flops_per_token / peak:.1%}"
             out.append(f"| {name} | {tokens:,.0f} | {mfu} | {warm:.1f} |")
+            out.mark("done", f"gpt2 {name}")
     except Exception as error:  # noqa: BLE001  (a failing section must not lose the report)
         out.append(f"failed: {type(error).__name__}: {str(error).splitlines()[0][:300]}")
         traceback.print_exc()
@@ -312,6 +348,10 @@ def ddp_section(processes: int, smoke: bool, out) -> None:
     import tempfile
     out.append(f"## torchrun, {processes} process(es): poptorch trainingModel vs DDP "
                "(CNN, samples/s over all processes)\n")
+    if processes < 2:
+        out.append(f"Skipped: needs 2 GPUs, {processes} found.\n")
+        return
+    out.mark("plan", f"ddp {processes} processes")
     out.append("| processes | backend | DDP | poptorch | poptorch/DDP |")
     out.append("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
@@ -328,6 +368,7 @@ def ddp_section(processes: int, smoke: bool, out) -> None:
             tail = (run.stdout + run.stderr).strip().splitlines()[-5:]
             out.append(f"| {processes} | failed (exit {run.returncode}) | "
                        f"{' / '.join(tail)[:400]} | | |")
+    out.mark("done", f"ddp {processes} processes")
     out.append("")
 
 
@@ -335,11 +376,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--smoke", action="store_true",
-                        help="tiny sizes: checks the script, not the device")
+                        help="tiny sizes: checks the script, not the device (--size smoke)")
+    parser.add_argument("--size", choices=("smoke", "quick", "default"), default="default")
     parser.add_argument("--output", help="append the Markdown here (default: stdout)")
+    parser.add_argument("--progress", help="append 'plan ROW' / 'done ROW' lines here")
     parser.add_argument("--sections", default="workloads,gpt2,ddp")
     parser.add_argument("--ddp-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    # gpu_check.sh stops a section at its time budget with SIGINT: let it end the run
+    # (what was measured is written already) also where SIGINT was ignored at start
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.ddp_worker:
         ddp_worker(args.ddp_worker, args.smoke)
         return 0
@@ -347,23 +393,21 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_bench.py: no CUDA GPU found", file=sys.stderr)
         return 2
+    size = "smoke" if args.smoke else args.size
     sections = set(args.sections.split(","))
-    out: list[str] = []
+    out = Report(args.output, args.progress)
     if "workloads" in sections:
-        names = ["tiny"] if args.smoke else ["mlp", "cnn", "gpt"]
-        workloads_section(device, names, 2 if args.smoke else 16, 4 if args.smoke else 64,
-                          0.05 if args.smoke else 0.5, out)
+        names, d, micro, seconds = {"smoke": (["tiny"], 2, 4, 0.05),
+                                    "quick": (["mlp"], 16, 32, 0.2),
+                                    "default": (["mlp", "cnn", "gpt"], 16, 64, 0.5)}[size]
+        workloads_section(device, names, d, micro, seconds, out)
     if "gpt2" in sections:
-        gpt2_section(device, args.smoke, out)
+        gpt2_section(device, size, out)
     if "ddp" in sections:
         gpus = torch.cuda.device_count() if device.type == "cuda" else 2
-        ddp_section(max(1, gpus), args.smoke, out)
-    text = "\n".join(out) + "\n"
-    if args.output:
-        with open(args.output, "a") as f:
-            f.write(text)
-    else:
-        print(text)
+        ddp_section(max(1, gpus), size == "smoke", out)
+    if not args.output:
+        print("\n".join(out.lines))
     return 0
 
 

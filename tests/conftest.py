@@ -115,3 +115,19 @@ def _deterministic_torch():
     torch.manual_seed(0)
     yield
     torch.set_default_dtype(torch.float32)
+
+
+@pytest.fixture
+def ctrl_c_raises_keyboard_interrupt():
+    """SIGINT raises KeyboardInterrupt in this process while the test runs, and children
+    it starts get the default SIGINT action (Python's handler is reset to the default at
+    exec), whatever the suite was started with: a shell's background job or ``nohup``
+    starts it with SIGINT ignored, which ``_thread.interrupt_main`` then does nothing
+    with and which every child inherits (a Ctrl-C test would wait for an interrupt that
+    never comes)."""
+    import signal
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

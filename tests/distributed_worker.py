@@ -256,8 +256,10 @@ def fault(out: pathlib.Path, how: str) -> None:
                 os._exit(0)  # without the process group's goodbye
     except Exception as exc:  # noqa: BLE001 - the test checks its type
         seconds = time.monotonic() - start
+        action = getattr(exc, "recovery_action", None)
         (out / f"error_rank{RANK}.txt").write_text(
-            f"{type(exc).__module__}.{type(exc).__name__} after {seconds:.1f}s: {exc}")
+            f"{type(exc).__module__}.{type(exc).__name__} after {seconds:.1f}s: {exc} "
+            f"(recovery_action={action})")
         sys.exit(3)
 
 

@@ -296,6 +296,7 @@ def test_garbage_collection_stops_the_worker():
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.usefixtures("ctrl_c_raises_keyboard_interrupt")
 def test_ctrl_c_and_interpreter_exit_leave_no_process(tmp_path):
     script = tmp_path / "interrupted.py"
     script.write_text(textwrap.dedent("""

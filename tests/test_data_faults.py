@@ -179,7 +179,9 @@ def test_torch_worker_death_messages_are_translated():
     (DataLoaderMode.Async, 0, "keyboard_interrupt"), (DataLoaderMode.Sync, 2, "terminate"),
     (DataLoaderMode.Sync, 2, "keyboard_interrupt")], ids=lambda v: getattr(v, "name",
                                                                             str(v)))
-def test_no_process_or_shared_memory_left(mode, workers, how):
+def test_no_process_or_shared_memory_left(mode, workers, how, request):
+    if how == "keyboard_interrupt":
+        request.getfixturevalue("ctrl_c_raises_keyboard_interrupt")
     before = children()
     loader = loader_for(Slow(delay=0.02), mode, workers)
     iterator = iter(loader)

@@ -344,7 +344,8 @@ def test_without_torchrun_a_lost_process_is_a_poptorch_error_on_the_others(tmp_p
     outputs = [proc.communicate(timeout=120)[0] for proc in procs]
     assert procs[0].returncode == 3, outputs[0][-3000:]
     message = (tmp_path / "error_rank0.txt").read_text()
-    assert message.startswith("poptorch.errors.Error"), message
+    assert message.startswith("poptorch.errors.RecoverableError"), message  # errors.md
+    assert "recovery_action=PARTITION_RESET" in message, message
     assert "another process of this run has probably stopped" in message, message
     seconds = float(message.split(" after ")[1].split("s:")[0])
     assert seconds < 60, message

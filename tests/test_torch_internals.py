@@ -4,6 +4,7 @@ are scoped to our own traces."""
 import ast
 import copy
 import pathlib
+import warnings
 
 import pytest
 import torch
@@ -15,13 +16,75 @@ from poptorch._runtime import torch_internals
 SRC = pathlib.Path(__file__).resolve().parent.parent / "src" / "poptorch"
 
 
-@pytest.mark.parametrize("name", sorted(torch_internals.REQUIRED))
-def test_every_private_torch_name_we_use_exists(name):
+def _exists(name: str) -> bool:
     try:
         torch_internals.resolve(name)
-    except (ImportError, AttributeError) as error:
+    except (ImportError, AttributeError):
+        return False
+    return True
+
+
+def _fallback_runs(name: str) -> bool:
+    """Whether the binding of ``name`` (an entry of FALLBACKS) runs its fallback."""
+    if name == "torch._C._dynamo.guards.TensorGuards":
+        return torch_internals.tensor_inputs_check((torch.zeros(2),)) is None
+    if name == "torch._dynamo.config.enable_dynamo_decompositions":
+        return torch_internals.dynamo_eager_numerics() == {}
+    raise AssertionError(f"no check of the fallback of {name}: add one here")
+
+
+@pytest.mark.parametrize("name", sorted(torch_internals.REQUIRED))
+def test_every_private_torch_name_we_use_exists(name):
+    """A name this torch lacks fails here, unless it has a fallback (FALLBACKS): then the
+    fallback must be what runs, and the test says so (a warning naming both)."""
+    exists = _exists(name)
+    fallback = torch_internals.FALLBACKS.get(name)
+    if fallback is not None:
+        assert _fallback_runs(name) is not exists, (
+            f"torch {torch.__version__} {'has' if exists else 'lacks'} {name}, but its "
+            f"binding {'runs' if not exists else 'does not run'} the fallback")
+        if not exists:
+            warnings.warn(f"torch {torch.__version__} lacks {name}: the fallback runs "
+                          f"({fallback})", UserWarning, stacklevel=1)
+        return
+    if not exists:
         pytest.fail(f"torch {torch.__version__} no longer has {name} "
-                    f"(used for: {torch_internals.REQUIRED[name]}): {error}")
+                    f"(used for: {torch_internals.REQUIRED[name]})")
+
+
+def test_every_fallback_is_of_a_listed_name():
+    assert set(torch_internals.FALLBACKS) <= set(torch_internals.REQUIRED)
+
+
+@pytest.mark.parametrize("name", sorted(torch_internals.FALLBACKS))
+def test_a_missing_name_runs_its_fallback(name, monkeypatch):
+    """The fallback of each entry, run as on a torch release without that name."""
+    if name == "torch._C._dynamo.guards.TensorGuards":
+        import torch._C._dynamo.guards as guards
+        monkeypatch.delattr(guards, "TensorGuards", raising=False)
+    else:
+        import torch._dynamo
+        monkeypatch.delattr(torch._dynamo.config, "enable_dynamo_decompositions",
+                            raising=False)
+    assert not _exists(name)
+    assert _fallback_runs(name)
+
+
+def test_traced_update_rounds_as_eager_with_dynamo_eager_numerics():
+    """torch.optim's SGD update ``param.add_(buf, alpha=-lr)`` traced under
+    dynamo_eager_numerics() gives bitwise the eager result (torch 2.11 rewrites it into
+    two roundings otherwise)."""
+    torch.manual_seed(0)
+    param, buf = torch.randn(4096), torch.randn(4096)
+    expected = param.clone().add_(buf, alpha=-0.01)
+
+    def update(p, b):
+        return p.clone().add_(b, alpha=-0.01)
+    with torch_internals.dynamo_config_patch(**torch_internals.dynamo_eager_numerics()):
+        torch._dynamo.reset()
+        traced = torch.compile(update, backend="aot_eager", fullgraph=True)(param, buf)
+    torch._dynamo.reset()
+    assert torch.equal(traced, expected)
 
 
 @pytest.mark.parametrize("cls,names", sorted(torch_internals.REQUIRED_ON_INSTANCES.items()))

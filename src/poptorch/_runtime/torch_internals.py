@@ -4,9 +4,10 @@ PyTorch may rename or remove a private name in any release. Each one we use is b
 (or, for heavy modules, resolved on first use) here, with the reason we use it instead
 of a public API; ``tests/test_torch_internals.py`` resolves every entry of
 :data:`REQUIRED`, so a torch release that removes one fails that test by name instead
-of failing somewhere deep inside a model run. The tested range of torch releases is
-stated in ``pyproject.toml`` (``scripts/test_newest_torch.sh`` runs the suite on the
-newest).
+of failing somewhere deep inside a model run. Names in :data:`FALLBACKS` have a
+fallback: where a release lacks one, the fallback runs and the test of that entry says
+so. The supported range of torch releases is stated in ``pyproject.toml``
+(``scripts/test_torch_range.sh`` runs the whole suite on each release of it).
 """
 from __future__ import annotations
 
@@ -24,13 +25,13 @@ from torch.utils import _pytree as pytree
 __all__ = ["REQUIRED_ON_INSTANCES", "pytree", "set_grad_enabled", "foreach_copy_", "foreach_div_", "foreach_mul_",
            "optimizer_hooks_registered", "profiler_enabled", "step_needs_wrapper",
            "torch_function_stack_depth", "DisableTorchFunction", "disable_dynamo",
-           "dynamo", "dynamo_counters", "top_saved_tensors_default_hooks",
+           "dynamo", "dynamo_config_patch", "dynamo_counters", "top_saved_tensors_default_hooks",
            "current_graph_task_id", "DisableAutocast", "disable_current_modes",
            "dispatch_get_all_op_names", "dispatch_has_kernel_for_dispatch_key",
            "fake_impl_entry", "inductor_cache_dir", "inductor_codecache",
            "inductor_cpp_compiler", "remove_worker_pids", "resolve", "tensor_inputs_check",
            "TorchDispatchMode", "MODULE_CALL_CODE", "NormBase", "REQUIRED",
-           "forward_pre_hooks"]
+           "forward_pre_hooks", "FALLBACKS", "dynamo_eager_numerics"]
 
 # The grad-mode switch itself: ``torch.no_grad()`` builds a context-manager object per
 # call (a measurable part of a small model's per-call overhead on the fast path).
@@ -149,6 +150,34 @@ def dynamo_counters() -> Any:
     return resolve("torch._dynamo.utils.counters")
 
 
+def dynamo_config_patch(**settings: Any) -> Any:
+    """``torch._dynamo.config.patch(**settings)``: dynamo settings scoped to our own
+    compiles, never changed for the process."""
+    return dynamo().config.patch(**settings)
+
+
+def dynamo_eager_numerics() -> dict[str, Any]:
+    """Dynamo settings under which a traced step rounds as the eager kernels do, for
+    ``dynamo_config_patch(**dynamo_eager_numerics())``; empty where none is needed.
+
+    torch 2.11's dynamo rewrites ``x.add_(y, alpha=a)`` (the update of torch.optim's
+    SGD) into ``x.add_(y * a)``: two roundings where the eager CPU kernel makes one (a
+    fused multiply-add), so a compiled SGD step is not bitwise the eager one there
+    (from 2.13 on, only a tensor ``alpha`` is rewritten). ``enable_dynamo_decompositions
+    =False`` keeps the eager op. Side effect on 2.11: a tensor ``alpha`` (a tensor
+    learning rate) then cannot be captured whole. Empty where this torch has no such
+    setting (the fallback: dynamo's own rewrites stay)."""
+    if _TORCH_RELEASE >= (2, 13):
+        return {}
+    config = dynamo().config
+    if hasattr(config, "enable_dynamo_decompositions"):
+        return {"enable_dynamo_decompositions": False}
+    return {}
+
+
+_TORCH_RELEASE = tuple(int(part) for part in torch.__version__.split(".")[:2])
+
+
 def tensor_inputs_check(tensors: tuple) -> Any:
     """A check, in C++, that later inputs are plain tensors like ``tensors``: called as
     ``check(*args)`` with as many arguments, True when each is of the same Python
@@ -221,6 +250,8 @@ REQUIRED: dict[str, str] = {
     "torch._dynamo.exc.TorchDynamoException": "a failed capture (compiled fallback)",
     "torch._dynamo.exc.BackendCompilerFailed": "a failed code generation (compiled fallback)",
     "torch._dynamo.utils.counters": "compile counts in tests and benchmarks (no public API)",
+    "torch._dynamo.config.patch": "dynamo settings scoped to our compiles",
+    "torch._dynamo.config.enable_dynamo_decompositions": "compiled pieces round as eager",
     "torch._C._autograd._top_saved_tensors_default_hooks": "recomputation",
     "torch._C._current_graph_task_id": "recomputation",
     "torch._C._DisableAutocast": "recomputation replay",
@@ -239,6 +270,15 @@ REQUIRED: dict[str, str] = {
         "DataLoader: worker faults, prompt shutdown",
     "torch.utils.data._utils.signal_handling._remove_worker_pids":
         "DataLoader: worker deaths",
+}
+
+# Private names with a fallback, and what runs instead where a torch release lacks one
+# (tests/test_torch_internals.py checks that the fallback is what runs there).
+FALLBACKS: dict[str, str] = {
+    "torch._C._dynamo.guards.TensorGuards":
+        "tensor_inputs_check() is None: the fast path compares dtypes and shapes in Python",
+    "torch._dynamo.config.enable_dynamo_decompositions":
+        "dynamo_eager_numerics() is empty: traces keep dynamo's own rewrites",
 }
 
 # Private attributes that torch sets on instances (checked on a fresh instance).

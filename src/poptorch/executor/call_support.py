@@ -4,13 +4,14 @@ device, undoing a failed call and the first call's buffer rule."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from .._runtime.torch_internals import pytree
 
 from .._runtime.program.backend_choice import automatic_backend
+from .._runtime.device_faults import translate as translate_device_fault
 from .._runtime.program.undo import StateUndo
 from ..annotations.strategies import PipelinedExecution, ShardedExecution
 from ..errors import Error
@@ -66,14 +67,29 @@ def to_cpu(structure: Any) -> Any:
 
 
 @contextlib.contextmanager
-def undone_on_failure(undo: StateUndo | None) -> Iterator[None]:
-    """Around a call: if it raises, everything ``undo`` copied is put back."""
+def undone_on_failure(undo: StateUndo | None,
+                      cleanup: Callable[[], None] | None = None) -> Iterator[None]:
+    """Around a call: if it raises, everything ``undo`` copied is put back, then
+    ``cleanup()`` runs, and a device fault is raised as PopTorch's error
+    (:py:func:`raise_device_fault`)."""
     try:
         yield
-    except BaseException:
+    except BaseException as error:
         if undo is not None:
             undo.restore()
+        if cleanup is not None:
+            cleanup()
+        raise_device_fault(error)
         raise
+
+
+def raise_device_fault(error: BaseException) -> None:
+    """Raise PopTorch's error for ``error`` when it is a device fault (out of memory, a
+    lost device or peer, a timed-out collective: ``_runtime/device_faults.py``, with
+    ``error`` as its cause); return otherwise, for the caller to re-raise ``error``."""
+    fault = translate_device_fault(error)
+    if fault is not None:
+        raise fault from error
 
 
 def check_buffers(undo: StateUndo) -> None:

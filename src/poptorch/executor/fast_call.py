@@ -29,6 +29,7 @@ from typing import Any, Literal
 import torch
 
 from .._runtime.compilation import Compilation
+from .call_support import raise_device_fault
 from .._runtime.torch_internals import tensor_inputs_check
 from .._runtime.weights.modelcopy import TrainingMode
 
@@ -92,9 +93,10 @@ class FastCall:
         casting.enter_run()  # (the float16 rules are settled: nothing to cast)
         try:
             result = self._run(args, kwargs)
-        except BaseException:
+        except BaseException as error:
             if undo is not None:
                 undo.restore()
+            raise_device_fault(error)
             raise
         finally:
             casting.exit_run()

@@ -221,16 +221,12 @@ class PoplarExecutor(ExecutorInspection):
         model = self._model
         undo = StateUndo(list(model.parameters()) + list(model.buffers()), modules=model,
                          optimizer=self._optimizer if self._training else None)
-        try:
+        with undone_on_failure(undo, cleanup=self.destroy):
             self._compile(args, kwargs)
             compiled = self._compiled
             assert compiled is not None
             result = self._run(compiled, args, kwargs)
             check_buffers(undo)  # PopTorch's rule for the compiling call
-        except BaseException:
-            undo.restore()
-            self.destroy()
-            raise
         compiled.calls.io_counts = (count_tensors((args, kwargs)), count_tensors(result))
         return result
 

@@ -14,7 +14,7 @@ import torch
 from ..torch_internals import foreach_copy_
 import torch.distributed as dist
 
-from ...errors import Error
+from ..device_faults import collective_failure
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
 
@@ -53,17 +53,16 @@ def is_communication_failure(exc: BaseException) -> bool:
 @contextlib.contextmanager
 def failures_as_errors(what: str, runs_model: bool = False) -> Iterator[None]:
     """Turn a failed collective (a process died, the network broke, the timeout
-    expired) into a :py:class:`poptorch.Error` that says so. Around code that also runs
-    the model (``runs_model``), only the communication backend's errors are turned."""
+    expired) into PopTorch's error that says so (``device_faults``: mostly a
+    :py:class:`poptorch.RecoverableError`, ``recovery_action`` "PARTITION_RESET"). Around
+    code that also runs the model (``runs_model``), only the communication backend's
+    errors are turned."""
     try:
         yield
     except RuntimeError as exc:
         if runs_model and not is_communication_failure(exc):
             raise
-        raise Error(f"{what} across processes failed: another process of this run has "
-                    "probably stopped or the connection between them broke (collectives "
-                    "wait at most POPTORCH_DISTRIBUTED_TIMEOUT seconds). The error from "
-                    f"torch.distributed: {exc}") from exc
+        raise collective_failure(what, exc) from exc
 
 
 def _flat(tensors: Iterable[torch.Tensor]) -> torch.Tensor:

@@ -42,7 +42,8 @@ from .. import context
 from .loss import LossNeedsEager, find_loss
 from .optimizer import OptimizerBinding
 from .runner import SequentialRunner
-from ..torch_internals import optimizer_hooks_registered
+from ..torch_internals import (dynamo_config_patch, dynamo_eager_numerics,
+                               optimizer_hooks_registered)
 
 __all__ = ["MAX_UPDATE_TRACES", "CompiledBackend", "Uncapturable", "torch_compile_backend",
            "update_blocker"]
@@ -89,9 +90,19 @@ def _own_code(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
 def _compile(fn: Callable[..., Any]) -> Callable[..., Any]:
     backend = torch_compile_backend()
     if backend != "inductor":  # e.g. aot_eager: the same capture, eager kernels
-        return torch.compile(fn, backend=backend)
-    options: dict[str, Any] = {"fallback_random": True}
-    return torch.compile(fn, backend="inductor", options=options)
+        compiled = torch.compile(fn, backend=backend)
+    else:
+        options: dict[str, Any] = {"fallback_random": True}
+        compiled = torch.compile(fn, backend="inductor", options=options)
+    numerics = dynamo_eager_numerics()
+    if not numerics:
+        return compiled
+
+    def traced_as_eager_rounds(*args: Any, **kwargs: Any) -> Any:
+        # (the torch releases whose dynamo rewrites ops into other roundings)
+        with dynamo_config_patch(**numerics):
+            return compiled(*args, **kwargs)
+    return traced_as_eager_rounds
 
 
 def _hyperparameters(optimizer: Any) -> tuple:
