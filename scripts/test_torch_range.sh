@@ -53,7 +53,7 @@ for RELEASE in "${RELEASES[@]}"; do
     fi
   fi
   # the project and its test dependencies; torch stays the release just installed
-  if ! PIP_CONSTRAINT=/dev/null "$VENV/bin/pip" install -q -e "$ROOT[test,examples]" \
+  if ! PIP_CONSTRAINT=/dev/null "$VENV/bin/pip" install -q -e "$ROOT[test,examples,geometric]" \
        "torch==$RELEASE" >>"$LOG" 2>&1; then
     say "torch $RELEASE: installing the project failed (see $LOG)"
     ROWS+=("| $RELEASE | install failed | | | | | |")
