@@ -25,7 +25,7 @@ import torch
 from packaging.requirements import Requirement
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = {"poptorch", "popdist", "poprun", "libpvti"}
+PACKAGES = {"poptorch", "popdist", "poprun", "libpvti", "poptorch_geometric"}
 SUPPORTED = ("2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0")
 PROJECT_FILES = ("pyproject.toml", "README.md", "MANIFEST.in", "mkdocs.yml")
 PROJECT_DIRS = ("src", "tests", "examples", "docs")
