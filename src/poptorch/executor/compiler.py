@@ -199,7 +199,8 @@ def _build_program(parts: ModelParts, config: RuntimeConfig, plan: BatchPlan,
         managed_step=extras.managed_step is not None, wraps_calls=extras.wraps_calls,
         params=params, buffers=buffers, cross=cross,
         decisions=_decisions(parts, backend, *example),
-        decided=None if precompiled is None else precompiled.get("backend_decision"))
+        decided=None if precompiled is None else precompiled.get("backend_decision"),
+        progress=bool(parts.options.show_compilation_progress_bar))
     spec = ProgramSpec(
         label=parts.name, plan=plan, runner=extras.runner, training=training,
         output_mode=resolve_output_mode(config.output_mode, training),

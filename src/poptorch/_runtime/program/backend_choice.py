@@ -69,7 +69,8 @@ def make_selector(*, backend: str, runner: Any, eager: EagerBackend, model: torc
                   training: bool, device: torch.device, label: str,
                   binding: OptimizerBinding | None, managed_step: bool,
                   wraps_calls: bool, params: list, buffers: list, cross: Any,
-                  decisions: DecisionStore | None, decided: str | None) -> BackendSelector:
+                  decisions: DecisionStore | None, decided: str | None,
+                  progress: bool = False) -> BackendSelector:
     """The selector of a program whose options name ``backend`` ("eager", "inductor" or
     "fastest"). ``runner`` is the program's runner before the processes' wrapper: the
     compiled backend replaces a plain sequential one only (``compile_blocker``).
@@ -96,4 +97,4 @@ def make_selector(*, backend: str, runner: Any, eager: EagerBackend, model: torc
     write = None if decisions is None or backend != "fastest" else decisions.write
     return BackendSelector(eager, compiled, label=label, measure=backend == "fastest",
                            params=params, buffers=buffers, device=device, cross=cross,
-                           decided=decided, on_decision=write)
+                           decided=decided, on_decision=write, progress=progress)

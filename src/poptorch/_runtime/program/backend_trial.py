@@ -102,13 +102,15 @@ class BackendSelector:
     def __init__(self, eager: Backend, compiled: CompiledBackend | None, *, label: str,
                  measure: bool, params: list, buffers: list, device: Any,
                  cross: Any = None, decided: str | None = None,
-                 on_decision: Callable[[str, str], None] | None = None) -> None:
+                 on_decision: Callable[[str, str], None] | None = None,
+                 progress: bool = False) -> None:
         self.eager = eager
         self.compiled = compiled
         self.label = label
         self._measure = measure and decided is None
         self._params, self._buffers, self._device = params, buffers, device
         self._on_decision = on_decision
+        self._progress = progress
         self._first = compiled is not None  # the first call runs eagerly, timed
         self.trial: BackendTrial | None = None
         self.probation: Probation | None = None
@@ -157,7 +159,8 @@ class BackendSelector:
             compiled, self.eager, params=self._params, buffers=self._buffers,
             device=self._device, budget=compile_budget(eager_seconds),
             eager_microbatch_seconds=eager_seconds / microbatches, leave=self.fail,
-            active=lambda: self.compiled is not None and not self.failed)
+            active=lambda: self.compiled is not None and not self.failed,
+            progress=self._progress)
         self._probation_left = PROBATION_CALLS
         if self._measure:
             agreement = self.agreement

@@ -109,7 +109,7 @@ class Probation:
     def __init__(self, compiled: CompiledBackend, eager: Any, *, params: list,
                  buffers: list, device: torch.device, budget: float,
                  eager_microbatch_seconds: float, leave: Callable[[str, str], None],
-                 active: Callable[[], bool]) -> None:
+                 active: Callable[[], bool], progress: bool = False) -> None:
         self.compiled = compiled
         self.eager = eager
         self.params = params
@@ -120,6 +120,7 @@ class Probation:
         self.compile_seconds = 0.0
         self.updates_left = UPDATE_PROBATION
         self._compiled_once = False
+        self._progress = progress  # PopTorch's progress bar over the first compile
         self._leave = leave
         self._active = active  # False once the selector dropped the compiled backend
         self.runner = self._run_microbatches
@@ -131,10 +132,14 @@ class Probation:
         undo = StateUndo(self.buffers, rng=RandomState(self.device))
         recording = None if loss_of is None else _RecordingLoss(loss_of)
         t0 = time.perf_counter()
+        bar = None if self._compiled_once else self._progress_bar()
         try:
             outputs = self.compiled.runner(microbatches, recording)
         except Exception as error:  # noqa: BLE001  (every failure of a compiled piece)
             return self._redo(undo, microbatches, loss_of, stage_of(error), error)
+        finally:
+            if bar is not None:
+                bar.close()
         took = time.perf_counter() - t0
         self.compile_seconds += max(
             0.0, took - self.eager_microbatch_seconds * len(microbatches))
@@ -159,6 +164,12 @@ class Probation:
                             "finite where the eager backend's is")
             return again
         return outputs
+
+    def _progress_bar(self) -> Any:
+        """The bar shown while the first compiled call compiles (its step's pieces)."""
+        from tqdm import tqdm
+        return tqdm(total=1, desc=f"Compiling the device program ({self.compiled.label})",
+                    leave=False, unit="program", disable=not self._progress)
 
     def _redo(self, undo: StateUndo, microbatches: list, loss_of: LossOf | None,
               stage: str, error: BaseException | str) -> list:
