@@ -145,9 +145,10 @@ class Probation:
             0.0, took - self.eager_microbatch_seconds * len(microbatches))
         if not self._compiled_once:
             self._compiled_once = True
+            count = len(microbatches)
             logger.info("%s: compiled backend: the first micro-batch compiled; its step "
-                        "of %d micro-batches took %.1f s.", self.compiled.label,
-                        len(microbatches), took)
+                        "of %d micro-batch%s took %.1f s.", self.compiled.label, count,
+                        "" if count == 1 else "es", took)
         if self.compile_seconds > self.budget:
             return self._redo(undo, microbatches, loss_of, "compile budget",
                               f"the compiles took {self.compile_seconds:.1f} s, over the "
