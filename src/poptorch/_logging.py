@@ -20,8 +20,16 @@ import sys
 import threading
 from typing import Any
 
-__all__ = ["logger", "setLogLevel", "info_once", "log_once", "apply_options",
-           "TRACE", "TRACE_ALL", "LOG_FILE_NAME"]
+__all__ = [
+    "LOG_FILE_NAME",
+    "TRACE",
+    "TRACE_ALL",
+    "apply_options",
+    "info_once",
+    "log_once",
+    "logger",
+    "setLogLevel",
+]
 
 TRACE = 5
 TRACE_ALL = 1

@@ -12,8 +12,8 @@ import collections
 import contextlib
 import functools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -47,7 +47,7 @@ class Channel:
         if not isinstance(name, str) or not name:
             raise Error(f"Channel: name must be a non-empty string, got {name!r}.")
         self.name = name
-        self.records: "collections.deque[TraceRecord]" = collections.deque(
+        self.records: collections.deque[TraceRecord] = collections.deque(
             maxlen=self.max_records)
 
     @contextlib.contextmanager

@@ -34,7 +34,7 @@ def is_running_on_ipu() -> bool:
 class running_on_ipu:
     """Context manager marking the model as running on the IPU (re-entrant, per thread)."""
 
-    def __enter__(self) -> "running_on_ipu":
+    def __enter__(self) -> running_on_ipu:
         _state.depth += 1
         return self
 

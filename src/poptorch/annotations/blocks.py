@@ -13,7 +13,8 @@ an annotated model therefore behaves exactly like the plain model.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -21,8 +22,14 @@ from .._runtime.placement import markers, recompute
 from ..errors import Error
 
 __all__ = [
-    "Block", "BeginBlock", "BlockFunction", "LegacyBeginBlockFn", "IPU", "removeBlocks",
-    "recomputationCheckpoint", "begin_block_of",
+    "IPU",
+    "BeginBlock",
+    "Block",
+    "BlockFunction",
+    "LegacyBeginBlockFn",
+    "begin_block_of",
+    "recomputationCheckpoint",
+    "removeBlocks",
 ]
 
 def _check_id(name: str, value: Any, kinds: tuple) -> None:
@@ -77,7 +84,7 @@ class Block(torch.nn.Module):
         _check_block_args(user_id, ipu_id)
         markers.begin_block(user_id, ipu_id)
 
-    def __enter__(self) -> "Block":
+    def __enter__(self) -> Block:
         Block.start(self._user_id, self._ipu_id)
         return self
 
@@ -162,7 +169,7 @@ class IPU(LegacyBeginBlockFn):
 
     forward = __call__
 
-    def __enter__(self) -> "IPU":
+    def __enter__(self) -> IPU:
         Block.start(None, self._ipu_id)
         return self
 
@@ -206,7 +213,7 @@ def removeBlocks(module) -> None:
         markers.detach_begin_block(sub)
 
 
-def recomputationCheckpoint(*tensors) -> Union[torch.Tensor, tuple, list]:
+def recomputationCheckpoint(*tensors) -> torch.Tensor | tuple | list:
     """Checkpoint ``tensors``: with recomputation enabled they are kept in memory between
     the forward and backward passes, and the activations computed between two
     checkpoints are recomputed in the backward pass instead of being stored.

@@ -19,9 +19,10 @@ and the original traceback in its message.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import multiprocessing.forkserver
-import multiprocessing.util  # noqa: F401  (registers its atexit hook before ours)
+import multiprocessing.util
 import os
 import pickle
 import sys
@@ -33,14 +34,13 @@ from typing import Any, cast
 import torch
 import torch.multiprocessing
 
-from .faults import (WorkerDiedError, exit_code_description,
-                     rebuild_worker_exception, start_failure)
-from .ring import ON_PIPE, BatchRing
-from .tree import unflatten
-from .worker import DatasetFile, WorkerConfig, run_worker
 from .._logging import info_once
 from ..enums import SharingStrategy
 from ..errors import Error
+from .faults import WorkerDiedError, exit_code_description, rebuild_worker_exception, start_failure
+from .ring import ON_PIPE, BatchRing
+from .tree import unflatten
+from .worker import DatasetFile, WorkerConfig, run_worker
 
 __all__ = ["AsynchronousDataAccessor"]
 
@@ -80,10 +80,8 @@ def _shutdown_worker(owner_pid: int, process, commands, results,
         return
     try:
         if process.is_alive():
-            try:
+            with contextlib.suppress(ValueError, OSError):
                 commands.send(("stop",))
-            except (ValueError, OSError):
-                pass
             process.join(_POLITE_JOIN_S)
         if process.is_alive():
             process.terminate()
@@ -271,7 +269,7 @@ class AsynchronousDataAccessor:
             raise TypeError("The data set of this AsynchronousDataAccessor has no len().")
         return self._length
 
-    def __iter__(self) -> "_PassIterator":
+    def __iter__(self) -> _PassIterator:
         """Starts a new pass over the data set (abandoning an unfinished one) and returns
         its iterator."""
         self._start_pass()
@@ -427,7 +425,7 @@ class _PassIterator:
         self._accessor = accessor
         self._epoch = epoch
 
-    def __iter__(self) -> "_PassIterator":
+    def __iter__(self) -> _PassIterator:
         return self
 
     def __next__(self) -> Any:

@@ -16,19 +16,23 @@ from typing import Any, cast
 import torch
 import torch.utils.data
 
-from .accessor import AsynchronousDataAccessor
-from .combine import MicroBatchJoiner
-from .faults import (as_worker_death, install_sigchld_translation, release_ended_workers,
-                     stop_torch_workers)
-from .resume import STATE_VERSION, ResumableIndexSampler, check_state
-from .samplers import CombinedBatchSampler, DistributedPartitionSampler
+from .._logging import info_once
 from .._runtime.attributes import own_attribute
 from .._runtime.distributed.world import shared_random_seed
-from .._logging import info_once
 from ..enums import DataLoaderMode
 from ..errors import Error
+from .accessor import AsynchronousDataAccessor
+from .combine import MicroBatchJoiner
+from .faults import (
+    as_worker_death,
+    install_sigchld_translation,
+    release_ended_workers,
+    stop_torch_workers,
+)
+from .resume import STATE_VERSION, ResumableIndexSampler, check_state
+from .samplers import CombinedBatchSampler, DistributedPartitionSampler
 
-__all__ = ["DataLoader", "AsynchronousDataAccessor"]
+__all__ = ["AsynchronousDataAccessor", "DataLoader"]
 
 _ASYNC_OPTIONS = {"buffer_size", "miss_sleep_time_in_ms", "load_indefinitely",
                   "early_preload", "sharing_strategy", "rebatched_size"}
@@ -38,7 +42,7 @@ class _SyncView:
     """Iterates a ``poptorch.DataLoader`` synchronously: what the asynchronous worker
     process reads (whatever the loader's own mode)."""
 
-    def __init__(self, loader: "DataLoader") -> None:
+    def __init__(self, loader: DataLoader) -> None:
         self.loader = loader
         self.dataset = loader.dataset
         self.batch_size = loader.batch_size
@@ -81,7 +85,7 @@ class _PassIterator:
         self.consumed = consumed
         self.finished = False
 
-    def __iter__(self) -> "_PassIterator":
+    def __iter__(self) -> _PassIterator:
         return self
 
     def __len__(self) -> int:

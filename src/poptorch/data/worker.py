@@ -38,12 +38,11 @@ from typing import Any
 
 import torch
 
-from .faults import (as_worker_death, install_sigchld_translation, pickled_type,
-                     stop_torch_workers)
+from .faults import as_worker_death, install_sigchld_translation, pickled_type, stop_torch_workers
 from .ring import BatchRing
 from .tree import Rebatcher, flatten_keyed
 
-__all__ = ["WorkerConfig", "DatasetFile", "run_worker"]
+__all__ = ["DatasetFile", "WorkerConfig", "run_worker"]
 
 _LIVENESS_CHECK_S = 0.5
 _SLOT_WAIT_S = 0.05  # a worker waiting for a free slot reads its commands this often
@@ -236,7 +235,7 @@ class _Worker:
                     break
                 except (_Stop, SystemExit):
                     raise
-                except BaseException as again:  # noqa: BLE001
+                except BaseException as again:
                     error = again
             return None
         finally:

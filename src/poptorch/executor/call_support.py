@@ -8,11 +8,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from .._runtime.torch_internals import pytree
 
-from .._runtime.program.backend_choice import automatic_backend
 from .._runtime.device_faults import translate as translate_device_fault
+from .._runtime.program.backend_choice import automatic_backend
 from .._runtime.program.undo import StateUndo
+from .._runtime.torch_internals import pytree
 from ..annotations.strategies import PipelinedExecution, ShardedExecution
 from ..errors import Error
 from ..options.options import Options

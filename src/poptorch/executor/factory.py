@@ -7,18 +7,19 @@ arguments are turned into :py:class:`poptorch.Options` here.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from .._runtime.export import read_payload
 from .._version import __version__
 from ..errors import Error
-from .poplar_executor import PoplarExecutor
 from ..optim.optimizers import SGD
 from ..options.options import Options
+from .poplar_executor import PoplarExecutor
 
-__all__ = ["trainingModel", "inferenceModel", "load"]
+__all__ = ["inferenceModel", "load", "trainingModel"]
 
 _VERSION = __version__
 

@@ -13,29 +13,35 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from .._runtime.torch_internals import pytree
 
-from . import hooks as _hooks, optimizer_rules, program_setup
-from .compiler import ModelParts, compile_model, optimizer_sync
-from .fast_call import MISS, make_fast_call
-from .call_support import (check_buffers, check_inference_accumulation, count_tensors,
-                           to_device, undone_on_failure)
-from .inspection import ExecutorInspection
-from .replica_grouping import GroupableParameter
 from .._logging import logger
 from .._overrides import substitutions, substitutions_registered
 from .._runtime import context
-from .._runtime.compilation import Compilation
 from .._runtime.batching.plan import split_inputs
 from .._runtime.batching.signature import detach_inputs
-from .._runtime.weights.modelcopy import TrainingMode, shallow_copy_module
-from .._runtime.program.optimizer import attach_optimizer, make_loss_scaler
+from .._runtime.compilation import Compilation
 from .._runtime.program.device_loop import DeviceProgram
+from .._runtime.program.optimizer import attach_optimizer, make_loss_scaler
 from .._runtime.program.undo import StateUndo
+from .._runtime.torch_internals import pytree
+from .._runtime.weights.modelcopy import TrainingMode, shallow_copy_module
 from ..enums import OutputMode
 from ..errors import Error
 from ..optim.optimizers import SGD
 from ..options.options import Options
+from . import hooks as _hooks
+from . import optimizer_rules
+from .call_support import (
+    check_buffers,
+    check_inference_accumulation,
+    count_tensors,
+    to_device,
+    undone_on_failure,
+)
+from .compiler import ModelParts, compile_model, optimizer_sync
+from .fast_call import MISS, make_fast_call
+from .inspection import ExecutorInspection
+from .replica_grouping import GroupableParameter
 
 __all__ = ["PoplarExecutor", "isRunningOnIpu"]
 
@@ -458,7 +464,7 @@ class PoplarExecutor(ExecutorInspection):
             compiled.source.expected = payload.get("signature")
             self._apply_pending_rng()
 
-    def train(self, mode: bool = True) -> "PoplarExecutor":
+    def train(self, mode: bool = True) -> PoplarExecutor:
         """A wrapper keeps the mode it was created in: trainingModel trains and
         inferenceModel evaluates. Returns self when the mode matches."""
         if mode != self._training:
@@ -470,7 +476,7 @@ class PoplarExecutor(ExecutorInspection):
                         f"with {other} instead; the two stay in sync.")
         return self
 
-    def eval(self) -> "PoplarExecutor":
+    def eval(self) -> PoplarExecutor:
         """See :py:meth:`train`."""
         return self.train(False)
 

@@ -5,13 +5,13 @@ model, ``cond`` becomes ``torch.cond`` so the branch is chosen on the device.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from ..errors import Error
 
-__all__ = ["for_loop", "cond"]
+__all__ = ["cond", "for_loop"]
 
 
 def _as_list(outputs, op: str) -> list:

@@ -39,7 +39,7 @@ def _decode_one(log_probs: list[list[float]], blank: int,
             for label, p in enumerate(step):
                 if label == blank or p == _NEG_INF:
                     continue
-                extended = entry(prefix + (label,))
+                extended = entry((*prefix, label))
                 if prefix and prefix[-1] == label:
                     # A repeat only starts a new label after a blank; otherwise it merges.
                     extended[1] = _logaddexp(extended[1], p_blank + p)

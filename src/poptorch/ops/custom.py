@@ -7,11 +7,15 @@ import threading
 import torch
 
 from .._logging import info_once
-from .._runtime.torch_internals import (disable_dynamo, dispatch_get_all_op_names,
-                                        dispatch_has_kernel_for_dispatch_key, fake_impl_entry)
+from .._runtime.torch_internals import (
+    disable_dynamo,
+    dispatch_get_all_op_names,
+    dispatch_has_kernel_for_dispatch_key,
+    fake_impl_entry,
+)
 from ..errors import Error
 
-__all__ = ["custom_op", "attributes_lists", "accessAttributes", "ATTR_PREFIX"]
+__all__ = ["ATTR_PREFIX", "accessAttributes", "attributes_lists", "custom_op"]
 
 ATTR_PREFIX = "attr:"
 

@@ -26,8 +26,12 @@ from .._runtime import context
 from ..enums import OverlapMode
 from ..errors import Error
 
-__all__ = ["set_available_memory", "set_overlap_for_input", "set_overlap_for_output",
-           "recorded_hints"]
+__all__ = [
+    "recorded_hints",
+    "set_available_memory",
+    "set_overlap_for_input",
+    "set_overlap_for_output",
+]
 
 _lock = threading.Lock()
 _IPU_EFFECT = {

@@ -4,7 +4,8 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -14,7 +15,7 @@ from ..errors import Error
 
 __all__ = ["CPU", "getIpuTensorId"]
 
-_ids: "weakref.WeakKeyDictionary[torch.Tensor, int]" = weakref.WeakKeyDictionary()
+_ids: weakref.WeakKeyDictionary[torch.Tensor, int] = weakref.WeakKeyDictionary()
 _next_id = itertools.count(1)
 _ids_lock = threading.Lock()
 

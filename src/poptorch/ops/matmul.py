@@ -129,7 +129,7 @@ class _SerializedMatMul(torch.autograd.Function):
     def forward(ctx, a, b, mode, factor, acc_dtype):
         batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
         m, p = a.shape[-2], b.shape[-1]
-        out = torch.empty(batch + (m, p), dtype=a.dtype, device=a.device)
+        out = torch.empty((*batch, m, p), dtype=a.dtype, device=a.device)
         if b.dim() == 2 and a.dim() > 2 and a.is_contiguous():
             # Fold the batch into the rows: one 2-D problem (a view, no copy).
             _product_2d(a.reshape(-1, a.shape[-1]), b, out.view(-1, p), mode, factor,

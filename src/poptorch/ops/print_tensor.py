@@ -10,7 +10,7 @@ import torch
 from .._runtime.torch_internals import disable_dynamo
 from ..errors import Error
 
-__all__ = ["ipu_print_tensor", "format_tensor"]
+__all__ = ["format_tensor", "ipu_print_tensor"]
 
 _FLOAT_FORMATS = ("auto", "fixed", "scientific", "none")
 
@@ -100,7 +100,7 @@ def _format(tensor: torch.Tensor, fmt, style: _Style, summarise: bool, depth: in
     size = tensor.shape[0]
     edge = style.edge_items
     if summarise and size > 2 * edge:
-        indices = list(range(edge)) + [None] + list(range(size - edge, size))
+        indices = [*list(range(edge)), None, *list(range(size - edge, size))]
     else:
         indices = list(range(size))
     if tensor.dim() == 1:
@@ -177,7 +177,8 @@ def ipu_print_tensor(tensor: torch.Tensor, title: str = '', print_gradient: bool
                         ("digits", digits)):
         if not isinstance(value, int) or value < 0:
             raise Error(f"ipu_print_tensor: {name} must be an int >= 0, got {value!r}.")
-    style = dict(summarise_threshold=summarise_threshold, edge_items=edge_items,
-                 max_line_width=max_line_width, digits=digits, float_format=float_format,
-                 separator=separator, open_bracket=open_bracket, close_bracket=close_bracket)
+    style = {"summarise_threshold": summarise_threshold, "edge_items": edge_items,
+                 "max_line_width": max_line_width, "digits": digits,
+                 "float_format": float_format, "separator": separator,
+                 "open_bracket": open_bracket, "close_bracket": close_bracket}
     return _PrintTensor.apply(tensor, str(title), bool(print_gradient), style)

@@ -12,7 +12,7 @@ from .._logging import info_once
 from ..enums import MultiConvPlanType
 from ..errors import Error
 
-__all__ = ["NameScope", "MultiConv", "current_name_scope"]
+__all__ = ["MultiConv", "NameScope", "current_name_scope"]
 
 _local = threading.local()
 
@@ -45,7 +45,7 @@ class NameScope:
         self.name = name
         self._range: torch.profiler.record_function | None = None
 
-    def __enter__(self) -> "NameScope":
+    def __enter__(self) -> NameScope:
         _scopes().append(self.name)
         self._range = torch.profiler.record_function(current_name_scope())
         self._range.__enter__()
@@ -102,7 +102,7 @@ class MultiConv:
         self.num_convolutions: int | None = None
         self._counter: _ConvCounter | None = None
 
-    def _per_conv(self, name: str, value, check, what: str) -> "MultiConv":
+    def _per_conv(self, name: str, value, check, what: str) -> MultiConv:
         values = list(value) if isinstance(value, (list, tuple)) else [value]
         if not values:
             raise Error(f"MultiConv.{name}: got an empty {type(value).__name__}.")
@@ -112,14 +112,14 @@ class MultiConv:
         self.settings[name] = value
         return self
 
-    def availableMemoryProportions(self, value) -> "MultiConv":
+    def availableMemoryProportions(self, value) -> MultiConv:
         """Available memory proportion per convolution, each in [0, 1)."""
         return self._per_conv(
             "availableMemoryProportions", value,
             lambda v: isinstance(v, Real) and not isinstance(v, bool) and 0 <= float(v) < 1,
             "a float in [0, 1)")
 
-    def partialsTypes(self, value) -> "MultiConv":
+    def partialsTypes(self, value) -> MultiConv:
         """Partials type per convolution: ``torch.float`` or ``torch.half``."""
         values = value if isinstance(value, (list, tuple)) else [value]
         if any(v not in (torch.float32, torch.float16) for v in values):
@@ -130,12 +130,12 @@ class MultiConv:
                               lambda v: v in (torch.float32, torch.float16),
                               "torch.float32 or torch.float16")
 
-    def enableConvDithering(self, value) -> "MultiConv":
+    def enableConvDithering(self, value) -> MultiConv:
         """Per-convolution dithering switch (bool, or one bool per convolution)."""
         return self._per_conv("enableConvDithering", value,
                               lambda v: isinstance(v, bool), "a bool")
 
-    def planType(self, value: MultiConvPlanType) -> "MultiConv":
+    def planType(self, value: MultiConvPlanType) -> MultiConv:
         """The multi-convolution execution strategy."""
         if not isinstance(value, MultiConvPlanType):
             raise MultiConvPlanError(f"MultiConv.planType: Invalid plan type {value!r}: "
@@ -143,7 +143,7 @@ class MultiConv:
         self.settings["planType"] = value
         return self
 
-    def perConvReservedTiles(self, value: int) -> "MultiConv":
+    def perConvReservedTiles(self, value: int) -> MultiConv:
         """Tiles to reserve for each convolution."""
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise Error(f"MultiConv.perConvReservedTiles: value must be an int >= 0, "
@@ -151,7 +151,7 @@ class MultiConv:
         self.settings["perConvReservedTiles"] = value
         return self
 
-    def cycleBackOff(self, value: float) -> "MultiConv":
+    def cycleBackOff(self, value: float) -> MultiConv:
         """Cycle back-off proportion, between 0 and 1."""
         if isinstance(value, bool) or not isinstance(value, Real) or not 0 <= value <= 1:
             raise Error(f"MultiConv.cycleBackOff: value must be a number between 0 and 1, "
@@ -159,7 +159,7 @@ class MultiConv:
         self.settings["cycleBackOff"] = value
         return self
 
-    def __enter__(self) -> "MultiConv":
+    def __enter__(self) -> MultiConv:
         info_once("MultiConv", "poptorch.MultiConv: on an IPU the convolutions in this "
                                "scope are planned together (plan type, memory proportions, "
                                "partials types, reserved tiles); on CPU/GPU devices the "

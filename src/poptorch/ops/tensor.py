@@ -9,7 +9,7 @@ from ..enums import ReductionType
 from ..errors import Error
 from .matmul import serializedMatMul
 
-__all__ = ["identity_loss", "nop", "dynamic_slice", "dynamic_update", "serializedMatMul"]
+__all__ = ["dynamic_slice", "dynamic_update", "identity_loss", "nop", "serializedMatMul"]
 
 # Upstream's integer reduction codes (the values of ``poptorch.ReductionType``).
 _REDUCTIONS = {"sum": ReductionType.Sum, "mean": ReductionType.Mean,

@@ -21,7 +21,7 @@ class Attribute:
     def __init__(self, **kwargs: Any) -> None:
         self.attributes = kwargs
 
-    def __enter__(self) -> "Attribute":
+    def __enter__(self) -> Attribute:
         _logging.info_once(("Attribute", tuple(sorted(self.attributes))),
                            "poptorch.Attribute(%s) is recorded only: PopART attributes "
                            "have no meaning on this device.",

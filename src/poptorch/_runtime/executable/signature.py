@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from ..torch_internals import pytree
 
 from ...errors import Error
+from ..torch_internals import pytree
 
 
 def _describe(leaf: Any) -> tuple:
@@ -51,7 +51,7 @@ class InputSignature:
         self.leaves = leaves
 
     @classmethod
-    def of(cls, args: tuple, kwargs: dict) -> "InputSignature":
+    def of(cls, args: tuple, kwargs: dict) -> InputSignature:
         """The signature of a call ``f(*args, **kwargs)``."""
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         return cls(str(spec), [_describe(leaf) for leaf in leaves])

@@ -24,15 +24,21 @@ call, as upstream fixed it when compiling.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from .precision import _NEVER_CAST, _writes_in_place
 
-__all__ = ["WeightsFollowActivations", "DefaultCasting", "LOW_PRECISION",
-           "floating_args", "cast_floating"]
+__all__ = [
+    "LOW_PRECISION",
+    "DefaultCasting",
+    "WeightsFollowActivations",
+    "cast_floating",
+    "floating_args",
+]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 _CASTABLE = (torch.float16, torch.bfloat16, torch.float32)

@@ -25,17 +25,18 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from ..torch_internals import NormBase, pytree
 
 from ... import _logging
 from ...enums import HalfFloatCastingBehavior
 from ...errors import Error
 from ..config import PrecisionConfig
+from ..torch_internals import NormBase, pytree
 
 __all__ = ["PrecisionPolicy", "stochastic_round", "stochastic_rounding_active"]
 

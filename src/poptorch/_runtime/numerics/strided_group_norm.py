@@ -15,8 +15,6 @@ runs; it is installed only when the option is on, so other models pay nothing.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -25,8 +23,8 @@ OPTION = "groupNormStridedChannelGrouping"
 
 
 def strided_group_norm(input: torch.Tensor, num_groups: int,
-                       weight: Optional[torch.Tensor] = None,
-                       bias: Optional[torch.Tensor] = None,
+                       weight: torch.Tensor | None = None,
+                       bias: torch.Tensor | None = None,
                        eps: float = 1e-5) -> torch.Tensor:
     """``F.group_norm`` where group ``g`` holds channels ``g, g + G, g + 2G, ...``."""
     channels = input.shape[1] if input.dim() > 1 else 0
@@ -47,8 +45,8 @@ def strided_group_norm(input: torch.Tensor, num_groups: int,
 
 
 def _torch_group_norm(input: torch.Tensor, num_groups: int,
-                      weight: Optional[torch.Tensor] = None,
-                      bias: Optional[torch.Tensor] = None, eps: float = 1e-5,
+                      weight: torch.Tensor | None = None,
+                      bias: torch.Tensor | None = None, eps: float = 1e-5,
                       cudnn_enabled: bool = True) -> torch.Tensor:
     return strided_group_norm(input, num_groups, weight, bias, eps)
 
@@ -67,7 +65,7 @@ class StridedGroupNorm(TorchFunctionMode):
             return replacement(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 
-    def thread_context(self) -> "StridedGroupNorm":
+    def thread_context(self) -> StridedGroupNorm:
         return StridedGroupNorm()
 
 

@@ -33,7 +33,6 @@ from ..torch_internals import pytree
 from . import io_markers, markers, recompute
 from .partition import IMPLICIT_BLOCK, BlockTrace, _Tracer
 
-
 BLOCK_META = "poptorch_block"
 
 

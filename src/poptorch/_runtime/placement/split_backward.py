@@ -47,7 +47,7 @@ def _grad_node(t: torch.Tensor) -> Node | None:
 class SplitBackward:
     """The two halves of one stage backward (module docstring)."""
 
-    __slots__ = ("groups", "kept", "handles")
+    __slots__ = ("groups", "handles", "kept")
 
     def __init__(self, groups: list[tuple[list[Node], list[torch.Tensor]]]):
         # per group: its joins and its weights

@@ -20,7 +20,6 @@ import torch
 import torch.fx
 
 from ..torch_internals import pytree
-
 from .capture import BLOCK_META, CapturedModel
 from .partition import Partition
 from .recompute import checkpoint_values

@@ -133,7 +133,7 @@ class Probation:
         t0 = time.perf_counter()
         try:
             outputs = self.compiled.runner(microbatches, recording)
-        except Exception as error:  # noqa: BLE001  (every failure of a compiled piece)
+        except Exception as error:
             return self._redo(undo, microbatches, loss_of, stage_of(error), error)
         took = time.perf_counter() - t0
         self.compile_seconds += max(
@@ -181,7 +181,7 @@ class Probation:
         undo = StateUndo(self.params, optimizer=optimizer)
         try:
             self.compiled.update()
-        except Exception as error:  # noqa: BLE001  (every failure of a compiled piece)
+        except Exception as error:
             undo.restore()
             self._leave(f"update {stage_of(error)}", _reason(error))
             self.eager.update()

@@ -33,17 +33,17 @@ the markers, made one of two ways:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
-from ..torch_internals import DisableTorchFunction, pytree
 
-from .. import context
 from ...enums import OutputMode, OverlapMode
 from ...errors import Error
+from .. import context
+from ..torch_internals import DisableTorchFunction, pytree
 
 __all__ = ["FirstForwardCheck", "MarkerRecord", "OverlapSettings"]
 

@@ -10,7 +10,7 @@ copies the device values back first, as PopTorch's implicit copy-to-host does.
 from __future__ import annotations
 
 import weakref
-from typing import Collection, Iterator
+from collections.abc import Collection, Iterator
 
 import torch
 
@@ -83,8 +83,8 @@ _HOOKED_METHODS = ("parameters", "named_parameters", "buffers", "named_buffers",
 
 # The weight syncs of each hooked host module, and the hooked class of each module
 # unhooked for a while (``unhook`` / ``rehook``).
-_SYNCS: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
-_UNHOOKED: "weakref.WeakKeyDictionary[torch.nn.Module, type]" = weakref.WeakKeyDictionary()
+_SYNCS: weakref.WeakKeyDictionary[torch.nn.Module, list] = weakref.WeakKeyDictionary()
+_UNHOOKED: weakref.WeakKeyDictionary[torch.nn.Module, type] = weakref.WeakKeyDictionary()
 
 
 def _install_access_hook(host: torch.nn.Module, sync: WeightSync) -> None:
