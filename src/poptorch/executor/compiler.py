@@ -155,9 +155,9 @@ def _build_runner(parts: ModelParts, config: RuntimeConfig,
             backend_name(parts.options, device)
     device = _devices.acquire_devices(parts.options, 1)[0]
     model = parts.model
-    runner = SequentialRunner(model, buffers=tuple(model.buffers()),
-                              check=FirstForwardCheck(overlap))
-    return runner, device, backend_name(parts.options, device)
+    sequential = SequentialRunner(model, buffers=tuple(model.buffers()),
+                                  check=FirstForwardCheck(overlap))
+    return sequential, device, backend_name(parts.options, device)
 
 
 def _weights_and_optimizer(parts: ModelParts, config: RuntimeConfig, device: torch.device
