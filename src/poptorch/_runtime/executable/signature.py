@@ -8,6 +8,7 @@ also part of the executable-cache key.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -97,7 +98,7 @@ class InputSignature:
         return f"a {leaf[1]}"
 
     @classmethod
-    def _summary(cls, leaves) -> str:
+    def _summary(cls, leaves: Iterable[tuple]) -> str:
         return "(" + ", ".join(cls._one(leaf) for leaf in leaves) + ")"
 
     def __getstate__(self) -> dict:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -273,7 +273,9 @@ class AutocastMode(TorchFunctionMode):
         super().__init__()
         self.rules = rules
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Callable[..., Any], types: Collection[type],
+                           args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         stack = region_stack()
         if not stack or func in _NEVER_CAST or _writes_in_place(func, kwargs):
@@ -351,7 +353,7 @@ class _AutocastForward:
             for _ in range(pushed):
                 _pop()
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         if self.previous is not None:
             return _same, (self.previous,)
         return functools.partial, (type(self.module).forward, self.module)

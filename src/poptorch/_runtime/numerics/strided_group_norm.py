@@ -15,6 +15,9 @@ runs; it is installed only when the option is on, so other models pay nothing.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -59,7 +62,9 @@ class StridedGroupNorm(TorchFunctionMode):
     norms use strided channel groups. Modes do not follow a call into other threads, so
     pipeline stages' threads get their own through :py:meth:`thread_context`."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Callable[..., Any], types: Collection[type],
+                           args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         replacement = _REPLACEMENTS.get(func)
         if replacement is not None:
             return replacement(*args, **(kwargs or {}))

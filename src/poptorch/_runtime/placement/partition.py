@@ -10,6 +10,7 @@ execution strategy and enforces the rules of the user guide, raising
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,7 +70,8 @@ class _Tracer(TorchFunctionMode):
     def reset_auto_id(self) -> None:
         self.namer.reset_auto_id()
 
-    def begin_block(self, user_id, ipu_id, layer=None) -> None:
+    def begin_block(self, user_id: str | int | None, ipu_id: int | None,
+                    layer: torch.nn.Module | None = None) -> None:
         block = self.namer.name(user_id)
         known = self.trace.ipu_of.get(block, ipu_id)
         if block in self.trace.ipu_of and ipu_id is not None and known != ipu_id:
@@ -88,23 +90,26 @@ class _Tracer(TorchFunctionMode):
         return tensors
 
     # torch function mode
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Callable[..., Any], types: Collection[type],
+                           args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         for t in pytree.tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and id(t) in self._weights:
-                if self.current is None:
-                    self._enter_implicit()
+                block = self.current if self.current is not None else self._enter_implicit()
                 users = self.trace.users.setdefault(id(t), [])
-                if self.current not in users:
-                    users.append(self.current)
+                if block not in users:
+                    users.append(block)
         if self.current is None:
             self._enter_implicit()
         return func(*args, **kwargs)
 
-    def _enter_implicit(self) -> None:
+    def _enter_implicit(self) -> str:
+        """Enter the implicit block (code before the first block); returns its id."""
         self.current = IMPLICIT_BLOCK
         self.trace.sequence.append(IMPLICIT_BLOCK)
         self.trace.ipu_of[IMPLICIT_BLOCK] = 0
+        return IMPLICIT_BLOCK
 
 
 def has_static_annotations(model: torch.nn.Module) -> bool:
@@ -200,11 +205,12 @@ def _check_begin_block_order(trace: BlockTrace) -> None:
                 "the layers run.")
 
 
-def _label(user_id, ipu_id) -> str:
+def _label(user_id: str | int | None, ipu_id: int | None) -> str:
     return f"user_id={user_id!r}, ipu_id={ipu_id!r}"
 
 
-def _pipeline_stages(trace: BlockTrace, strategy: ExecutionStrategy):
+def _pipeline_stages(trace: BlockTrace, strategy: ExecutionStrategy
+                     ) -> tuple[list[StagePlan], dict[str, int]]:
     name = _kind(strategy)
     blocks = list(dict.fromkeys(trace.sequence))
     stage_key: dict[str, int] = {}
@@ -273,7 +279,8 @@ def _check_ascending(sequence: list[str], stage_key: dict[str, int], name: str) 
                 "explicitly with poptorch.Stage.")
 
 
-def _phased_stages(trace: BlockTrace, strategy: ExecutionStrategy):
+def _phased_stages(trace: BlockTrace, strategy: ExecutionStrategy
+                   ) -> tuple[list[StagePlan], dict[str, int], int]:
     name = _kind(strategy)
     phases = strategy.phases
     if not phases:

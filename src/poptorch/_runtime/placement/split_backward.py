@@ -27,7 +27,7 @@ engine then runs the full backward.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -93,7 +93,7 @@ class SplitBackward:
         self.groups = []
 
 
-def _keeper(kept: dict, node: Node):
+def _keeper(kept: dict, node: Node) -> Callable[[tuple], None]:
     def hook(grads: tuple) -> None:
         kept[node] = grads
     return hook

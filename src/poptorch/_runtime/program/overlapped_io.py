@@ -33,7 +33,7 @@ the markers, made one of two ways:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,7 +205,9 @@ class _ForwardRecord(TorchFunctionMode):
         self.record = MarkerRecord(names, [id(t) for t in inputs])
         self._kept: list[torch.Tensor] = []  # marked outputs and their aliases, alive
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Callable[..., Any], types: Collection[type],
+                           args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if func not in _METADATA:
             for leaf in pytree.tree_leaves((args, kwargs)):
