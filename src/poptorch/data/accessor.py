@@ -22,13 +22,15 @@ import atexit
 import contextlib
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.process
 import multiprocessing.util
 import os
 import pickle
 import sys
 import tempfile
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sized
+from multiprocessing.connection import Connection
 from typing import Any, cast
 
 import torch
@@ -73,7 +75,8 @@ def _terminate_all_workers() -> None:
         finalizer()
 
 
-def _shutdown_worker(owner_pid: int, process, commands, results,
+def _shutdown_worker(owner_pid: int, process: multiprocessing.process.BaseProcess,
+                     commands: Connection, results: Connection,
                      dataset_file: str | None) -> None:
     """Stops the worker: politely, then SIGTERM (clean exit), then SIGKILL."""
     if os.getpid() != owner_pid:  # a forked copy of the owner: not ours to stop
@@ -404,7 +407,7 @@ class AsynchronousDataAccessor:
 
     def _compute_length(self, dataset: Iterable) -> int | None:
         try:
-            length = len(dataset)  # type: ignore[arg-type]
+            length = len(cast(Sized, dataset))  # (an iterable without len: TypeError)
         except TypeError:
             return None
         if self.rebatched_size is None:

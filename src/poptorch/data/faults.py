@@ -17,6 +17,7 @@ import re
 import signal
 import time
 from collections.abc import Iterable
+from types import FrameType
 from typing import Any
 
 from .._runtime.torch_internals import remove_worker_pids
@@ -253,7 +254,7 @@ def install_sigchld_translation() -> None:
 
     reported: set[str] = set()
 
-    def translating_handler(signum, frame):
+    def translating_handler(signum: int, frame: FrameType | None) -> None:
         try:
             current(signum, frame)
         except RuntimeError as error:

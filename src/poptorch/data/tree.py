@@ -24,7 +24,7 @@ class TensorRef(int):
     def __repr__(self) -> str:
         return f"TensorRef({int(self)})"
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[TensorRef], tuple[int]]:
         return (TensorRef, (int(self),))
 
 
