@@ -48,7 +48,7 @@ def backend_name(options: Options, device: torch.device) -> str:
 
 def to_device(structure: Any, device: torch.device) -> Any:
     """Every tensor of ``structure`` on ``device`` (pinned, non-blocking copies)."""
-    def move(t):
+    def move(t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.device == device:
             return t
         return t.pin_memory().to(device, non_blocking=True)

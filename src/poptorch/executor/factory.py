@@ -32,7 +32,7 @@ class _ModelWithLoss(torch.nn.Module):
         self.model = model
         self.loss = loss
 
-    def forward(self, *args):
+    def forward(self, *args: Any) -> tuple[Any, Any]:
         if len(args) < 2:
             raise Error("A model wrapped with loss= takes the inputs and then the label as "
                         "its last argument: poptorch_model(inputs, label).")
@@ -132,7 +132,7 @@ def inferenceModel(*args: Any, **kwargs: Any) -> PoplarExecutor:
 
 # what help() and inspect show: the documented parameters, not (*args, **kwargs)
 trainingModel.__signature__ = _TRAINING  # type: ignore[attr-defined]  # (a function attribute)
-inferenceModel.__signature__ = _INFERENCE  # type: ignore[attr-defined]
+inferenceModel.__signature__ = _INFERENCE  # type: ignore[attr-defined]  # (likewise)
 
 
 def load(filename: str, edit_opts_fn: Callable[[Any], None] | None = None) -> PoplarExecutor:

@@ -89,7 +89,9 @@ class PoplarExecutor(ExecutorInspection):
         self._init_state(model, options, training, poptorch_version, optimizer,
                          user_model or model)
 
-    def _init_state(self, model, options, training, version, optimizer, user_model) -> None:
+    def _init_state(self, model: torch.nn.Module, options: Options, training: bool,
+                    version: str, optimizer: torch.optim.Optimizer | None,
+                    user_model: torch.nn.Module) -> None:
         # Every attribute of the executor's state is created here. The user-facing
         # state lives on the executor; what a compile produces is one Compilation
         # (``_runtime/compilation.py``), held in ``_compiled`` until ``destroy()``.
@@ -184,7 +186,7 @@ class PoplarExecutor(ExecutorInspection):
         name = opts.model_name if opts.exists("model_name") else type(self._user_model).__name__
         return f"{name}.{'training' if self._training else 'inference'}"
 
-    def compile(self, *args, **kwargs) -> None:
+    def compile(self, *args: Any, **kwargs: Any) -> None:
         """Compile the model for these inputs without running it (no-op if compiled)."""
         if self._compiled is None:
             with substitutions():  # (poptorch_geometric's ops in place of PyG's)
@@ -312,15 +314,17 @@ class PoplarExecutor(ExecutorInspection):
         compiled.weights_to_device(params=False, buffers=True,
                                    buffer_names=None if names is None else set(names))
 
-    def load_state_dict(self, state_dict: dict, strict: bool = True):
-        """Load a state dict into the wrapped model and synchronise the device."""
+    def load_state_dict(self, state_dict: dict, strict: bool = True) -> Any:
+        """Load a state dict into the wrapped model and synchronise the device; returns
+        what ``torch.nn.Module.load_state_dict`` returns (the missing and unexpected
+        keys)."""
         result = self.model.load_state_dict(state_dict, strict)
         if self._compiled is not None:
             self._compiled.weights_to_device()
         return result
 
     # ------------------------------------------------------------------ optimizer
-    def setOptimizer(self, optimizer: Any) -> None:
+    def setOptimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Use ``optimizer``'s hyperparameters from the next call on (no recompilation).
 
         The optimizer state on the device (momentum, ...) is kept unless ``optimizer``
@@ -430,8 +434,8 @@ class PoplarExecutor(ExecutorInspection):
                       rng_state=self.rng_state if save_rng_state else None,
                       export_model=export_model)
 
-    def compileAndExport(self, filename: str, *args, export_model: bool = True,
-                         **kwargs) -> None:
+    def compileAndExport(self, filename: str, *args: Any, export_model: bool = True,
+                         **kwargs: Any) -> None:
         """Compile for these inputs and save the result (with the compiled program and
         the input signature, see docs/precompilation.md) to ``filename``; the model's
         state is left as it was."""
@@ -448,6 +452,7 @@ class PoplarExecutor(ExecutorInspection):
         check_kind(payload, self._training, filename)
         self.load_state_dict(payload["state_dict"])
         if self._training and payload["optimizer_state"] is not None:
+            assert self._optimizer is not None  # (a training model always has one)
             self._optimizer.load_state_dict(payload["optimizer_state"])
         self._restore_from(payload)
 

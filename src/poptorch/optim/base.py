@@ -93,7 +93,7 @@ class Optimizer:
         """torch keeps only defaults, state and param_groups; PopTorch's attributes
         (loss_scaling, accumulator types, ...) travel too. Hooks and the device reader
         belong to this process and are left out, as torch leaves out its hooks."""
-        state = super().__getstate__()  # type: ignore[misc]
+        state = super().__getstate__()  # type: ignore[misc]  # (a mixin: torch.optim.Optimizer, the other base, has it)
         for key, value in self.__dict__.items():
             if key not in state and not key.startswith("_optimizer_") \
                     and key != "_device_state_reader" and not self._patched_method(key):
@@ -107,7 +107,7 @@ class Optimizer:
         return callable(getattr(type(self), key, None)) and callable(self.__dict__[key])
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)  # type: ignore[misc]
+        super().__setstate__(state)  # type: ignore[misc]  # (as above)
         self.__dict__.setdefault("host_state_is_dirty", False)
         self.__dict__.setdefault("ipu_state_is_dirty", False)
         self.__dict__.setdefault("_extra_state", {})
