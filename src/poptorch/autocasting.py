@@ -170,10 +170,10 @@ class Policy:
 
     def rules(self) -> CastRules:
         """The engine's form of this policy (operator names and module classes)."""
-        def ops(name):
+        def ops(name: str) -> frozenset[str]:
             return frozenset(k for k in self._lists[name] if isinstance(k, str))
 
-        def modules(name):
+        def modules(name: str) -> tuple[type[torch.nn.Module], ...]:
             return tuple(k for k in self._lists[name] if _is_module_class(k))
         return CastRules(ops("fp16"), ops("fp32"), ops("promote"), ops("demote"),
                          modules("fp16"), modules("fp32"), modules("promote"),

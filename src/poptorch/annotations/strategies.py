@@ -8,7 +8,7 @@ resolves it against the blocks the model actually enters and enforces the rules.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, cast
 
 from .._runtime.placement import strategy as _kinds
 from ..enums import AutoStage, Liveness
@@ -42,7 +42,7 @@ class Stage:
     >>> poptorch.Stage("A", "B").ipu(1)
     """
 
-    def __init__(self, *block_ids) -> None:
+    def __init__(self, *block_ids: BlockId | int | list | tuple) -> None:
         if len(block_ids) == 1 and isinstance(block_ids[0], (list, tuple)):
             block_ids = tuple(block_ids[0])
         if not block_ids:
@@ -55,7 +55,7 @@ class Stage:
         """List of blocks this stage is made of."""
         return list(self._blocks)
 
-    def ipu(self, ipu) -> Stage:
+    def ipu(self, ipu: int) -> Stage:
         """Set the IPU on which this stage will run (returns the stage, for chaining)."""
         if isinstance(ipu, bool) or not isinstance(ipu, int) or ipu < 0:
             raise ValueError(f"Stage.ipu expects an IPU index >= 0, got {ipu!r}")
@@ -74,26 +74,26 @@ class Phase:
     ``Phase("A", "B")`` has one stage made of two blocks.
     """
 
-    def __init__(self, *arg) -> None:
+    def __init__(self, *arg: Stage | BlockId | int | list | tuple) -> None:
         if len(arg) == 1 and isinstance(arg[0], (list, tuple)):
             arg = tuple(arg[0])
         if not arg:
             raise Error("A Phase needs at least one Stage or block id.")
         if all(isinstance(a, Stage) for a in arg):
-            self.stages: list[Stage] = list(arg)
+            self.stages: list[Stage] = cast("list[Stage]", list(arg))
         elif any(isinstance(a, Stage) for a in arg):
             raise Error("Phase arguments must be either all poptorch.Stage objects or all "
                         f"block ids (strings), got {[type(a).__name__ for a in arg]}")
         else:
-            self.stages = [Stage(*arg)]
+            self.stages = [Stage(*cast("tuple[BlockId | int, ...]", arg))]
 
-    def stage(self, idx) -> Stage:
+    def stage(self, idx: int) -> Stage:
         """The ``idx``-th stage of this phase."""
         if not isinstance(idx, int) or not 0 <= idx < len(self.stages):
             raise IndexError(f"Phase has {len(self.stages)} stage(s); no stage {idx!r}")
         return self.stages[idx]
 
-    def ipus(self, *ipus) -> Phase:
+    def ipus(self, *ipus: int) -> Phase:
         """Assign one IPU to each stage of this phase (as many IPUs as stages)."""
         if len(ipus) != len(self.stages):
             raise Error(f"Phase contains {len(self.stages)} stage(s) but {len(ipus)} IPU(s) "
@@ -121,7 +121,7 @@ class _IExecutionStrategy:
     def __init__(self) -> None:
         self._tracing = False
 
-    def stage(self, block_id) -> Stage:
+    def stage(self, block_id: BlockId) -> Stage:
         """The stage containing the block ``block_id`` (explicit stages only)."""
         block_id = _block_id(block_id)
         for stage in self._explicit_stages():
@@ -171,7 +171,7 @@ class PipelinedExecution(_IExecutionStrategy):
 
     _execution_mode = 0
 
-    def __init__(self, *args) -> None:
+    def __init__(self, *args: AutoStage | Stage | BlockId | int | list) -> None:
         super().__init__()
         if len(args) == 1 and isinstance(args[0], list):
             args = tuple(args[0])
@@ -227,7 +227,7 @@ class _IPhasedExecution(_IExecutionStrategy):
 
     _execution_mode = 2
 
-    def __init__(self, *phases) -> None:
+    def __init__(self, *phases: Phase | Stage | BlockId | int | list | tuple) -> None:
         super().__init__()
         if len(phases) == 1 and isinstance(phases[0], list):
             phases = tuple(phases[0])
@@ -251,7 +251,7 @@ class _IPhasedExecution(_IExecutionStrategy):
         """The phases, in execution order."""
         return list(self._phases)
 
-    def phase(self, phase) -> Phase:
+    def phase(self, phase: int) -> Phase:
         """The phase with index ``phase``."""
         if isinstance(phase, bool) or not isinstance(phase, int) or phase < 0:
             raise ValueError(f"Phases are identified by integers >= 0, got {phase!r}")
@@ -260,7 +260,7 @@ class _IPhasedExecution(_IExecutionStrategy):
                              f"phase {phase}")
         return self._phases[phase]
 
-    def useSeparateBackwardPhase(self, use=True) -> None:
+    def useSeparateBackwardPhase(self, use: bool = True) -> None:
         """Give each backward phase its own phase instead of sharing the forward one's."""
         if not isinstance(use, bool):
             raise TypeError(f"use must be a bool, got {type(use).__name__}")
@@ -298,7 +298,7 @@ class SerialPhasedExecution(_IPhasedExecution):
 
     schedule_kind = _kinds.SERIAL_PHASED
 
-    def setTensorsLiveness(self, liveness) -> None:
+    def setTensorsLiveness(self, liveness: Liveness) -> None:
         """See :py:class:`~poptorch.Liveness`."""
         if not isinstance(liveness, Liveness):
             raise TypeError(f"liveness must be a poptorch.Liveness, got {liveness!r}")
@@ -313,7 +313,7 @@ class ParallelPhasedExecution(_IPhasedExecution):
 
     schedule_kind = _kinds.PARALLEL_PHASED
 
-    def sendTensorsOffChipAfterFwd(self, off_chip=True) -> None:
+    def sendTensorsOffChipAfterFwd(self, off_chip: bool = True) -> None:
         """Move tensors off chip after the forward pass (``Liveness.OffChipAfterFwd``),
         or keep them live (``off_chip=False``: ``Liveness.AlwaysLive``)."""
         if not isinstance(off_chip, bool):

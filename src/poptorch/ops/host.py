@@ -90,7 +90,7 @@ class CPU:
 
     @disable_dynamo  # host work: a compiled model breaks its graph here (lazy: no
     # torch._dynamo import until the first call)
-    def __call__(self, *input: Any, **kwargs: Any):
+    def __call__(self, *input: Any, **kwargs: Any) -> Any:
         tensors = [t for t in input if isinstance(t, torch.Tensor)]
         if len(tensors) != len(input):
             raise Error(f"CPU op {self._ID!r}: positional arguments must be tensors; pass "

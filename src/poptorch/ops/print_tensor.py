@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import builtins
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -39,7 +41,7 @@ def _float_mode(values: torch.Tensor, style: _Style) -> str:
     return "scientific" if big >= 1e8 or small < 1e-4 or big / small > 1e6 else "fixed"
 
 
-def _element_formatter(values: torch.Tensor, style: _Style):
+def _element_formatter(values: torch.Tensor, style: _Style) -> Callable[[float], str]:
     """A function turning one Python number into its aligned text."""
     if values.is_floating_point():
         mode = _float_mode(values, style)
@@ -94,7 +96,8 @@ def _wrap(items: list[str], style: _Style, indent: int) -> str:
     return ("\n" + " " * indent).join(lines)
 
 
-def _format(tensor: torch.Tensor, fmt, style: _Style, summarise: bool, depth: int) -> str:
+def _format(tensor: torch.Tensor, fmt: Callable[[float], str], style: _Style, summarise: bool,
+            depth: int) -> str:
     if tensor.dim() == 0:
         return fmt(tensor.item())
     size = tensor.shape[0]
@@ -134,13 +137,14 @@ class _PrintTensor(torch.autograd.Function):
     """Identity whose forward prints the value and backward prints the gradient."""
 
     @staticmethod
-    def forward(ctx, tensor, title, print_gradient, style):
+    def forward(ctx: Any, tensor: torch.Tensor, title: str, print_gradient: bool,
+                style: dict[str, Any]) -> torch.Tensor:
         ctx.title, ctx.print_gradient, ctx.style = title, print_gradient, style
         _emit(title, tensor, style)
         return tensor.view_as(tensor)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         if ctx.print_gradient:
             _emit(f"{ctx.title}_gradient" if ctx.title else "gradient", grad, ctx.style)
         return grad, None, None, None

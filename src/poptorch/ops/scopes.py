@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Collection
 from numbers import Real
+from types import TracebackType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +54,8 @@ class NameScope:
         self._range.__enter__()
         return self
 
-    def __exit__(self, type, value, traceback) -> None:
+    def __exit__(self, type: type[BaseException] | None, value: BaseException | None,
+                 traceback: TracebackType | None) -> None:
         if self._range is not None:
             self._range.__exit__(type, value, traceback)
         self._range = None
@@ -69,7 +73,9 @@ class _ConvCounter(TorchFunctionMode):
         super().__init__()
         self.count = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Callable[..., Any], types: Collection[type],
+                           args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         if func in _CONVOLUTIONS:
             self.count += 1
         return func(*args, **(kwargs or {}))
@@ -102,7 +108,8 @@ class MultiConv:
         self.num_convolutions: int | None = None
         self._counter: _ConvCounter | None = None
 
-    def _per_conv(self, name: str, value, check, what: str) -> MultiConv:
+    def _per_conv(self, name: str, value: Any, check: Callable[[Any], bool],
+                  what: str) -> MultiConv:
         values = list(value) if isinstance(value, (list, tuple)) else [value]
         if not values:
             raise Error(f"MultiConv.{name}: got an empty {type(value).__name__}.")
@@ -112,14 +119,16 @@ class MultiConv:
         self.settings[name] = value
         return self
 
-    def availableMemoryProportions(self, value) -> MultiConv:
+    def availableMemoryProportions(self, value: float | list[float] | tuple[float, ...]
+                                   ) -> MultiConv:
         """Available memory proportion per convolution, each in [0, 1)."""
         return self._per_conv(
             "availableMemoryProportions", value,
             lambda v: isinstance(v, Real) and not isinstance(v, bool) and 0 <= float(v) < 1,
             "a float in [0, 1)")
 
-    def partialsTypes(self, value) -> MultiConv:
+    def partialsTypes(self, value: torch.dtype | list[torch.dtype] | tuple[torch.dtype, ...]
+                      ) -> MultiConv:
         """Partials type per convolution: ``torch.float`` or ``torch.half``."""
         values = value if isinstance(value, (list, tuple)) else [value]
         if any(v not in (torch.float32, torch.float16) for v in values):
@@ -130,7 +139,7 @@ class MultiConv:
                               lambda v: v in (torch.float32, torch.float16),
                               "torch.float32 or torch.float16")
 
-    def enableConvDithering(self, value) -> MultiConv:
+    def enableConvDithering(self, value: bool | list[bool] | tuple[bool, ...]) -> MultiConv:
         """Per-convolution dithering switch (bool, or one bool per convolution)."""
         return self._per_conv("enableConvDithering", value,
                               lambda v: isinstance(v, bool), "a bool")
@@ -174,7 +183,8 @@ class MultiConv:
             self._counter.__enter__()
         return self
 
-    def __exit__(self, type, value, traceback) -> None:
+    def __exit__(self, type: type[BaseException] | None, value: BaseException | None,
+                 traceback: TracebackType | None) -> None:
         counter, self._counter = self._counter, None
         if counter is None:
             return
