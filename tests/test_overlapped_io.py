@@ -409,6 +409,34 @@ def test_compile_then_first_call_checks_a_model_that_is_not_captured():
     _train_after_refusals(DataDependentNet(), compile_raises=False)
 
 
+class UnblockedDataDependentNet(Net):
+    """``DataDependentNet`` without Blocks: under ShardedExecution it runs on one IPU,
+    by the plain runner, which checks the markers on its first forward."""
+
+    def forward(self, x, labels):
+        x2 = in_(x) if self.marked else x
+        h = F.relu(self.bn(self.fc1(x2)))
+        if self.flags["bad"]:
+            h = h + x.sum()
+        logits = self.fc2(h)
+        if logits.sum() > float("inf"):  # never true, but decided on a tensor value
+            logits = logits * 2
+        loss = F.cross_entropy(logits, labels)
+        if self.marked:
+            logits, loss = out(logits), out(loss)
+        return logits, loss
+
+
+def test_first_call_checks_a_model_on_one_ipu_that_is_not_captured():
+    """The plain runner of a one-IPU model that cannot be captured checks the markers
+    on the first forward, in training (then trains like plain PyTorch) and in
+    inference."""
+    _train_after_refusals(UnblockedDataDependentNet(), compile_raises=False)
+    model = UnblockedDataDependentNet().eval()
+    model.flags["bad"] = True
+    raises(model, only_op(0), *_data(6, 1)[0])
+
+
 @pytest.mark.parametrize("opts", ["compiled", "checked", "sharded"])
 def test_compiled_backend_checks_the_first_call(monkeypatch, opts):
     """The inductor backend (traced with aot_eager here) runs the first call eagerly,

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import threading
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -97,7 +99,7 @@ class Tracepoint:
         self.label = _check_name("Tracepoint", label)
         self._local = threading.local()  # open ranges per thread (a shared decorator)
 
-    def __enter__(self) -> "Tracepoint":
+    def __enter__(self) -> Tracepoint:
         scope = None
         if _session() is not None:
             scope = torch.profiler.record_function(f"{self.channel.name}::{self.label}")
@@ -169,7 +171,7 @@ def _number(what: str, value: Any) -> float:
 class Series:
     """One line of a :class:`Graph`: ``series.add(value)`` records a value now."""
 
-    def __init__(self, graph: "Graph", name: str) -> None:
+    def __init__(self, graph: Graph, name: str) -> None:
         self.graph = graph
         self.name = _check_name("Graph.addSeries", name)
 
@@ -217,7 +219,7 @@ class _Heatmap:
         self.unit = unit
         self.track = f"{name} [{unit}]" if unit else name
         bounds = ["-inf"] + [str(e) for e in self.edges] + ["inf"]
-        self.buckets = [f"[{lo}, {hi})" for lo, hi in zip(bounds, bounds[1:], strict=False)]
+        self.buckets = [f"[{lo}, {hi})" for lo, hi in itertools.pairwise(bounds)]
 
     def _convert(self, value: Any) -> Any:
         return self._kind(value)

@@ -15,7 +15,8 @@ or default to one replica per instance under a plain ``torchrun``.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist

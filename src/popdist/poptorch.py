@@ -7,8 +7,15 @@ from typing import Any
 import poptorch
 import poptorch.options.distributed as _distributed
 
-from . import (IPUS_PER_REPLICA_ENV, PopdistError, getInstanceIndex, getNumInstances,
-               getNumIpusPerReplica, getNumLocalReplicas, isPopdistEnvSet)
+from . import (
+    IPUS_PER_REPLICA_ENV,
+    PopdistError,
+    getInstanceIndex,
+    getNumInstances,
+    getNumIpusPerReplica,
+    getNumLocalReplicas,
+    isPopdistEnvSet,
+)
 
 __all__ = ["Options"]
 
@@ -73,10 +80,10 @@ class Options(poptorch.Options):
         object.__setattr__(self, "_distributed", distributed)
         super().replicationFactor(getNumLocalReplicas())
 
-    def replicationFactor(self, replication_factor: int) -> "Options":
+    def replicationFactor(self, replication_factor: int) -> Options:
         raise _blocked("replicationFactor")
 
-    def useIpuId(self, ipu_id: int) -> "Options":
+    def useIpuId(self, ipu_id: int) -> Options:
         raise _blocked("useIpuId")
 
 

@@ -218,6 +218,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     env = dict(os.environ, **plan.env)
     env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
-    command = [sys.executable, "-m", "torch.distributed.run"] + plan.commands[0][1:]
+    command = [sys.executable, "-m", "torch.distributed.run", *plan.commands[0][1:]]
     os.execvpe(command[0], command, env)
     return 0  # not reached

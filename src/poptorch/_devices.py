@@ -33,8 +33,15 @@ import torch
 from . import _logging
 from .errors import Error
 
-__all__ = ["acquire_devices", "env_setting", "ipu_device", "ipuHardwareIsAvailable", "ipuHardwareVersion",
-           "uses_ipu_model", "round_num_ipus"]
+__all__ = [
+    "acquire_devices",
+    "env_setting",
+    "ipuHardwareIsAvailable",
+    "ipuHardwareVersion",
+    "ipu_device",
+    "round_num_ipus",
+    "uses_ipu_model",
+]
 
 BUSY_FREE_FRACTION = 0.5
 """A GPU with less than this fraction of its memory free (ours excluded) is busy."""

@@ -18,10 +18,18 @@ import logging
 import os
 import sys
 import threading
-from typing import Any
+from typing import Any, TextIO
 
-__all__ = ["logger", "setLogLevel", "info_once", "log_once", "apply_options",
-           "TRACE", "TRACE_ALL", "LOG_FILE_NAME"]
+__all__ = [
+    "LOG_FILE_NAME",
+    "TRACE",
+    "TRACE_ALL",
+    "apply_options",
+    "info_once",
+    "log_once",
+    "logger",
+    "setLogLevel",
+]
 
 TRACE = 5
 TRACE_ALL = 1
@@ -68,11 +76,11 @@ class _StderrUnlessConfigured(logging.StreamHandler):
     console (then the record reaches the console through them, once)."""
 
     @property
-    def stream(self):  # resolved at every write so that redirected stderr is honoured
+    def stream(self) -> TextIO:  # resolved at every write so that redirected stderr is honoured
         return sys.stderr
 
     @stream.setter
-    def stream(self, value) -> None:
+    def stream(self, value: TextIO) -> None:
         pass
 
     def emit(self, record: logging.LogRecord) -> None:

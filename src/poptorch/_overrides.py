@@ -21,12 +21,12 @@ from typing import Any, ClassVar, Protocol
 from .errors import Error
 
 __all__ = [
-    "substitutions_registered",
     "SubstitutionManager",
     "_OverwriteContextManager",
     "register_substitution_manager",
     "substitutions",
     "substitutions_active",
+    "substitutions_registered",
 ]
 
 

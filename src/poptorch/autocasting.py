@@ -19,18 +19,33 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
-from ._runtime.numerics.autocast import (AutocastRun, CastRules, enter_region, exit_region,
-                                canonical_name, install_module_hooks, op_name)
+from ._runtime.numerics.autocast import (
+    AutocastRun,
+    CastRules,
+    canonical_name,
+    enter_region,
+    exit_region,
+    install_module_hooks,
+    op_name,
+)
 from ._runtime.numerics.casting import DefaultCasting
 from ._runtime.weights.modelcopy import iter_module_pairs
 from .errors import Error
 
-__all__ = ["autocast", "Policy", "default", "default_fp16", "default_fp32",
-           "default_promote", "default_demote"]
+__all__ = [
+    "Policy",
+    "autocast",
+    "default",
+    "default_demote",
+    "default_fp16",
+    "default_fp32",
+    "default_promote",
+]
 
 
 class autocast:
@@ -52,7 +67,7 @@ class autocast:
                         f"{enabled!r}.")
         self.enabled = enabled
 
-    def __enter__(self) -> "autocast":
+    def __enter__(self) -> autocast:
         enter_region(self.enabled)
         return self
 
@@ -155,10 +170,10 @@ class Policy:
 
     def rules(self) -> CastRules:
         """The engine's form of this policy (operator names and module classes)."""
-        def ops(name):
+        def ops(name: str) -> frozenset[str]:
             return frozenset(k for k in self._lists[name] if isinstance(k, str))
 
-        def modules(name):
+        def modules(name: str) -> tuple[type[torch.nn.Module], ...]:
             return tuple(k for k in self._lists[name] if _is_module_class(k))
         return CastRules(ops("fp16"), ops("fp32"), ops("promote"), ops("demote"),
                          modules("fp16"), modules("fp32"), modules("promote"),
@@ -196,11 +211,11 @@ def _ops(*names: str) -> list:
 
 #: Operators and layers the default policy computes in float16 (upstream's list, plus
 #: ``linear``: ``torch.nn.Linear`` calls it where upstream's tracer saw ``matmul``).
-default_fp16: list = _ops("addbmm", "addmm", "addmv", "addr", "baddbmm", "bmm",
-                          "chain_matmul", "conv1d", "conv2d", "conv3d", "conv_tbc",
-                          "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
-                          "convolution", "matmul", "mm", "mv") + [
-                              torch.nn.functional.linear, torch.nn.Conv2d]
+default_fp16: list = [*_ops("addbmm", "addmm", "addmv", "addr", "baddbmm", "bmm",
+                             "chain_matmul", "conv1d", "conv2d", "conv3d", "conv_tbc",
+                             "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+                             "convolution", "matmul", "mm", "mv"),
+                       torch.nn.functional.linear, torch.nn.Conv2d]
 #: The default policy has no float32-only operators.
 default_fp32: list = []
 #: Operators the default policy promotes to float32 when given mixed precision.

@@ -6,11 +6,22 @@ and ``Options.toDict()`` shows them.
 import enum
 
 __all__ = [
-    "AutoStage", "CommGroupType", "ConnectionType", "DataLoaderMode",
-    "HalfFloatCastingBehavior", "Liveness", "MatMulSerializationMode",
-    "MeanReductionStrategy", "MultiConvPlanType", "OutputMode", "OverlapMode",
-    "ReductionType", "SharingStrategy", "SyncPattern", "VariableRetrievalMode",
-    "AnchorMode"
+    "AnchorMode",
+    "AutoStage",
+    "CommGroupType",
+    "ConnectionType",
+    "DataLoaderMode",
+    "HalfFloatCastingBehavior",
+    "Liveness",
+    "MatMulSerializationMode",
+    "MeanReductionStrategy",
+    "MultiConvPlanType",
+    "OutputMode",
+    "OverlapMode",
+    "ReductionType",
+    "SharingStrategy",
+    "SyncPattern",
+    "VariableRetrievalMode"
 ]
 
 

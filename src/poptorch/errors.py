@@ -9,8 +9,13 @@ from __future__ import annotations
 import inspect
 import os
 
-__all__ = ["Error", "RecoverableError", "UnrecoverableError", "createPoptorchError",
-           "ConfigFileError"]
+__all__ = [
+    "ConfigFileError",
+    "Error",
+    "RecoverableError",
+    "UnrecoverableError",
+    "createPoptorchError",
+]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 

@@ -12,8 +12,9 @@ import collections
 import contextlib
 import functools
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any
 
 import torch
 
@@ -47,7 +48,7 @@ class Channel:
         if not isinstance(name, str) or not name:
             raise Error(f"Channel: name must be a non-empty string, got {name!r}.")
         self.name = name
-        self.records: "collections.deque[TraceRecord]" = collections.deque(
+        self.records: collections.deque[TraceRecord] = collections.deque(
             maxlen=self.max_records)
 
     @contextlib.contextmanager
@@ -60,7 +61,7 @@ class Channel:
         finally:
             self.records.append(TraceRecord(name, start, time.perf_counter_ns() - start))
 
-    def instrument(self, obj, *methods: str) -> None:
+    def instrument(self, obj: object, *methods: str) -> None:
         """Wrap each named method of ``obj`` in a tracepoint named after the method."""
         if not methods:
             raise Error("Channel.instrument: name at least one method to instrument.")
@@ -71,9 +72,9 @@ class Channel:
                             f"{method!r}.")
             setattr(obj, method, self._traced(original, method))
 
-    def _traced(self, function, name: str):
+    def _traced(self, function: Callable[..., Any], name: str) -> Callable[..., Any]:
         @functools.wraps(function)
-        def traced(*args, **kwargs):
+        def traced(*args: Any, **kwargs: Any) -> Any:
             with self.tracepoint(name):
                 return function(*args, **kwargs)
         return traced

@@ -16,8 +16,9 @@ decision).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -44,27 +45,27 @@ class CallState:
     io_counts: tuple[int, int] = (0, 0)  # tensors in and out of the first call
     # The per-call fast path (executor/fast_call.py): None = not decided yet (decided
     # after the next general call), False = never, else the callable.
-    fast: Union[Callable[[tuple, dict], Any], Literal[False], None] = None
+    fast: Callable[[tuple, dict], Any] | Literal[False] | None = None
 
 
 @dataclass(frozen=True, eq=False)
 class Compilation:
     """Everything one compile of a model produced (see module docstring)."""
-    config: "RuntimeConfig"  # the options as compiled
+    config: RuntimeConfig  # the options as compiled
     device: torch.device  # where inputs go (the first stage's device)
     backend: str  # "eager", "inductor" or "fastest"
-    program: "DeviceProgram"
-    weights: "WeightSync"  # host <-> device copies of weights and buffers
-    signature: "InputSignature"  # the compiled inputs, checked on later calls
-    tensor_constants: "TensorConstants"  # plain tensor attributes compiled as constants
+    program: DeviceProgram
+    weights: WeightSync  # host <-> device copies of weights and buffers
+    signature: InputSignature  # the compiled inputs, checked on later calls
+    tensor_constants: TensorConstants  # plain tensor attributes compiled as constants
     buffers: list  # the model's buffers (put back when a call fails)
-    source: "ProgramSource"  # precompiled file / executable cache, around the first calls
-    precision: "PrecisionPolicy"
-    casting: "AutocastRun"  # float16 rules and autocast, entered around each call
-    optimizer: Optional["OptimizerBinding"]  # training only
+    source: ProgramSource  # precompiled file / executable cache, around the first calls
+    precision: PrecisionPolicy
+    casting: AutocastRun  # float16 rules and autocast, entered around each call
+    optimizer: OptimizerBinding | None  # training only
     replica_buffers: Any = None  # per-replica buffers of local replicas, or None
-    synthetic: Optional["SyntheticInputs"] = None  # Options.enableSyntheticData
-    anchors: Optional["AnchorRecorder"] = None  # Options.anchorTensor
+    synthetic: SyntheticInputs | None = None  # Options.enableSyntheticData
+    anchors: AnchorRecorder | None = None  # Options.anchorTensor
     compile_seconds: float = 0.0
     # handles of the forwards the casting rules wrapped on the model's modules
     autocast_hooks: tuple = ()

@@ -10,11 +10,17 @@ program, and each engine module states exactly what it reads.
 from __future__ import annotations
 
 import types
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
-from ..enums import (CommGroupType, HalfFloatCastingBehavior, MeanReductionStrategy,
-                     OutputMode, ReductionType)
+from ..enums import (
+    CommGroupType,
+    HalfFloatCastingBehavior,
+    MeanReductionStrategy,
+    OutputMode,
+    ReductionType,
+)
 from .placement.strategy import is_phased
 
 __all__ = ["DistributedConfig", "LocationsConfig", "PlacementConfig", "PrecisionConfig",
@@ -46,7 +52,7 @@ class PrecisionConfig:
     autocast_policy: Any  # a poptorch.autocasting.Policy, or None for the default
 
     @classmethod
-    def of(cls, precision: Any) -> "PrecisionConfig":
+    def of(cls, precision: Any) -> PrecisionConfig:
         """The configuration of ``Options.Precision``."""
         return cls(
             half_float_casting=HalfFloatCastingBehavior(precision.half_float_casting),
@@ -71,7 +77,7 @@ class LocationsConfig:
     phased: bool  # the execution strategy is phased (which places tensors itself)
 
     @classmethod
-    def of(cls, options: Any) -> "LocationsConfig":
+    def of(cls, options: Any) -> LocationsConfig:
         """The configuration of ``options.TensorLocations``."""
         locations = options.TensorLocations
         return cls(**{kind: _frozen(getattr(locations, f"location_{kind}", {}))
@@ -93,7 +99,7 @@ class DistributedConfig:
     stages_on_processes: bool  # Distributed.stagesOnProcesses: one process per stage
 
     @classmethod
-    def of(cls, options: Any) -> "DistributedConfig":
+    def of(cls, options: Any) -> DistributedConfig:
         """The configuration of ``options`` (a ``poptorch.Options``) for processes."""
         strategy = options.execution_strategy
         return cls(
@@ -120,10 +126,10 @@ class RuntimeConfig:
     precision: PrecisionConfig
     locations: LocationsConfig
     distributed: DistributedConfig
-    placement: "PlacementConfig"
+    placement: PlacementConfig
 
     @classmethod
-    def of(cls, options: Any) -> "RuntimeConfig":
+    def of(cls, options: Any) -> RuntimeConfig:
         """The configuration of ``options`` (a ``poptorch.Options``) as it is now."""
         training = options.Training
         return cls(
@@ -164,7 +170,7 @@ class PlacementConfig:
     device_options: Any
 
     @classmethod
-    def of(cls, options: Any) -> "PlacementConfig":
+    def of(cls, options: Any) -> PlacementConfig:
         """The placement configuration of ``options`` as it is now."""
         locations = getattr(options, "TensorLocations", None)
         return cls(

@@ -9,8 +9,22 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
+
+from ..enums import OverlapMode
+
+
+class OverlapChecker(Protocol):
+    """What the overlap markers report to while a model is captured or its first
+    forward runs: each returns what the marker returns in place of ``structure``."""
+
+    def mark_input(self, structure: Any, mode: OverlapMode) -> Any: ...
+
+    def mark_output(self, structure: Any, mode: OverlapMode) -> Any: ...
 
 
 class _ThreadState(threading.local):
@@ -20,7 +34,8 @@ class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.depth = 0      # executor calls running in this thread
         self.losses: list = []  # losses marked by identity_loss in the current forward
-        self.overlap = None  # marker checker of a capture or a first forward, if one runs
+        # the marker checker of a capture or a first forward, if one runs
+        self.overlap: OverlapChecker | None = None
 
 
 _state = _ThreadState()
@@ -34,15 +49,16 @@ def is_running_on_ipu() -> bool:
 class running_on_ipu:
     """Context manager marking the model as running on the IPU (re-entrant, per thread)."""
 
-    def __enter__(self) -> "running_on_ipu":
+    def __enter__(self) -> running_on_ipu:
         _state.depth += 1
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         _state.depth -= 1
 
 
-def worker_scope(factories: list) -> contextlib.ExitStack:
+def worker_scope(factories: list[Callable[[], AbstractContextManager[Any]]]
+                 ) -> contextlib.ExitStack:
     """Enter, in a worker thread, the thread-local contexts of the running program
     (``factories``: callables returning context managers, such as torch function
     modes, which do not follow a call into other threads)."""
@@ -81,13 +97,13 @@ def take_marked_losses() -> list:
     return out
 
 
-def overlap_checker():
+def overlap_checker() -> OverlapChecker | None:
     """The checker of overlap markers active in this thread (None: markers only record
     their hint)."""
     return _state.overlap
 
 
-def set_overlap_checker(checker):
+def set_overlap_checker(checker: OverlapChecker | None) -> OverlapChecker | None:
     """Make ``checker`` this thread's overlap-marker checker; returns the previous one."""
     previous, _state.overlap = _state.overlap, checker
     return previous

@@ -17,7 +17,8 @@ device-independent: a file saved on a GPU loads on the CPU and vice versa.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -17,21 +17,49 @@ from typing import Any
 import torch
 from torch.autograd import profiler as _profiler
 from torch.optim import optimizer as _torch_optimizer
+
 # Nested inputs and outputs (tuples, dicts, dataclass-like outputs) are flattened and
 # rebuilt with the pytree utilities torch.compile, torch.export and DTensor use; torch
 # has no public module for them yet.
 from torch.utils import _pytree as pytree
 
-__all__ = ["REQUIRED_ON_INSTANCES", "pytree", "set_grad_enabled", "foreach_copy_", "foreach_div_", "foreach_mul_",
-           "optimizer_hooks_registered", "profiler_enabled", "step_needs_wrapper",
-           "torch_function_stack_depth", "DisableTorchFunction", "disable_dynamo",
-           "dynamo", "dynamo_config_patch", "dynamo_counters", "top_saved_tensors_default_hooks",
-           "current_graph_task_id", "DisableAutocast", "disable_current_modes",
-           "dispatch_get_all_op_names", "dispatch_has_kernel_for_dispatch_key",
-           "fake_impl_entry", "inductor_cache_dir", "inductor_codecache",
-           "inductor_cpp_compiler", "remove_worker_pids", "resolve", "tensor_inputs_check",
-           "TorchDispatchMode", "MODULE_CALL_CODE", "NormBase", "REQUIRED",
-           "forward_pre_hooks", "FALLBACKS", "dynamo_eager_numerics"]
+__all__ = [
+    "FALLBACKS",
+    "MODULE_CALL_CODE",
+    "REQUIRED",
+    "REQUIRED_ON_INSTANCES",
+    "DisableAutocast",
+    "DisableTorchFunction",
+    "NormBase",
+    "TorchDispatchMode",
+    "current_graph_task_id",
+    "disable_current_modes",
+    "disable_dynamo",
+    "dispatch_get_all_op_names",
+    "dispatch_has_kernel_for_dispatch_key",
+    "dynamo",
+    "dynamo_config_patch",
+    "dynamo_counters",
+    "dynamo_eager_numerics",
+    "fake_impl_entry",
+    "foreach_copy_",
+    "foreach_div_",
+    "foreach_mul_",
+    "forward_pre_hooks",
+    "inductor_cache_dir",
+    "inductor_codecache",
+    "inductor_cpp_compiler",
+    "optimizer_hooks_registered",
+    "profiler_enabled",
+    "pytree",
+    "remove_worker_pids",
+    "resolve",
+    "set_grad_enabled",
+    "step_needs_wrapper",
+    "tensor_inputs_check",
+    "top_saved_tensors_default_hooks",
+    "torch_function_stack_depth",
+]
 
 # The grad-mode switch itself: ``torch.no_grad()`` builds a context-manager object per
 # call (a measurable part of a small model's per-call overhead on the fast path).
@@ -89,10 +117,11 @@ def step_needs_wrapper(optimizer: torch.optim.Optimizer) -> bool:
 top_saved_tensors_default_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 current_graph_task_id = torch._C._current_graph_task_id
 DisableAutocast = torch._C._DisableAutocast
-from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes  # noqa: E402
 # The base class of Python dispatch modes (recomputation's tape), documented in torch's
 # "extending" notes but kept in a private module.
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes  # noqa: E402
+
 # The code object of Module.__call__'s implementation: recomputation finds the
 # outermost module running in this thread by walking the frames for it.
 MODULE_CALL_CODE = torch.nn.Module._call_impl.__code__
@@ -192,7 +221,7 @@ def tensor_inputs_check(tensors: tuple) -> Any:
         strides: Any = [list(t.stride()) for t in tensors]
         guard = TensorGuards(*tensors, dynamic_dims_sizes=sizes,
                              dynamic_dims_strides=strides)
-    except Exception:  # noqa: BLE001  (a torch without it, or another signature)
+    except Exception:
         return None
     return guard.check
 
@@ -243,7 +272,8 @@ REQUIRED: dict[str, str] = {
     "torch._foreach_mul_": "gradient reduction",
     "torch._C.DisableTorchFunction": "overlap markers, recomputation replay",
     "torch._disable_dynamo": "host ops and print_tensor outside compiled graphs",
-    "torch._C._len_torch_function_stack": "compiled call / CUDA graph refused inside a function mode",
+    "torch._C._len_torch_function_stack":
+        "compiled call / CUDA graph refused inside a function mode",
     "torch.optim.optimizer._global_optimizer_pre_hooks": "fast optimizer step",
     "torch.optim.optimizer._global_optimizer_post_hooks": "fast optimizer step",
     "torch.autograd.profiler._is_profiler_enabled": "fast optimizer step",

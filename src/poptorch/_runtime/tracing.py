@@ -188,7 +188,7 @@ def session(directory: str) -> RunProfiler:
         return _SESSION
 
 
-def active_session() -> "RunProfiler | None":
+def active_session() -> RunProfiler | None:
     """The run's profiler if one is running (a cheap read, for no-op checks)."""
     return _SESSION
 

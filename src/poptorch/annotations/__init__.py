@@ -8,14 +8,41 @@
 them).
 """
 # ruff: noqa: F401
-from .blocks import (IPU, BeginBlock, Block, BlockFunction, LegacyBeginBlockFn,
-                     begin_block_of, recomputationCheckpoint, removeBlocks)
-from .strategies import (BlockId, ParallelPhasedExecution, Phase, PipelinedExecution,
-                         SerialPhasedExecution, ShardedExecution, Stage,
-                         _IExecutionStrategy, _IPhasedExecution)
+from .blocks import (
+                     IPU,
+                     BeginBlock,
+                     Block,
+                     BlockFunction,
+                     LegacyBeginBlockFn,
+                     begin_block_of,
+                     recomputationCheckpoint,
+                     removeBlocks,
+)
+from .strategies import (
+                     BlockId,
+                     ParallelPhasedExecution,
+                     Phase,
+                     PipelinedExecution,
+                     SerialPhasedExecution,
+                     ShardedExecution,
+                     Stage,
+                     _IExecutionStrategy,
+                     _IPhasedExecution,
+)
 
 __all__ = [
-    "Block", "BeginBlock", "BlockFunction", "LegacyBeginBlockFn", "IPU", "removeBlocks",
-    "recomputationCheckpoint", "BlockId", "Stage", "Phase", "PipelinedExecution",
-    "ShardedExecution", "SerialPhasedExecution", "ParallelPhasedExecution",
+                     "IPU",
+                     "BeginBlock",
+                     "Block",
+                     "BlockFunction",
+                     "BlockId",
+                     "LegacyBeginBlockFn",
+                     "ParallelPhasedExecution",
+                     "Phase",
+                     "PipelinedExecution",
+                     "SerialPhasedExecution",
+                     "ShardedExecution",
+                     "Stage",
+                     "recomputationCheckpoint",
+                     "removeBlocks",
 ]

@@ -13,7 +13,9 @@ an annotated model therefore behaves exactly like the plain model.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, NoReturn
 
 import torch
 
@@ -21,8 +23,14 @@ from .._runtime.placement import markers, recompute
 from ..errors import Error
 
 __all__ = [
-    "Block", "BeginBlock", "BlockFunction", "LegacyBeginBlockFn", "IPU", "removeBlocks",
-    "recomputationCheckpoint", "begin_block_of",
+    "IPU",
+    "BeginBlock",
+    "Block",
+    "BlockFunction",
+    "LegacyBeginBlockFn",
+    "begin_block_of",
+    "recomputationCheckpoint",
+    "removeBlocks",
 ]
 
 def _check_id(name: str, value: Any, kinds: tuple) -> None:
@@ -54,7 +62,7 @@ class Block(torch.nn.Module):
     :param ipu_id: the IPU the block runs on (unless a :py:class:`Stage` says otherwise).
     """
 
-    def __init__(self, user_id=None, ipu_id=None) -> None:
+    def __init__(self, user_id: str | int | None = None, ipu_id: int | None = None) -> None:
         super().__init__()
         _check_block_args(user_id, ipu_id)
         self._user_id = user_id
@@ -72,16 +80,17 @@ class Block(torch.nn.Module):
             listener.reset_auto_id()
 
     @staticmethod
-    def start(user_id=None, ipu_id=None) -> None:
+    def start(user_id: str | int | None = None, ipu_id: int | None = None) -> None:
         """Start a block here: everything run from now on belongs to it."""
         _check_block_args(user_id, ipu_id)
         markers.begin_block(user_id, ipu_id)
 
-    def __enter__(self) -> "Block":
+    def __enter__(self) -> Block:
         Block.start(self._user_id, self._ipu_id)
         return self
 
-    def __exit__(self, type, value, traceback) -> None:
+    def __exit__(self, type: type[BaseException] | None, value: BaseException | None,
+                 traceback: TracebackType | None) -> None:
         # Code after the scope stays in this block until the next block starts
         # (as for BeginBlock); nothing to undo.
         return None
@@ -90,7 +99,9 @@ class Block(torch.nn.Module):
         return f"user_id={self._user_id!r}, ipu_id={self._ipu_id!r}"
 
 
-def BeginBlock(layer_to_call, user_id=None, ipu_id=None) -> torch.nn.Module:
+def BeginBlock(layer_to_call: torch.nn.Module | Callable[..., Any],
+               user_id: str | int | None = None, ipu_id: int | None = None
+               ) -> torch.nn.Module:
     """Start a block at an existing layer: the layer and everything called after it
     belong to the block (until the next block starts).
 
@@ -122,7 +133,8 @@ class LegacyBeginBlockFn(torch.nn.Module):
     """
     _poptorch_starts_block = True  # markers.STARTS_BLOCK_ATTR
 
-    def __init__(self, layer_to_call, user_id=None, ipu_id=None) -> None:
+    def __init__(self, layer_to_call: Callable[..., Any], user_id: str | int | None = None,
+                 ipu_id: int | None = None) -> None:
         super().__init__()
         _check_block_args(user_id, ipu_id)
         if not callable(layer_to_call):
@@ -132,7 +144,7 @@ class LegacyBeginBlockFn(torch.nn.Module):
         self._ipu_id = ipu_id
         self._layer_to_call = layer_to_call
 
-    def __call__(self, *input, **kwargs):
+    def __call__(self, *input: Any, **kwargs: Any) -> Any:
         Block.start(self._user_id, self._ipu_id)
         return self._layer_to_call(*input, **kwargs)
 
@@ -147,14 +159,14 @@ class IPU(LegacyBeginBlockFn):
     :py:class:`Block` ``(ipu_id=ipu_id)``.
     """
 
-    def __init__(self, ipu_id, layer_to_call=None) -> None:
+    def __init__(self, ipu_id: int, layer_to_call: Callable[..., Any] | None = None) -> None:
         if isinstance(ipu_id, bool) or not isinstance(ipu_id, int):
             raise TypeError(f"ipu_id must be an int, got {type(ipu_id).__name__}")
         super().__init__(layer_to_call if layer_to_call is not None else _no_layer,
                          None, ipu_id)
         self._has_layer = layer_to_call is not None
 
-    def __call__(self, *input, **kwargs):
+    def __call__(self, *input: Any, **kwargs: Any) -> Any:
         if not self._has_layer:
             raise Error("poptorch.IPU(ipu_id) without a layer is a context manager: use "
                         "'with poptorch.IPU(1): ...' or pass the layer to wrap.")
@@ -162,19 +174,22 @@ class IPU(LegacyBeginBlockFn):
 
     forward = __call__
 
-    def __enter__(self) -> "IPU":
+    def __enter__(self) -> IPU:
         Block.start(None, self._ipu_id)
         return self
 
-    def __exit__(self, type, value, traceback) -> None:
+    def __exit__(self, type: type[BaseException] | None, value: BaseException | None,
+                 traceback: TracebackType | None) -> None:
         return None
 
 
-def _no_layer(*args, **kwargs):  # placeholder callable for IPU used as a context manager
+def _no_layer(*args: Any, **kwargs: Any) -> NoReturn:
+    """The layer of an IPU used as a context manager (never called)."""
     raise Error("poptorch.IPU has no layer to call")
 
 
-def BlockFunction(user_id=None, ipu_id=None) -> Callable[[Callable], Callable]:
+def BlockFunction(user_id: str | int | None = None, ipu_id: int | None = None
+                  ) -> Callable[[Callable], Callable]:
     """A decorator running a function in a block.
 
     >>> @poptorch.BlockFunction("Decoder", ipu_id=1)
@@ -188,7 +203,7 @@ def BlockFunction(user_id=None, ipu_id=None) -> Callable[[Callable], Callable]:
             raise TypeError(f"BlockFunction decorates functions, got {type(func).__name__}")
 
         @functools.wraps(func)
-        def wrapper(*args, **kwargs):
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
             Block.start(user_id, ipu_id)
             return func(*args, **kwargs)
 
@@ -198,7 +213,7 @@ def BlockFunction(user_id=None, ipu_id=None) -> Callable[[Callable], Callable]:
     return decorator
 
 
-def removeBlocks(module) -> None:
+def removeBlocks(module: torch.nn.Module) -> None:
     """Recursively remove :py:func:`BeginBlock` annotations from ``module``."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"removeBlocks expects a torch.nn.Module, got {type(module).__name__}")
@@ -206,7 +221,8 @@ def removeBlocks(module) -> None:
         markers.detach_begin_block(sub)
 
 
-def recomputationCheckpoint(*tensors) -> Union[torch.Tensor, tuple, list]:
+def recomputationCheckpoint(*tensors: torch.Tensor | list | tuple
+                            ) -> torch.Tensor | tuple | list:
     """Checkpoint ``tensors``: with recomputation enabled they are kept in memory between
     the forward and backward passes, and the activations computed between two
     checkpoints are recomputed in the backward pass instead of being stored.
@@ -215,7 +231,8 @@ def recomputationCheckpoint(*tensors) -> Union[torch.Tensor, tuple, list]:
         a tuple otherwise, or a list when given one list/tuple).
     """
     as_list = len(tensors) == 1 and isinstance(tensors[0], (list, tuple))
-    flat = list(tensors[0]) if as_list else list(tensors)
+    # (tensors, or fx Proxies while a model is captured)
+    flat: list[Any] = list(tensors[0]) if as_list else list(tensors)
     for t in flat:
         if not isinstance(t, (torch.Tensor, torch.fx.Proxy)):  # (Proxy: graph capture)
             raise TypeError("recomputationCheckpoint expects tensors, got "

@@ -8,16 +8,23 @@ resolves it against the blocks the model actually enters and enforces the rules.
 from __future__ import annotations
 
 import copy
-
-from typing import Any, List, Optional, Union
+from typing import Any, cast
 
 from .._runtime.placement import strategy as _kinds
 from ..enums import AutoStage, Liveness
 from ..errors import Error
 
-__all__ = ["BlockId", "Stage", "Phase", "PipelinedExecution", "ShardedExecution",
-           "SerialPhasedExecution", "ParallelPhasedExecution", "_IExecutionStrategy",
-           "_IPhasedExecution"]
+__all__ = [
+    "BlockId",
+    "ParallelPhasedExecution",
+    "Phase",
+    "PipelinedExecution",
+    "SerialPhasedExecution",
+    "ShardedExecution",
+    "Stage",
+    "_IExecutionStrategy",
+    "_IPhasedExecution",
+]
 
 BlockId = str
 
@@ -35,20 +42,20 @@ class Stage:
     >>> poptorch.Stage("A", "B").ipu(1)
     """
 
-    def __init__(self, *block_ids) -> None:
+    def __init__(self, *block_ids: BlockId | int | list | tuple) -> None:
         if len(block_ids) == 1 and isinstance(block_ids[0], (list, tuple)):
             block_ids = tuple(block_ids[0])
         if not block_ids:
             raise Error("A Stage needs at least one block id, e.g. poptorch.Stage('A').")
-        self._blocks: List[str] = [_block_id(b) for b in block_ids]
-        self._ipu: Optional[int] = None
+        self._blocks: list[str] = [_block_id(b) for b in block_ids]
+        self._ipu: int | None = None
 
     @property
-    def blocks(self) -> List[str]:
+    def blocks(self) -> list[str]:
         """List of blocks this stage is made of."""
         return list(self._blocks)
 
-    def ipu(self, ipu) -> "Stage":
+    def ipu(self, ipu: int) -> Stage:
         """Set the IPU on which this stage will run (returns the stage, for chaining)."""
         if isinstance(ipu, bool) or not isinstance(ipu, int) or ipu < 0:
             raise ValueError(f"Stage.ipu expects an IPU index >= 0, got {ipu!r}")
@@ -67,26 +74,26 @@ class Phase:
     ``Phase("A", "B")`` has one stage made of two blocks.
     """
 
-    def __init__(self, *arg) -> None:
+    def __init__(self, *arg: Stage | BlockId | int | list | tuple) -> None:
         if len(arg) == 1 and isinstance(arg[0], (list, tuple)):
             arg = tuple(arg[0])
         if not arg:
             raise Error("A Phase needs at least one Stage or block id.")
         if all(isinstance(a, Stage) for a in arg):
-            self.stages: List[Stage] = list(arg)
+            self.stages: list[Stage] = cast("list[Stage]", list(arg))
         elif any(isinstance(a, Stage) for a in arg):
             raise Error("Phase arguments must be either all poptorch.Stage objects or all "
                         f"block ids (strings), got {[type(a).__name__ for a in arg]}")
         else:
-            self.stages = [Stage(*arg)]
+            self.stages = [Stage(*cast("tuple[BlockId | int, ...]", arg))]
 
-    def stage(self, idx) -> Stage:
+    def stage(self, idx: int) -> Stage:
         """The ``idx``-th stage of this phase."""
         if not isinstance(idx, int) or not 0 <= idx < len(self.stages):
             raise IndexError(f"Phase has {len(self.stages)} stage(s); no stage {idx!r}")
         return self.stages[idx]
 
-    def ipus(self, *ipus) -> "Phase":
+    def ipus(self, *ipus: int) -> Phase:
         """Assign one IPU to each stage of this phase (as many IPUs as stages)."""
         if len(ipus) != len(self.stages):
             raise Error(f"Phase contains {len(self.stages)} stage(s) but {len(ipus)} IPU(s) "
@@ -114,7 +121,7 @@ class _IExecutionStrategy:
     def __init__(self) -> None:
         self._tracing = False
 
-    def stage(self, block_id) -> Stage:
+    def stage(self, block_id: BlockId) -> Stage:
         """The stage containing the block ``block_id`` (explicit stages only)."""
         block_id = _block_id(block_id)
         for stage in self._explicit_stages():
@@ -123,7 +130,7 @@ class _IExecutionStrategy:
         raise Error(f"No stage of {type(self).__name__} contains block {block_id!r}; its "
                     f"stages are {self._explicit_stages()}.")
 
-    def _explicit_stages(self) -> List[Stage]:
+    def _explicit_stages(self) -> list[Stage]:
         return []
 
     def backendOptions(self) -> dict:
@@ -138,7 +145,7 @@ class _IExecutionStrategy:
         """Called when PopTorch has discovered the model's blocks."""
         self._tracing = False
 
-    def __deepcopy__(self, memo: dict) -> "_IExecutionStrategy":
+    def __deepcopy__(self, memo: dict) -> _IExecutionStrategy:
         # Options are copied when a model is wrapped; the copy remembers the user's
         # object (``_origin``) so that the runtime can publish ``last_schedule`` there.
         clone = type(self).__new__(type(self))
@@ -164,15 +171,15 @@ class PipelinedExecution(_IExecutionStrategy):
 
     _execution_mode = 0
 
-    def __init__(self, *args) -> None:
+    def __init__(self, *args: AutoStage | Stage | BlockId | int | list) -> None:
         super().__init__()
         if len(args) == 1 and isinstance(args[0], list):
             args = tuple(args[0])
-        self.auto_stage: Optional[AutoStage] = None
+        self.auto_stage: AutoStage | None = None
         self.pipeline_schedule = "1F1B"
         #: the schedule of the last step run with this strategy (a ScheduleRecord)
         self.last_schedule = None
-        self._stages: List[Stage] = []
+        self._stages: list[Stage] = []
         if not args:
             self.auto_stage = AutoStage.SameAsIpu
         elif len(args) == 1 and isinstance(args[0], AutoStage):
@@ -185,10 +192,10 @@ class PipelinedExecution(_IExecutionStrategy):
                 self._stages.append(arg if isinstance(arg, Stage) else Stage(arg))
             _check_unique_blocks(self._stages, type(self).__name__)
 
-    def _explicit_stages(self) -> List[Stage]:
+    def _explicit_stages(self) -> list[Stage]:
         return list(self._stages)
 
-    def setSchedule(self, schedule: str) -> "PipelinedExecution":
+    def setSchedule(self, schedule: str) -> PipelinedExecution:
         """Choose the pipeline schedule of training steps: ``"1F1B"`` (default: one
         forward, one backward; fewer micro-batches in flight) or ``"GPipe"`` (all
         forwards, then all backwards). Inference always runs forwards in order.
@@ -220,14 +227,14 @@ class _IPhasedExecution(_IExecutionStrategy):
 
     _execution_mode = 2
 
-    def __init__(self, *phases) -> None:
+    def __init__(self, *phases: Phase | Stage | BlockId | int | list | tuple) -> None:
         super().__init__()
         if len(phases) == 1 and isinstance(phases[0], list):
             phases = tuple(phases[0])
         self._tensors_liveness = Liveness.AlwaysLive
         self.last_schedule = None
         self._separate_backward_phase = False
-        self._phases: List[Phase] = []
+        self._phases: list[Phase] = []
         for phase in phases:
             if isinstance(phase, Phase):
                 self._phases.append(phase)
@@ -240,11 +247,11 @@ class _IPhasedExecution(_IExecutionStrategy):
         _check_unique_blocks([s for p in self._phases for s in p.stages], type(self).__name__)
 
     @property
-    def phases(self) -> List[Phase]:
+    def phases(self) -> list[Phase]:
         """The phases, in execution order."""
         return list(self._phases)
 
-    def phase(self, phase) -> Phase:
+    def phase(self, phase: int) -> Phase:
         """The phase with index ``phase``."""
         if isinstance(phase, bool) or not isinstance(phase, int) or phase < 0:
             raise ValueError(f"Phases are identified by integers >= 0, got {phase!r}")
@@ -253,7 +260,7 @@ class _IPhasedExecution(_IExecutionStrategy):
                              f"phase {phase}")
         return self._phases[phase]
 
-    def useSeparateBackwardPhase(self, use=True) -> None:
+    def useSeparateBackwardPhase(self, use: bool = True) -> None:
         """Give each backward phase its own phase instead of sharing the forward one's."""
         if not isinstance(use, bool):
             raise TypeError(f"use must be a bool, got {type(use).__name__}")
@@ -268,7 +275,7 @@ class _IPhasedExecution(_IExecutionStrategy):
     def separate_backward_phase(self) -> bool:
         return self._separate_backward_phase
 
-    def _explicit_stages(self) -> List[Stage]:
+    def _explicit_stages(self) -> list[Stage]:
         return [s for p in self._phases for s in p.stages]
 
     def backendOptions(self) -> dict:
@@ -291,7 +298,7 @@ class SerialPhasedExecution(_IPhasedExecution):
 
     schedule_kind = _kinds.SERIAL_PHASED
 
-    def setTensorsLiveness(self, liveness) -> None:
+    def setTensorsLiveness(self, liveness: Liveness) -> None:
         """See :py:class:`~poptorch.Liveness`."""
         if not isinstance(liveness, Liveness):
             raise TypeError(f"liveness must be a poptorch.Liveness, got {liveness!r}")
@@ -306,7 +313,7 @@ class ParallelPhasedExecution(_IPhasedExecution):
 
     schedule_kind = _kinds.PARALLEL_PHASED
 
-    def sendTensorsOffChipAfterFwd(self, off_chip=True) -> None:
+    def sendTensorsOffChipAfterFwd(self, off_chip: bool = True) -> None:
         """Move tensors off chip after the forward pass (``Liveness.OffChipAfterFwd``),
         or keep them live (``off_chip=False``: ``Liveness.AlwaysLive``)."""
         if not isinstance(off_chip, bool):
@@ -314,7 +321,7 @@ class ParallelPhasedExecution(_IPhasedExecution):
         self._tensors_liveness = Liveness.OffChipAfterFwd if off_chip else Liveness.AlwaysLive
 
 
-def _check_unique_blocks(stages: List[Stage], owner: str) -> None:
+def _check_unique_blocks(stages: list[Stage], owner: str) -> None:
     seen: dict = {}
     for stage in stages:
         for block in stage.blocks:
@@ -324,4 +331,4 @@ def _check_unique_blocks(stages: List[Stage], owner: str) -> None:
             seen[block] = stage
 
 
-StrategyArg = Union[AutoStage, str, Stage]
+StrategyArg = AutoStage | str | Stage

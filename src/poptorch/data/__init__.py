@@ -7,11 +7,10 @@ process filling a ring of shared-memory buffers); ``tree``: flattening nested ba
 for checkpoints; ``torch_compat``: the torch 2.0 ``Sampler(data_source)`` argument that
 PopTorch programs still pass.
 """
-# ruff: noqa: F401
-from .torch_compat import restore_sampler_data_source_argument
 from .accessor import AsynchronousDataAccessor
 from .loader import DataLoader
+from .torch_compat import restore_sampler_data_source_argument
 
 restore_sampler_data_source_argument()
 
-__all__ = ["DataLoader", "AsynchronousDataAccessor"]
+__all__ = ["AsynchronousDataAccessor", "DataLoader"]

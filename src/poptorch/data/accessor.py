@@ -19,28 +19,30 @@ and the original traceback in its message.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import multiprocessing.forkserver
-import multiprocessing.util  # noqa: F401  (registers its atexit hook before ours)
+import multiprocessing.process
+import multiprocessing.util
 import os
 import pickle
 import sys
 import tempfile
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sized
+from multiprocessing.connection import Connection
 from typing import Any, cast
 
 import torch
 import torch.multiprocessing
 
-from .faults import (WorkerDiedError, exit_code_description,
-                     rebuild_worker_exception, start_failure)
-from .ring import ON_PIPE, BatchRing
-from .tree import unflatten
-from .worker import DatasetFile, WorkerConfig, run_worker
 from .._logging import info_once
 from ..enums import SharingStrategy
 from ..errors import Error
+from .faults import WorkerDiedError, exit_code_description, rebuild_worker_exception, start_failure
+from .ring import ON_PIPE, BatchRing
+from .tree import unflatten
+from .worker import DatasetFile, WorkerConfig, run_worker
 
 __all__ = ["AsynchronousDataAccessor"]
 
@@ -73,17 +75,16 @@ def _terminate_all_workers() -> None:
         finalizer()
 
 
-def _shutdown_worker(owner_pid: int, process, commands, results,
+def _shutdown_worker(owner_pid: int, process: multiprocessing.process.BaseProcess,
+                     commands: Connection, results: Connection,
                      dataset_file: str | None) -> None:
     """Stops the worker: politely, then SIGTERM (clean exit), then SIGKILL."""
     if os.getpid() != owner_pid:  # a forked copy of the owner: not ours to stop
         return
     try:
         if process.is_alive():
-            try:
+            with contextlib.suppress(ValueError, OSError):
                 commands.send(("stop",))
-            except (ValueError, OSError):
-                pass
             process.join(_POLITE_JOIN_S)
         if process.is_alive():
             process.terminate()
@@ -271,7 +272,7 @@ class AsynchronousDataAccessor:
             raise TypeError("The data set of this AsynchronousDataAccessor has no len().")
         return self._length
 
-    def __iter__(self) -> "_PassIterator":
+    def __iter__(self) -> _PassIterator:
         """Starts a new pass over the data set (abandoning an unfinished one) and returns
         its iterator."""
         self._start_pass()
@@ -406,7 +407,7 @@ class AsynchronousDataAccessor:
 
     def _compute_length(self, dataset: Iterable) -> int | None:
         try:
-            length = len(dataset)  # type: ignore[arg-type]
+            length = len(cast(Sized, dataset))  # (an iterable without len: TypeError)
         except TypeError:
             return None
         if self.rebatched_size is None:
@@ -427,7 +428,7 @@ class _PassIterator:
         self._accessor = accessor
         self._epoch = epoch
 
-    def __iter__(self) -> "_PassIterator":
+    def __iter__(self) -> _PassIterator:
         return self
 
     def __next__(self) -> Any:

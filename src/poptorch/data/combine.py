@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from .._runtime.torch_internals import pytree
 
+from .._runtime.torch_internals import pytree
 from ..errors import Error
 
 __all__ = ["MicroBatchJoiner", "join"]
@@ -98,7 +98,7 @@ class MicroBatchJoiner:
         self._pending: Any = None  # one micro-batch read ahead (micro_batches == 1)
         self._has_pending = False
 
-    def __iter__(self) -> "MicroBatchJoiner":
+    def __iter__(self) -> MicroBatchJoiner:
         return self
 
     def __len__(self) -> int:

@@ -10,19 +10,30 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
 import signal
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from types import FrameType
+from typing import Any
 
 from .._runtime.torch_internals import remove_worker_pids
 from ..errors import Error
 
-__all__ = ["WorkerDiedError", "exit_code_description", "as_worker_death",
-           "rebuild_worker_exception", "start_failure", "stop_torch_workers",
-           "install_sigchld_translation", "release_ended_workers", "release_shared_memory"]
+__all__ = [
+    "WorkerDiedError",
+    "as_worker_death",
+    "exit_code_description",
+    "install_sigchld_translation",
+    "rebuild_worker_exception",
+    "release_ended_workers",
+    "release_shared_memory",
+    "start_failure",
+    "stop_torch_workers",
+]
 
 
 class WorkerDiedError(Error, RuntimeError):
@@ -174,7 +185,7 @@ def start_failure(original: BaseException) -> Error:
         _START_FAILURES[cls] = combined
     try:
         return combined(message)
-    except Exception:  # noqa: BLE001 - a constructor that needs other arguments
+    except Exception:
         return Error(message)
 
 
@@ -187,7 +198,7 @@ def stop_torch_workers(iterator: Any) -> None:
         if getattr(iterator, "_worker_pids_set", False):
             remove_worker_pids(id(iterator))
             iterator._worker_pids_set = False
-    except Exception:  # noqa: BLE001 - torch internals moved: still shut down below
+    except Exception:
         pass
     shutdown = getattr(iterator, "_shutdown_workers", None)
     if shutdown is not None:
@@ -195,7 +206,7 @@ def stop_torch_workers(iterator: Any) -> None:
             try:
                 shutdown()
                 break
-            except Exception:  # noqa: BLE001 - best effort: the death is being reported
+            except Exception:
                 continue
     release_ended_workers(iterator)
 
@@ -222,10 +233,8 @@ def release_shared_memory(pids: Iterable[int | None]) -> None:
         return
     for name in names:
         if name.startswith(prefixes):
-            try:
+            with contextlib.suppress(OSError):  # already gone, or not ours to remove
                 os.unlink(os.path.join(_SHM_DIR, name))
-            except OSError:  # already gone, or not ours to remove
-                pass
 
 
 _SHM_DIR = "/dev/shm"
@@ -245,7 +254,7 @@ def install_sigchld_translation() -> None:
 
     reported: set[str] = set()
 
-    def translating_handler(signum, frame):
+    def translating_handler(signum: int, frame: FrameType | None) -> None:
         try:
             current(signum, frame)
         except RuntimeError as error:

@@ -10,25 +10,29 @@ set, and every process gets the same number of batches.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sized
+from collections.abc import Iterable, Iterator, Sized
 from typing import Any, cast
 
 import torch
 import torch.utils.data
 
-from .accessor import AsynchronousDataAccessor
-from .combine import MicroBatchJoiner
-from .faults import (as_worker_death, install_sigchld_translation, release_ended_workers,
-                     stop_torch_workers)
-from .resume import STATE_VERSION, ResumableIndexSampler, check_state
-from .samplers import CombinedBatchSampler, DistributedPartitionSampler
+from .._logging import info_once
 from .._runtime.attributes import own_attribute
 from .._runtime.distributed.world import shared_random_seed
-from .._logging import info_once
 from ..enums import DataLoaderMode
 from ..errors import Error
+from .accessor import AsynchronousDataAccessor
+from .combine import MicroBatchJoiner
+from .faults import (
+    as_worker_death,
+    install_sigchld_translation,
+    release_ended_workers,
+    stop_torch_workers,
+)
+from .resume import STATE_VERSION, ResumableIndexSampler, check_state
+from .samplers import CombinedBatchSampler, DistributedPartitionSampler
 
-__all__ = ["DataLoader", "AsynchronousDataAccessor"]
+__all__ = ["AsynchronousDataAccessor", "DataLoader"]
 
 _ASYNC_OPTIONS = {"buffer_size", "miss_sleep_time_in_ms", "load_indefinitely",
                   "early_preload", "sharing_strategy", "rebatched_size"}
@@ -38,13 +42,13 @@ class _SyncView:
     """Iterates a ``poptorch.DataLoader`` synchronously: what the asynchronous worker
     process reads (whatever the loader's own mode)."""
 
-    def __init__(self, loader: "DataLoader") -> None:
+    def __init__(self, loader: DataLoader) -> None:
         self.loader = loader
         self.dataset = loader.dataset
         self.batch_size = loader.batch_size
         self.rebatched_drop_last = loader.rebatched_drop_last
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         return self.loader._combined(torch.utils.data.DataLoader.__iter__(self.loader))
 
     def __len__(self) -> int:
@@ -74,14 +78,14 @@ class _PassIterator:
     of an iterable data set must skip. (No reference to the loader: a cycle through
     torch's iterator would leave its workers to the garbage collector.)"""
 
-    def __init__(self, inner, skip: int, consumed: int, batches: Any = None) -> None:
+    def __init__(self, inner: Iterator[Any], skip: int, consumed: int, batches: Any = None) -> None:
         self._inner = inner  # torch's iterator (its workers tell how they ended)
-        self._batches = inner if batches is None else batches
+        self._batches: Any = inner if batches is None else batches  # (sized, as torch's)
         self._skip = skip
         self.consumed = consumed
         self.finished = False
 
-    def __iter__(self) -> "_PassIterator":
+    def __iter__(self) -> _PassIterator:
         return self
 
     def __len__(self) -> int:
@@ -104,7 +108,7 @@ class _PassIterator:
         self.consumed += 1
         return batch
 
-    def _as_death(self, error: BaseException):
+    def _as_death(self, error: BaseException) -> Error | None:
         """The ``poptorch.Error`` for a dead torch worker (None for other errors); torch's
         SIGCHLD handler may raise the same death again while this runs."""
         for _ in range(3):
@@ -183,8 +187,7 @@ class DataLoader(torch.utils.data.DataLoader):
     """
 
     def __init__(self, options: Any, dataset: torch.utils.data.Dataset,
-                 batch_size: int | None = 1, shuffle: bool | None = None,
-                 num_workers: int = 0,
+                 batch_size: int | None = 1, shuffle: bool | None = None, num_workers: int = 0,
                  drop_last: bool = True, persistent_workers: bool | None = None,
                  auto_distributed_partitioning: bool = True,
                  mode: DataLoaderMode = DataLoaderMode.Sync,
@@ -255,8 +258,7 @@ class DataLoader(torch.utils.data.DataLoader):
                 if distributed:
                     raise Error(_ITERABLE_DISTRIBUTED)
                 if rebatch:
-                    loader_batch = self._worker_batch_size(rebatched_worker_size,
-                                                           combined)
+                    loader_batch = self._worker_batch_size(rebatched_worker_size, combined)
                     loader_drop_last = False  # the accessor drops (or keeps) the tail
                 items = _length_or_none(dataset)
             else:
@@ -313,7 +315,8 @@ class DataLoader(torch.utils.data.DataLoader):
 
     # -- construction helpers -----------------------------------------------------------
     @staticmethod
-    def _check_batch_sampler_args(batch_size, shuffle, iterable, kwargs) -> None:
+    def _check_batch_sampler_args(batch_size: int | None, shuffle: bool, iterable: bool,
+                                  kwargs: dict[str, Any]) -> None:
         # as torch's DataLoader: the defaults (batch_size=1, shuffle=False, sampler=None)
         # may be passed explicitly, as re-instantiating code such as Lightning's does
         if batch_size != 1 or shuffle or kwargs.get("sampler") is not None:
@@ -336,8 +339,9 @@ class DataLoader(torch.utils.data.DataLoader):
         return rebatched_worker_size
 
     @staticmethod
-    def _make_sampler(items, shuffle, seed, drop_last, process_id, num_processes,
-                      distributed, kwargs, step):
+    def _make_sampler(items: int, shuffle: bool, seed: int | None, drop_last: bool,
+                      process_id: int, num_processes: int, distributed: bool,
+                      kwargs: dict[str, Any], step: int) -> DistributedPartitionSampler | None:
         if not distributed:
             return None
         if "sampler" in kwargs:
@@ -374,7 +378,7 @@ class DataLoader(torch.utils.data.DataLoader):
         full, rest = divmod(items, self._combined_batch_size)
         return full if self.rebatched_drop_last or rest == 0 else full + 1
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # (a counting pass iterator or the accessor's, not torch's iterator class)
         if self._accessor is not None:
             return iter(self._accessor)
         if getattr(self._iterator, "_shutdown", False):
@@ -414,7 +418,7 @@ class DataLoader(torch.utils.data.DataLoader):
                                 length, drop_short_last)
 
     @property
-    def _index_sampler(self):
+    def _index_sampler(self) -> Iterable[Any]:
         # torch's iterators read the batches of indices from here: a wrapper that can
         # record and restore the loader's position (map-style data sets only).
         inner = super()._index_sampler

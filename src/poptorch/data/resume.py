@@ -24,7 +24,7 @@ import torch
 
 from ..errors import Error
 
-__all__ = ["ResumableIndexSampler", "check_state", "STATE_VERSION"]
+__all__ = ["STATE_VERSION", "ResumableIndexSampler", "check_state"]
 
 STATE_VERSION = 1
 _GLOBAL = "global"

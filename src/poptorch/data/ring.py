@@ -33,7 +33,7 @@ import os
 import time
 from typing import Any
 
-__all__ = ["BatchRing", "ON_PIPE"]
+__all__ = ["ON_PIPE", "BatchRing"]
 
 ON_PIPE = object()  # ``BatchRing.next_message``: the message is the pipe's next one
 _SPIN_S = 0.0002  # how long a waiting main process spins before it sleeps

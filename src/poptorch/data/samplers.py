@@ -10,8 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-
-__all__ = ["partition", "DistributedPartitionSampler", "CombinedBatchSampler"]
+__all__ = ["CombinedBatchSampler", "DistributedPartitionSampler", "partition"]
 
 
 def _share(total: int, num_processes: int, step: int) -> int:

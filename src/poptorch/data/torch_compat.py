@@ -20,17 +20,18 @@ from .._runtime.attributes import defines
 __all__ = ["restore_sampler_data_source_argument"]
 
 
-def _sampler_init(self, data_source: Any = None, *args: Any, **kwargs: Any) -> None:
+def _sampler_init(self: torch.utils.data.Sampler, data_source: Any = None, *args: Any,
+                  **kwargs: Any) -> None:
     """Accepts torch 2.0's unused ``data_source`` argument; passes anything else on
     (cooperative multiple inheritance keeps working)."""
     super(torch.utils.data.Sampler, self).__init__(*args, **kwargs)
 
 
-_sampler_init._poptorch_compat = True  # type: ignore[attr-defined]
+_sampler_init._poptorch_compat = True  # type: ignore[attr-defined]  # (a function attribute marking ours)
 
 
 def restore_sampler_data_source_argument() -> None:
     """Installs :func:`_sampler_init` if this torch's ``Sampler`` has no ``__init__``."""
     sampler = torch.utils.data.Sampler
     if not defines(sampler, "__init__"):
-        sampler.__init__ = _sampler_init  # type: ignore[method-assign]
+        sampler.__init__ = _sampler_init  # type: ignore[method-assign, assignment]  # (torch 2.0's __init__ back, over object's)

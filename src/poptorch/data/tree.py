@@ -15,7 +15,7 @@ from .._runtime.batching.structures import register_mapping_outputs
 from .._runtime.torch_internals import pytree
 from ..errors import Error
 
-__all__ = ["TensorRef", "flatten", "flatten_keyed", "unflatten", "Rebatcher"]
+__all__ = ["Rebatcher", "TensorRef", "flatten", "flatten_keyed", "unflatten"]
 
 
 class TensorRef(int):
@@ -24,7 +24,7 @@ class TensorRef(int):
     def __repr__(self) -> str:
         return f"TensorRef({int(self)})"
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[TensorRef], tuple[int]]:
         return (TensorRef, (int(self),))
 
 
@@ -69,16 +69,15 @@ def flatten_keyed(batch: Any) -> tuple[Any, list[torch.Tensor], Any]:
             if skeleton is None:
                 skeleton = _SHAPES[key] = kind(TensorRef(i) for i in range(len(batch)))
             return skeleton, [_plain(value) for value in batch], key
-    elif kind is dict:
-        if all(type(value) is torch.Tensor for value in batch.values()):
-            key = (kind, tuple(batch))
-            skeleton = _SHAPES.get(key)
-            if skeleton is None:
-                if len(_SHAPES) > 256:
-                    _SHAPES.clear()
-                skeleton = _SHAPES[key] = {name: TensorRef(i)
-                                           for i, name in enumerate(batch)}
-            return skeleton, [_plain(value) for value in batch.values()], key
+    elif kind is dict and all(type(value) is torch.Tensor for value in batch.values()):
+        key = (kind, tuple(batch))
+        skeleton = _SHAPES.get(key)
+        if skeleton is None:
+            if len(_SHAPES) > 256:
+                _SHAPES.clear()
+            skeleton = _SHAPES[key] = {name: TensorRef(i)
+                                       for i, name in enumerate(batch)}
+        return skeleton, [_plain(value) for value in batch.values()], key
     skeleton, tensors = flatten(batch)
     return skeleton, tensors, None
 

@@ -34,16 +34,18 @@ import os
 import pickle
 import signal
 import traceback
-from typing import Any
+from collections.abc import Iterable
+from multiprocessing.connection import Connection
+from types import FrameType
+from typing import Any, NoReturn
 
 import torch
 
-from .faults import (as_worker_death, install_sigchld_translation, pickled_type,
-                     stop_torch_workers)
+from .faults import as_worker_death, install_sigchld_translation, pickled_type, stop_torch_workers
 from .ring import BatchRing
 from .tree import Rebatcher, flatten_keyed
 
-__all__ = ["WorkerConfig", "DatasetFile", "run_worker"]
+__all__ = ["DatasetFile", "WorkerConfig", "run_worker"]
 
 _LIVENESS_CHECK_S = 0.5
 _SLOT_WAIT_S = 0.05  # a worker waiting for a free slot reads its commands this often
@@ -79,12 +81,12 @@ class _Stop(Exception):
     """The main process asked the worker to stop (or went away)."""
 
 
-def _exit_on_sigterm(signum, frame):
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
     raise SystemExit(0)
 
 
-def run_worker(source: Any, commands, results, ring: BatchRing, config: WorkerConfig,
-               callers_ends: tuple = ()) -> None:
+def run_worker(source: Any, commands: Connection, results: Connection, ring: BatchRing,
+               config: WorkerConfig, callers_ends: tuple[Connection, ...] = ()) -> None:
     """Entry point of the worker process (``callers_ends``: the caller's ends of the
     pipes, which a forked worker inherits and closes)."""
     for end in callers_ends:
@@ -107,8 +109,8 @@ def run_worker(source: Any, commands, results, ring: BatchRing, config: WorkerCo
 
 class _Worker:
 
-    def __init__(self, dataset, commands, results, ring: BatchRing,
-                 config: WorkerConfig) -> None:
+    def __init__(self, dataset: Iterable[Any], commands: Connection, results: Connection,
+                 ring: BatchRing, config: WorkerConfig) -> None:
         self.dataset = dataset
         self.commands = commands
         self.results = results
@@ -136,7 +138,9 @@ class _Worker:
             epoch = self._run_epoch(epoch)
 
     # -- commands -------------------------------------------------------------------
-    def _next_command(self, block: bool):
+    def _next_command(self, block: bool) -> Any:
+        """The next command (a tuple, unpickled), waiting for it with ``block``; else
+        None when none is waiting."""
         while True:
             try:
                 if self.commands.poll(_LIVENESS_CHECK_S if block else 0):
@@ -156,7 +160,7 @@ class _Worker:
         except (OSError, EOFError):  # the main process went away
             raise _Stop() from None
 
-    def _handle(self, command, running: int | None) -> int | None:
+    def _handle(self, command: tuple, running: int | None) -> int | None:
         """Applies ``command``; returns an epoch to switch to, if it asks for one."""
         kind = command[0]
         if kind == "stop":
@@ -236,7 +240,7 @@ class _Worker:
                     break
                 except (_Stop, SystemExit):
                     raise
-                except BaseException as again:  # noqa: BLE001
+                except BaseException as again:
                     error = again
             return None
         finally:

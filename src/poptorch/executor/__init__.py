@@ -5,8 +5,7 @@
 ``factory``: trainingModel, inferenceModel, load; ``hooks``: pre/post compile hooks;
 ``argparsers``: custom argument parsers.
 """
-# ruff: noqa: F401
 from .factory import inferenceModel, load, trainingModel
 from .poplar_executor import PoplarExecutor, isRunningOnIpu
 
-__all__ = ["PoplarExecutor", "isRunningOnIpu", "trainingModel", "inferenceModel", "load"]
+__all__ = ["PoplarExecutor", "inferenceModel", "isRunningOnIpu", "load", "trainingModel"]

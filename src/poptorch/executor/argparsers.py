@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -25,20 +25,21 @@ class ICustomArgParser(abc.ABC):
     """Interface to extract the tensors of a custom object and rebuild the object."""
 
     @abc.abstractmethod
-    def yieldTensors(self, struct) -> Iterator[torch.Tensor]:
+    def yieldTensors(self, struct: Any) -> Iterator[torch.Tensor]:
         """Yield every tensor contained in ``struct`` in a deterministic order."""
 
     @abc.abstractmethod
-    def reconstruct(self, original_structure, tensor_iterator: Iterator[torch.Tensor]):
+    def reconstruct(self, original_structure: Any,
+                    tensor_iterator: Iterator[torch.Tensor]) -> Any:
         """Build a new object like ``original_structure`` taking its tensors from
         ``tensor_iterator``, in the order of :meth:`yieldTensors`."""
 
 
-def _flatten(parser: ICustomArgParser, struct) -> tuple[list, Any]:
+def _flatten(parser: ICustomArgParser, struct: Any) -> tuple[list[torch.Tensor], Any]:
     return list(parser.yieldTensors(struct)), struct
 
 
-def _unflatten(parser: ICustomArgParser, values, original) -> Any:
+def _unflatten(parser: ICustomArgParser, values: Iterable[torch.Tensor], original: Any) -> Any:
     return parser.reconstruct(original, iter(list(values)))
 
 

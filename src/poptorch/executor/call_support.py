@@ -8,11 +8,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from .._runtime.torch_internals import pytree
 
-from .._runtime.program.backend_choice import automatic_backend
 from .._runtime.device_faults import translate as translate_device_fault
+from .._runtime.program.backend_choice import automatic_backend
 from .._runtime.program.undo import StateUndo
+from .._runtime.torch_internals import pytree
 from ..annotations.strategies import PipelinedExecution, ShardedExecution
 from ..errors import Error
 from ..options.options import Options
@@ -48,7 +48,7 @@ def backend_name(options: Options, device: torch.device) -> str:
 
 def to_device(structure: Any, device: torch.device) -> Any:
     """Every tensor of ``structure`` on ``device`` (pinned, non-blocking copies)."""
-    def move(t):
+    def move(t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.device == device:
             return t
         return t.pin_memory().to(device, non_blocking=True)

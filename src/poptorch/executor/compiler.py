@@ -15,29 +15,33 @@ from typing import Any
 import torch
 
 from .. import _devices
-from . import optimizer_rules, program_setup
-from .call_support import backend_name, to_cpu
-from .local_replicas import local_replica_runner
-from .processes import join_processes
-from .._runtime.compilation import Compilation
-from .._runtime.config import RuntimeConfig
-from .._runtime.memory.host_heap import keep_freed_memory
 from .._runtime.batching.plan import BatchPlan, resolve_output_mode, split_inputs
 from .._runtime.batching.signature import InputSignature
+from .._runtime.compilation import Compilation
+from .._runtime.config import RuntimeConfig
 from .._runtime.executable.decisions import DecisionStore, decisions_folder
+from .._runtime.memory.host_heap import keep_freed_memory
 from .._runtime.program.backend_choice import make_selector
 from .._runtime.program.backends import EagerBackend
 from .._runtime.program.device_loop import DeviceProgram
-from .._runtime.program.optimizer import (DeviceOptimizerSync, OptimizerBinding,
-                                          attach_optimizer, make_loss_scaler)
+from .._runtime.program.optimizer import (
+    DeviceOptimizerSync,
+    OptimizerBinding,
+    attach_optimizer,
+    make_loss_scaler,
+)
 from .._runtime.program.overlapped_io import FirstForwardCheck
 from .._runtime.program.rng import RngScope
-from .._runtime.program.spec import ProgramSpec
 from .._runtime.program.runner import SequentialRunner
+from .._runtime.program.spec import ProgramSpec
 from .._runtime.weights.constants import TensorConstants
 from .._runtime.weights.sync import WeightSync
 from ..enums import CommGroupType
 from ..errors import Error
+from . import optimizer_rules, program_setup
+from .call_support import backend_name, to_cpu
+from .local_replicas import local_replica_runner
+from .processes import join_processes
 
 
 @dataclass(frozen=True)
@@ -151,9 +155,9 @@ def _build_runner(parts: ModelParts, config: RuntimeConfig,
             backend_name(parts.options, device)
     device = _devices.acquire_devices(parts.options, 1)[0]
     model = parts.model
-    runner = SequentialRunner(model, buffers=tuple(model.buffers()),
-                              check=FirstForwardCheck(overlap))
-    return runner, device, backend_name(parts.options, device)
+    sequential = SequentialRunner(model, buffers=tuple(model.buffers()),
+                                  check=FirstForwardCheck(overlap))
+    return sequential, device, backend_name(parts.options, device)
 
 
 def _weights_and_optimizer(parts: ModelParts, config: RuntimeConfig, device: torch.device

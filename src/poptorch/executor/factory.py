@@ -7,18 +7,19 @@ arguments are turned into :py:class:`poptorch.Options` here.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from .._runtime.export import read_payload
 from .._version import __version__
 from ..errors import Error
-from .poplar_executor import PoplarExecutor
 from ..optim.optimizers import SGD
 from ..options.options import Options
+from .poplar_executor import PoplarExecutor
 
-__all__ = ["trainingModel", "inferenceModel", "load"]
+__all__ = ["inferenceModel", "load", "trainingModel"]
 
 _VERSION = __version__
 
@@ -31,7 +32,7 @@ class _ModelWithLoss(torch.nn.Module):
         self.model = model
         self.loss = loss
 
-    def forward(self, *args):
+    def forward(self, *args: Any) -> tuple[Any, Any]:
         if len(args) < 2:
             raise Error("A model wrapped with loss= takes the inputs and then the label as "
                         "its last argument: poptorch_model(inputs, label).")
@@ -131,7 +132,7 @@ def inferenceModel(*args: Any, **kwargs: Any) -> PoplarExecutor:
 
 # what help() and inspect show: the documented parameters, not (*args, **kwargs)
 trainingModel.__signature__ = _TRAINING  # type: ignore[attr-defined]  # (a function attribute)
-inferenceModel.__signature__ = _INFERENCE  # type: ignore[attr-defined]
+inferenceModel.__signature__ = _INFERENCE  # type: ignore[attr-defined]  # (likewise)
 
 
 def load(filename: str, edit_opts_fn: Callable[[Any], None] | None = None) -> PoplarExecutor:

@@ -29,9 +29,9 @@ from typing import Any, Literal
 import torch
 
 from .._runtime.compilation import Compilation
-from .call_support import raise_device_fault
 from .._runtime.torch_internals import tensor_inputs_check
 from .._runtime.weights.modelcopy import TrainingMode
+from .call_support import raise_device_fault
 
 MISS = object()  # FastCall's answer when the call must take the general path
 

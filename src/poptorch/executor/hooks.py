@@ -11,17 +11,23 @@ from __future__ import annotations
 import atexit
 import collections
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from torch.utils.hooks import RemovableHandle
 
 from .._logging import logger
 
-__all__ = ["registerPreCompileHook", "registerPostCompileHook", "run_pre_compile_hooks",
-           "run_post_compile_hooks", "register_at_exit", "poptorchAtExit"]
+__all__ = [
+    "poptorchAtExit",
+    "registerPostCompileHook",
+    "registerPreCompileHook",
+    "register_at_exit",
+    "run_post_compile_hooks",
+    "run_pre_compile_hooks",
+]
 
-_pre_compile_hooks: "collections.OrderedDict[int, Callable]" = collections.OrderedDict()
-_post_compile_hooks: "collections.OrderedDict[int, Callable]" = collections.OrderedDict()
+_pre_compile_hooks: collections.OrderedDict[int, Callable] = collections.OrderedDict()
+_post_compile_hooks: collections.OrderedDict[int, Callable] = collections.OrderedDict()
 _at_exit: list[Callable[[], None]] = []
 _at_exit_lock = threading.Lock()
 
@@ -75,7 +81,7 @@ def poptorchAtExit() -> None:
     for cleanup in cleanups:
         try:
             cleanup()
-        except Exception as error:  # noqa: BLE001 - one failing cleanup must not stop the rest
+        except Exception as error:
             logger.warning("poptorchAtExit: cleanup %r failed: %s", cleanup, error)
 
 

@@ -5,7 +5,8 @@ running the model."""
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -21,7 +21,7 @@ def _json(name: str) -> dict | None:
         return None
 
 
-def _truthy(value) -> bool:
+def _truthy(value: object) -> bool:
     return value is True or str(value).lower() == "true"
 
 

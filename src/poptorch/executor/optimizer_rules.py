@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 
-from .._runtime.attributes import own_attribute_names
 from .._logging import logger
-
+from .._runtime.attributes import own_attribute_names
 from ..enums import MeanReductionStrategy
 
 

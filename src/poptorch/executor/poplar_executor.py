@@ -13,29 +13,35 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from .._runtime.torch_internals import pytree
 
-from . import hooks as _hooks, optimizer_rules, program_setup
-from .compiler import ModelParts, compile_model, optimizer_sync
-from .fast_call import MISS, make_fast_call
-from .call_support import (check_buffers, check_inference_accumulation, count_tensors,
-                           to_device, undone_on_failure)
-from .inspection import ExecutorInspection
-from .replica_grouping import GroupableParameter
 from .._logging import logger
 from .._overrides import substitutions, substitutions_registered
 from .._runtime import context
-from .._runtime.compilation import Compilation
 from .._runtime.batching.plan import split_inputs
 from .._runtime.batching.signature import detach_inputs
-from .._runtime.weights.modelcopy import TrainingMode, shallow_copy_module
-from .._runtime.program.optimizer import attach_optimizer, make_loss_scaler
+from .._runtime.compilation import Compilation
 from .._runtime.program.device_loop import DeviceProgram
+from .._runtime.program.optimizer import attach_optimizer, make_loss_scaler
 from .._runtime.program.undo import StateUndo
+from .._runtime.torch_internals import pytree
+from .._runtime.weights.modelcopy import TrainingMode, shallow_copy_module
 from ..enums import OutputMode
 from ..errors import Error
 from ..optim.optimizers import SGD
 from ..options.options import Options
+from . import hooks as _hooks
+from . import optimizer_rules
+from .call_support import (
+    check_buffers,
+    check_inference_accumulation,
+    count_tensors,
+    to_device,
+    undone_on_failure,
+)
+from .compiler import ModelParts, compile_model, optimizer_sync
+from .fast_call import MISS, make_fast_call
+from .inspection import ExecutorInspection
+from .replica_grouping import GroupableParameter
 
 __all__ = ["PoplarExecutor", "isRunningOnIpu"]
 
@@ -83,7 +89,9 @@ class PoplarExecutor(ExecutorInspection):
         self._init_state(model, options, training, poptorch_version, optimizer,
                          user_model or model)
 
-    def _init_state(self, model, options, training, version, optimizer, user_model) -> None:
+    def _init_state(self, model: torch.nn.Module, options: Options, training: bool,
+                    version: str, optimizer: torch.optim.Optimizer | None,
+                    user_model: torch.nn.Module) -> None:
         # Every attribute of the executor's state is created here. The user-facing
         # state lives on the executor; what a compile produces is one Compilation
         # (``_runtime/compilation.py``), held in ``_compiled`` until ``destroy()``.
@@ -178,7 +186,7 @@ class PoplarExecutor(ExecutorInspection):
         name = opts.model_name if opts.exists("model_name") else type(self._user_model).__name__
         return f"{name}.{'training' if self._training else 'inference'}"
 
-    def compile(self, *args, **kwargs) -> None:
+    def compile(self, *args: Any, **kwargs: Any) -> None:
         """Compile the model for these inputs without running it (no-op if compiled)."""
         if self._compiled is None:
             with substitutions():  # (poptorch_geometric's ops in place of PyG's)
@@ -306,15 +314,17 @@ class PoplarExecutor(ExecutorInspection):
         compiled.weights_to_device(params=False, buffers=True,
                                    buffer_names=None if names is None else set(names))
 
-    def load_state_dict(self, state_dict: dict, strict: bool = True):
-        """Load a state dict into the wrapped model and synchronise the device."""
+    def load_state_dict(self, state_dict: dict, strict: bool = True) -> Any:
+        """Load a state dict into the wrapped model and synchronise the device; returns
+        what ``torch.nn.Module.load_state_dict`` returns (the missing and unexpected
+        keys)."""
         result = self.model.load_state_dict(state_dict, strict)
         if self._compiled is not None:
             self._compiled.weights_to_device()
         return result
 
     # ------------------------------------------------------------------ optimizer
-    def setOptimizer(self, optimizer: Any) -> None:
+    def setOptimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Use ``optimizer``'s hyperparameters from the next call on (no recompilation).
 
         The optimizer state on the device (momentum, ...) is kept unless ``optimizer``
@@ -424,8 +434,8 @@ class PoplarExecutor(ExecutorInspection):
                       rng_state=self.rng_state if save_rng_state else None,
                       export_model=export_model)
 
-    def compileAndExport(self, filename: str, *args, export_model: bool = True,
-                         **kwargs) -> None:
+    def compileAndExport(self, filename: str, *args: Any, export_model: bool = True,
+                         **kwargs: Any) -> None:
         """Compile for these inputs and save the result (with the compiled program and
         the input signature, see docs/precompilation.md) to ``filename``; the model's
         state is left as it was."""
@@ -442,6 +452,7 @@ class PoplarExecutor(ExecutorInspection):
         check_kind(payload, self._training, filename)
         self.load_state_dict(payload["state_dict"])
         if self._training and payload["optimizer_state"] is not None:
+            assert self._optimizer is not None  # (a training model always has one)
             self._optimizer.load_state_dict(payload["optimizer_state"])
         self._restore_from(payload)
 
@@ -458,7 +469,7 @@ class PoplarExecutor(ExecutorInspection):
             compiled.source.expected = payload.get("signature")
             self._apply_pending_rng()
 
-    def train(self, mode: bool = True) -> "PoplarExecutor":
+    def train(self, mode: bool = True) -> PoplarExecutor:
         """A wrapper keeps the mode it was created in: trainingModel trains and
         inferenceModel evaluates. Returns self when the mode matches."""
         if mode != self._training:
@@ -470,7 +481,7 @@ class PoplarExecutor(ExecutorInspection):
                         f"with {other} instead; the two stay in sync.")
         return self
 
-    def eval(self) -> "PoplarExecutor":
+    def eval(self) -> PoplarExecutor:
         """See :py:meth:`train`."""
         return self.train(False)
 

@@ -8,19 +8,19 @@ process 0's weights and optimizer state. The engine side is
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from .._logging import logger
+from .._runtime.config import RuntimeConfig
 from .._runtime.distributed import world as distributed_world
 from .._runtime.distributed.consistency import check_same_everywhere
-from .._runtime.config import RuntimeConfig
 from .._runtime.distributed.replicas import CrossProcessReplicas
 
 
 def join_processes(config: RuntimeConfig, model: torch.nn.Module, training: bool,
-                   optimizer: Optional[torch.optim.Optimizer], name: str,
+                   optimizer: torch.optim.Optimizer | None, name: str,
                    device: torch.device, runner: Any = None) -> Any:
     """The cross-process side of a compiled model; None in a single process.
     ``config`` holds the options as compiled; a runner with its own reduction across

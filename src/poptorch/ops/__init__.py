@@ -6,25 +6,54 @@ carry IPU planning hints (``set_available_memory``, ``set_overlap_for_input``,
 their input; see ``docs/ops.md``.
 """
 # ruff: noqa: F401
+from ..annotations.blocks import (
+                         BeginBlock,
+                         Block,
+                         BlockFunction,
+                         LegacyBeginBlockFn,
+                         recomputationCheckpoint,
+                         removeBlocks,
+)
+from . import registered as _registered  # torch.ops.poptorch.* (upstream op names)
 from .cluster import fps, nearest
 from .control import cond, for_loop
 from .ctc import ctc_beam_search_decoder
 from .custom import ATTR_PREFIX, accessAttributes, attributes_lists, custom_op
-from .hints import (recorded_hints, set_available_memory, set_overlap_for_input,
-                         set_overlap_for_output)
+from .hints import (
+                         recorded_hints,
+                         set_available_memory,
+                         set_overlap_for_input,
+                         set_overlap_for_output,
+)
 from .host import CPU, getIpuTensorId
 from .print_tensor import ipu_print_tensor
-from . import registered as _registered  # torch.ops.poptorch.* (upstream op names)
 from .scopes import MultiConv, NameScope
 from .tensor import dynamic_slice, dynamic_update, identity_loss, nop, serializedMatMul
-from ..annotations.blocks import (BeginBlock, Block, BlockFunction, LegacyBeginBlockFn,
-                          recomputationCheckpoint, removeBlocks)
 
 __all__ = [
-    "BeginBlock", "Block", "BlockFunction", "CPU", "LegacyBeginBlockFn", "MultiConv",
-    "NameScope", "attributes_lists", "cond", "ctc_beam_search_decoder", "custom_op",
-    "dynamic_slice", "dynamic_update", "for_loop", "fps", "identity_loss",
-    "ipu_print_tensor", "nearest", "nop", "recomputationCheckpoint", "removeBlocks",
-    "serializedMatMul", "set_available_memory", "set_overlap_for_input",
-    "set_overlap_for_output",
+                         "CPU",
+                         "BeginBlock",
+                         "Block",
+                         "BlockFunction",
+                         "LegacyBeginBlockFn",
+                         "MultiConv",
+                         "NameScope",
+                         "attributes_lists",
+                         "cond",
+                         "ctc_beam_search_decoder",
+                         "custom_op",
+                         "dynamic_slice",
+                         "dynamic_update",
+                         "for_loop",
+                         "fps",
+                         "identity_loss",
+                         "ipu_print_tensor",
+                         "nearest",
+                         "nop",
+                         "recomputationCheckpoint",
+                         "removeBlocks",
+                         "serializedMatMul",
+                         "set_available_memory",
+                         "set_overlap_for_input",
+                         "set_overlap_for_output",
 ]

@@ -5,16 +5,17 @@ model, ``cond`` becomes ``torch.cond`` so the branch is chosen on the device.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from ..errors import Error
 
-__all__ = ["for_loop", "cond"]
+__all__ = ["cond", "for_loop"]
 
 
-def _as_list(outputs, op: str) -> list:
+def _as_list(outputs: Any, op: str) -> list[torch.Tensor]:
     if isinstance(outputs, torch.Tensor):
         return [outputs]
     if isinstance(outputs, (list, tuple)) and all(isinstance(o, torch.Tensor)
@@ -29,7 +30,7 @@ class ControlFlowArgumentError(Error, ValueError):
     as in PopTorch, a ``ValueError``)."""
 
 
-def _check_inputs(inputs, op: str, name: str) -> list:
+def _check_inputs(inputs: Any, op: str, name: str) -> list[torch.Tensor]:
     """PopTorch's rule: the inputs are a list (or tuple) of tensors."""
     if not isinstance(inputs, (list, tuple)):
         raise ControlFlowArgumentError(
@@ -43,7 +44,8 @@ def _check_inputs(inputs, op: str, name: str) -> list:
     return list(inputs)
 
 
-def for_loop(count: int, body: Callable, inputs) -> list:
+def for_loop(count: int, body: Callable[..., Any],
+             inputs: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     """Run ``body`` ``count`` times, feeding each iteration's outputs to the next.
 
     ``inputs`` is a list of tensors (a bare tensor is refused, as upstream); ``body``
@@ -70,8 +72,10 @@ def for_loop(count: int, body: Callable, inputs) -> list:
     return state
 
 
-def cond(condition: torch.Tensor, then_body: Callable, then_inps, else_body: Callable,
-         else_inps) -> list:
+def cond(condition: torch.Tensor, then_body: Callable[..., Any],
+         then_inps: list[torch.Tensor] | tuple[torch.Tensor, ...],
+         else_body: Callable[..., Any],
+         else_inps: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     """Run ``then_body(*then_inps)`` if ``condition`` is true, else ``else_body(*else_inps)``.
 
     ``condition`` is a one-element boolean tensor. Both bodies must return the same

@@ -29,7 +29,9 @@ def _decode_one(log_probs: list[list[float]], blank: int,
     for step in log_probs:
         grown: dict[tuple[int, ...], list[float]] = {}
 
-        def entry(prefix, grown=grown):  # (this step's beams)
+        def entry(prefix: tuple[int, ...],
+                  grown: dict[tuple[int, ...], list[float]] = grown) -> list[float]:
+            """The scores of ``prefix`` in this step's beams."""
             return grown.setdefault(prefix, [_NEG_INF, _NEG_INF])
 
         for prefix, (p_blank, p_label) in beams.items():
@@ -39,7 +41,7 @@ def _decode_one(log_probs: list[list[float]], blank: int,
             for label, p in enumerate(step):
                 if label == blank or p == _NEG_INF:
                     continue
-                extended = entry(prefix + (label,))
+                extended = entry((*prefix, label))
                 if prefix and prefix[-1] == label:
                     # A repeat only starts a new label after a blank; otherwise it merges.
                     extended[1] = _logaddexp(extended[1], p_blank + p)
@@ -53,7 +55,8 @@ def _decode_one(log_probs: list[list[float]], blank: int,
 
 
 def ctc_beam_search_decoder(probs: torch.Tensor, lengths: torch.Tensor, blank: int = 0,
-                            beam_width: int = 100, top_paths: int = 1):
+                            beam_width: int = 100, top_paths: int = 1
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode CTC outputs with a prefix beam search.
 
     Args:

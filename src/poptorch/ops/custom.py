@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 
 from .._logging import info_once
-from .._runtime.torch_internals import (disable_dynamo, dispatch_get_all_op_names,
-                                        dispatch_has_kernel_for_dispatch_key, fake_impl_entry)
+from .._runtime.torch_internals import (
+    disable_dynamo,
+    dispatch_get_all_op_names,
+    dispatch_has_kernel_for_dispatch_key,
+    fake_impl_entry,
+)
 from ..errors import Error
 
-__all__ = ["custom_op", "attributes_lists", "accessAttributes", "ATTR_PREFIX"]
+__all__ = ["ATTR_PREFIX", "accessAttributes", "attributes_lists", "custom_op"]
 
 ATTR_PREFIX = "attr:"
 
@@ -21,7 +26,7 @@ attributes_lists: list = []
 _attributes_lock = threading.Lock()
 
 
-def _check_attributes(attributes) -> dict:
+def _check_attributes(attributes: object) -> dict:
     if attributes is None:
         return {}
     if not isinstance(attributes, dict):
@@ -69,9 +74,9 @@ def _registered(namespace: str) -> list[str]:
                    if n.startswith(prefix)})
 
 
-def _resolve(name: str, domain: str):
-    """``torch.ops.<domain>.<name>``; dots in the domain become underscores (a torch
-    namespace cannot contain dots)."""
+def _resolve(name: str, domain: str) -> Any:
+    """``torch.ops.<domain>.<name>`` (an operator packet, found by name); dots in the
+    domain become underscores (a torch namespace cannot contain dots)."""
     namespace = domain.replace(".", "_")
     try:
         return getattr(getattr(torch.ops, namespace), name)
@@ -100,7 +105,7 @@ def _has_fake(qualname: str) -> bool:
     return entry.fake_impl.kernel is not None
 
 
-def _ensure_shape_inference(operator, example_outputs: list) -> None:
+def _ensure_shape_inference(operator: Any, example_outputs: list[torch.Tensor]) -> None:
     """Give an operator without a fake (meta) kernel one built from ``example_outputs``
     (their shapes and dtypes), so that compiled backends (torch.compile, torch.export)
     can trace it: upstream likewise took output shapes from ``example_outputs``."""
@@ -114,7 +119,7 @@ def _ensure_shape_inference(operator, example_outputs: list) -> None:
         specs = [(tuple(e.shape), e.dtype) for e in example_outputs]
         single = len(operator.default._schema.returns) == 1
 
-        def fake(*args, **kwargs):
+        def fake(*args: Any, **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
             device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
             outs = tuple(torch.empty(shape, dtype=dtype, device=device)
                          for shape, dtype in specs)
@@ -123,7 +128,7 @@ def _ensure_shape_inference(operator, example_outputs: list) -> None:
         torch.library.register_fake(qualname, fake)
 
 
-def _record(operator, attributes: dict, example_outputs: list) -> None:
+def _record(operator: Any, attributes: dict, example_outputs: list[torch.Tensor]) -> None:
     """Bookkeeping of a call: its attributes (``accessAttributes``), the one-time log
     and the operator's shape inference."""
     if attributes:
@@ -140,8 +145,10 @@ def _record(operator, attributes: dict, example_outputs: list) -> None:
 _record_eagerly = disable_dynamo(_record)
 
 
-def custom_op(inputs, name: str, domain: str, domain_version: int, example_outputs,
-              attributes=None) -> list:
+def custom_op(inputs: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...],
+              name: str, domain: str, domain_version: int,
+              example_outputs: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...],
+              attributes: dict[str, Any] | None = None) -> list[torch.Tensor]:
     """Call the ``torch.library`` operator ``torch.ops.<domain>.<name>``.
 
     Upstream this ran a PopART C++ op; here a custom op is any operator registered with

@@ -16,7 +16,7 @@ tensor from a use of the raw one.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.fx
@@ -26,8 +26,12 @@ from .._runtime import context
 from ..enums import OverlapMode
 from ..errors import Error
 
-__all__ = ["set_available_memory", "set_overlap_for_input", "set_overlap_for_output",
-           "recorded_hints"]
+__all__ = [
+    "recorded_hints",
+    "set_available_memory",
+    "set_overlap_for_input",
+    "set_overlap_for_output",
+]
 
 _lock = threading.Lock()
 _IPU_EFFECT = {
@@ -82,7 +86,7 @@ class OverlapTypeError(Error, TypeError):
     PopTorch raises, also a ``TypeError``."""
 
 
-def _check_tensors(structure, op: str, what: str) -> None:
+def _check_tensors(structure: Any, op: str, what: str) -> None:
     if isinstance(structure, (torch.Tensor, torch.fx.Proxy)):  # (Proxy: graph capture)
         return
     if isinstance(structure, (list, tuple)):
@@ -100,7 +104,10 @@ def _check_tensors(structure, op: str, what: str) -> None:
         f"found a {type(structure).__name__}.")
 
 
-def _set_overlap(structure, mode, op: str, what: str):
+_Structure = TypeVar("_Structure")
+
+
+def _set_overlap(structure: _Structure, mode: OverlapMode, op: str, what: str) -> _Structure:
     if not isinstance(mode, OverlapMode):
         raise Error(f"{op}: mode must be a poptorch.OverlapMode, got {mode!r}.")
     _check_tensors(structure, op, what)
@@ -113,7 +120,7 @@ def _set_overlap(structure, mode, op: str, what: str):
     return checker.mark_output(structure, mode)
 
 
-def set_overlap_for_input(input_tensors, mode: OverlapMode):
+def set_overlap_for_input(input_tensors: _Structure, mode: OverlapMode) -> _Structure:
     """Record how host-to-device copies of ``input_tensors`` should overlap compute,
     and return them. A hint only: no effect on CPU/GPU. As in PopTorch, the first call
     of a wrapped model refuses it (``poptorch.Error``) unless ``input_tensors`` are
@@ -121,7 +128,7 @@ def set_overlap_for_input(input_tensors, mode: OverlapMode):
     return _set_overlap(input_tensors, mode, "set_overlap_for_input", "input_tensors")
 
 
-def set_overlap_for_output(output_tensors, mode: OverlapMode):
+def set_overlap_for_output(output_tensors: _Structure, mode: OverlapMode) -> _Structure:
     """Record how device-to-host copies of ``output_tensors`` should overlap compute,
     and return them. A hint only: no effect on CPU/GPU. As in PopTorch, the first call
     of a wrapped model refuses it (``poptorch.Error``) unless what it returns is

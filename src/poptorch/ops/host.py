@@ -4,7 +4,8 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -14,7 +15,7 @@ from ..errors import Error
 
 __all__ = ["CPU", "getIpuTensorId"]
 
-_ids: "weakref.WeakKeyDictionary[torch.Tensor, int]" = weakref.WeakKeyDictionary()
+_ids: weakref.WeakKeyDictionary[torch.Tensor, int] = weakref.WeakKeyDictionary()
 _next_id = itertools.count(1)
 _ids_lock = threading.Lock()
 
@@ -89,7 +90,7 @@ class CPU:
 
     @disable_dynamo  # host work: a compiled model breaks its graph here (lazy: no
     # torch._dynamo import until the first call)
-    def __call__(self, *input: Any, **kwargs: Any):
+    def __call__(self, *input: Any, **kwargs: Any) -> Any:
         tensors = [t for t in input if isinstance(t, torch.Tensor)]
         if len(tensors) != len(input):
             raise Error(f"CPU op {self._ID!r}: positional arguments must be tensors; pass "

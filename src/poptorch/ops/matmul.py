@@ -22,6 +22,8 @@ problem (operands are indexed, never expanded into copies). With float16 operand
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -50,7 +52,8 @@ def _mm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) 
     out.addmm_(a, b, beta=1 if accumulate else 0)
 
 
-def _product_2d(a, b, out, mode, factor, acc_dtype) -> None:
+def _product_2d(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, mode: _Mode,
+                factor: int, acc_dtype: torch.dtype | None) -> None:
     """``out = a @ b`` for 2-D operands, serialized along ``mode``'s dimension."""
     m, n = a.shape
     p = b.shape[1]
@@ -69,7 +72,9 @@ def _product_2d(a, b, out, mode, factor, acc_dtype) -> None:
             out.copy_(acc)
 
 
-def _grads_2d(a, b, g, ga, gb, mode, factor, acc_dtype, ga_started, gb_started) -> None:
+def _grads_2d(a: torch.Tensor, b: torch.Tensor, g: torch.Tensor, ga: torch.Tensor | None,
+              gb: torch.Tensor | None, mode: _Mode, factor: int,
+              acc_dtype: torch.dtype | None, ga_started: bool, gb_started: bool) -> None:
     """Accumulate (or write) ``ga += g @ b^T`` and ``gb += a^T @ g`` slice by slice.
 
     ``ga``/``gb`` may be None (no gradient needed). ``*_started``: whether the gradient
@@ -99,7 +104,8 @@ def _grads_2d(a, b, g, ga, gb, mode, factor, acc_dtype, ga_started, gb_started) 
         _accumulate(ga, [(g[:, c], b[:, c].t()) for c in cols], ga_started, acc_dtype)
 
 
-def _accumulate(out, pairs, started: bool, acc_dtype) -> None:
+def _accumulate(out: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                started: bool, acc_dtype: torch.dtype | None) -> None:
     """``out (+)= sum(x @ y for x, y in pairs)`` in place (in ``acc_dtype`` if set)."""
     if acc_dtype is None:
         for i, (x, y) in enumerate(pairs):
@@ -118,7 +124,8 @@ def _batch_index(index: tuple, shape: torch.Size) -> tuple:
     return tuple(0 if size == 1 else index[offset + i] for i, size in enumerate(shape))
 
 
-def _pairs(a: torch.Tensor, b: torch.Tensor, batch: torch.Size):
+def _pairs(a: torch.Tensor, b: torch.Tensor, batch: torch.Size
+           ) -> Iterator[tuple[tuple, tuple, tuple]]:
     """(batch index, a entry index, b entry index) of every 2-D sub-problem."""
     for index in itertools.product(*(range(s) for s in batch)):
         yield index, _batch_index(index, a.shape[:-2]), _batch_index(index, b.shape[:-2])
@@ -126,10 +133,11 @@ def _pairs(a: torch.Tensor, b: torch.Tensor, batch: torch.Size):
 
 class _SerializedMatMul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, mode, factor, acc_dtype):
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, mode: _Mode, factor: int,
+                acc_dtype: torch.dtype | None) -> torch.Tensor:
         batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
         m, p = a.shape[-2], b.shape[-1]
-        out = torch.empty(batch + (m, p), dtype=a.dtype, device=a.device)
+        out = torch.empty((*batch, m, p), dtype=a.dtype, device=a.device)
         if b.dim() == 2 and a.dim() > 2 and a.is_contiguous():
             # Fold the batch into the rows: one 2-D problem (a view, no copy).
             _product_2d(a.reshape(-1, a.shape[-1]), b, out.view(-1, p), mode, factor,
@@ -142,7 +150,7 @@ class _SerializedMatMul(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         a, b = ctx.saved_tensors
         mode, factor, acc_dtype, batch = ctx.config
         need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]

@@ -42,7 +42,7 @@ def module_repr(m: torch.nn.Module) -> str:
     return head + "\n  " + "\n  ".join(lines) + "\n)"
 
 
-def print(m) -> None:
+def print(m: object) -> None:
     """Print a module with its block annotations (:py:func:`module_repr`); any other
     object is printed as the built-in ``print`` does."""
     if isinstance(m, torch.nn.Module):

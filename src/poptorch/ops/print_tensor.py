@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import builtins
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .._runtime.torch_internals import disable_dynamo
 from ..errors import Error
 
-__all__ = ["ipu_print_tensor", "format_tensor"]
+__all__ = ["format_tensor", "ipu_print_tensor"]
 
 _FLOAT_FORMATS = ("auto", "fixed", "scientific", "none")
 
@@ -39,7 +41,7 @@ def _float_mode(values: torch.Tensor, style: _Style) -> str:
     return "scientific" if big >= 1e8 or small < 1e-4 or big / small > 1e6 else "fixed"
 
 
-def _element_formatter(values: torch.Tensor, style: _Style):
+def _element_formatter(values: torch.Tensor, style: _Style) -> Callable[[float], str]:
     """A function turning one Python number into its aligned text."""
     if values.is_floating_point():
         mode = _float_mode(values, style)
@@ -94,13 +96,14 @@ def _wrap(items: list[str], style: _Style, indent: int) -> str:
     return ("\n" + " " * indent).join(lines)
 
 
-def _format(tensor: torch.Tensor, fmt, style: _Style, summarise: bool, depth: int) -> str:
+def _format(tensor: torch.Tensor, fmt: Callable[[float], str], style: _Style, summarise: bool,
+            depth: int) -> str:
     if tensor.dim() == 0:
         return fmt(tensor.item())
     size = tensor.shape[0]
     edge = style.edge_items
     if summarise and size > 2 * edge:
-        indices = list(range(edge)) + [None] + list(range(size - edge, size))
+        indices = [*list(range(edge)), None, *list(range(size - edge, size))]
     else:
         indices = list(range(size))
     if tensor.dim() == 1:
@@ -134,13 +137,14 @@ class _PrintTensor(torch.autograd.Function):
     """Identity whose forward prints the value and backward prints the gradient."""
 
     @staticmethod
-    def forward(ctx, tensor, title, print_gradient, style):
+    def forward(ctx: Any, tensor: torch.Tensor, title: str, print_gradient: bool,
+                style: dict[str, Any]) -> torch.Tensor:
         ctx.title, ctx.print_gradient, ctx.style = title, print_gradient, style
         _emit(title, tensor, style)
         return tensor.view_as(tensor)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         if ctx.print_gradient:
             _emit(f"{ctx.title}_gradient" if ctx.title else "gradient", grad, ctx.style)
         return grad, None, None, None
@@ -177,7 +181,8 @@ def ipu_print_tensor(tensor: torch.Tensor, title: str = '', print_gradient: bool
                         ("digits", digits)):
         if not isinstance(value, int) or value < 0:
             raise Error(f"ipu_print_tensor: {name} must be an int >= 0, got {value!r}.")
-    style = dict(summarise_threshold=summarise_threshold, edge_items=edge_items,
-                 max_line_width=max_line_width, digits=digits, float_format=float_format,
-                 separator=separator, open_bracket=open_bracket, close_bracket=close_bracket)
+    style = {"summarise_threshold": summarise_threshold, "edge_items": edge_items,
+                 "max_line_width": max_line_width, "digits": digits,
+                 "float_format": float_format, "separator": separator,
+                 "open_bracket": open_bracket, "close_bracket": close_bracket}
     return _PrintTensor.apply(tensor, str(title), bool(print_gradient), style)

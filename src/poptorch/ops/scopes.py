@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Collection
 from numbers import Real
+from types import TracebackType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +15,7 @@ from .._logging import info_once
 from ..enums import MultiConvPlanType
 from ..errors import Error
 
-__all__ = ["NameScope", "MultiConv", "current_name_scope"]
+__all__ = ["MultiConv", "NameScope", "current_name_scope"]
 
 _local = threading.local()
 
@@ -45,13 +48,14 @@ class NameScope:
         self.name = name
         self._range: torch.profiler.record_function | None = None
 
-    def __enter__(self) -> "NameScope":
+    def __enter__(self) -> NameScope:
         _scopes().append(self.name)
         self._range = torch.profiler.record_function(current_name_scope())
         self._range.__enter__()
         return self
 
-    def __exit__(self, type, value, traceback) -> None:
+    def __exit__(self, type: type[BaseException] | None, value: BaseException | None,
+                 traceback: TracebackType | None) -> None:
         if self._range is not None:
             self._range.__exit__(type, value, traceback)
         self._range = None
@@ -69,7 +73,9 @@ class _ConvCounter(TorchFunctionMode):
         super().__init__()
         self.count = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Callable[..., Any], types: Collection[type],
+                           args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         if func in _CONVOLUTIONS:
             self.count += 1
         return func(*args, **(kwargs or {}))
@@ -102,7 +108,8 @@ class MultiConv:
         self.num_convolutions: int | None = None
         self._counter: _ConvCounter | None = None
 
-    def _per_conv(self, name: str, value, check, what: str) -> "MultiConv":
+    def _per_conv(self, name: str, value: Any, check: Callable[[Any], bool],
+                  what: str) -> MultiConv:
         values = list(value) if isinstance(value, (list, tuple)) else [value]
         if not values:
             raise Error(f"MultiConv.{name}: got an empty {type(value).__name__}.")
@@ -112,14 +119,16 @@ class MultiConv:
         self.settings[name] = value
         return self
 
-    def availableMemoryProportions(self, value) -> "MultiConv":
+    def availableMemoryProportions(self, value: float | list[float] | tuple[float, ...]
+                                   ) -> MultiConv:
         """Available memory proportion per convolution, each in [0, 1)."""
         return self._per_conv(
             "availableMemoryProportions", value,
             lambda v: isinstance(v, Real) and not isinstance(v, bool) and 0 <= float(v) < 1,
             "a float in [0, 1)")
 
-    def partialsTypes(self, value) -> "MultiConv":
+    def partialsTypes(self, value: torch.dtype | list[torch.dtype] | tuple[torch.dtype, ...]
+                      ) -> MultiConv:
         """Partials type per convolution: ``torch.float`` or ``torch.half``."""
         values = value if isinstance(value, (list, tuple)) else [value]
         if any(v not in (torch.float32, torch.float16) for v in values):
@@ -130,12 +139,12 @@ class MultiConv:
                               lambda v: v in (torch.float32, torch.float16),
                               "torch.float32 or torch.float16")
 
-    def enableConvDithering(self, value) -> "MultiConv":
+    def enableConvDithering(self, value: bool | list[bool] | tuple[bool, ...]) -> MultiConv:
         """Per-convolution dithering switch (bool, or one bool per convolution)."""
         return self._per_conv("enableConvDithering", value,
                               lambda v: isinstance(v, bool), "a bool")
 
-    def planType(self, value: MultiConvPlanType) -> "MultiConv":
+    def planType(self, value: MultiConvPlanType) -> MultiConv:
         """The multi-convolution execution strategy."""
         if not isinstance(value, MultiConvPlanType):
             raise MultiConvPlanError(f"MultiConv.planType: Invalid plan type {value!r}: "
@@ -143,7 +152,7 @@ class MultiConv:
         self.settings["planType"] = value
         return self
 
-    def perConvReservedTiles(self, value: int) -> "MultiConv":
+    def perConvReservedTiles(self, value: int) -> MultiConv:
         """Tiles to reserve for each convolution."""
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise Error(f"MultiConv.perConvReservedTiles: value must be an int >= 0, "
@@ -151,7 +160,7 @@ class MultiConv:
         self.settings["perConvReservedTiles"] = value
         return self
 
-    def cycleBackOff(self, value: float) -> "MultiConv":
+    def cycleBackOff(self, value: float) -> MultiConv:
         """Cycle back-off proportion, between 0 and 1."""
         if isinstance(value, bool) or not isinstance(value, Real) or not 0 <= value <= 1:
             raise Error(f"MultiConv.cycleBackOff: value must be a number between 0 and 1, "
@@ -159,7 +168,7 @@ class MultiConv:
         self.settings["cycleBackOff"] = value
         return self
 
-    def __enter__(self) -> "MultiConv":
+    def __enter__(self) -> MultiConv:
         info_once("MultiConv", "poptorch.MultiConv: on an IPU the convolutions in this "
                                "scope are planned together (plan type, memory proportions, "
                                "partials types, reserved tiles); on CPU/GPU devices the "
@@ -174,7 +183,8 @@ class MultiConv:
             self._counter.__enter__()
         return self
 
-    def __exit__(self, type, value, traceback) -> None:
+    def __exit__(self, type: type[BaseException] | None, value: BaseException | None,
+                 traceback: TracebackType | None) -> None:
         counter, self._counter = self._counter, None
         if counter is None:
             return

@@ -9,14 +9,14 @@ from ..enums import ReductionType
 from ..errors import Error
 from .matmul import serializedMatMul
 
-__all__ = ["identity_loss", "nop", "dynamic_slice", "dynamic_update", "serializedMatMul"]
+__all__ = ["dynamic_slice", "dynamic_update", "identity_loss", "nop", "serializedMatMul"]
 
 # Upstream's integer reduction codes (the values of ``poptorch.ReductionType``).
 _REDUCTIONS = {"sum": ReductionType.Sum, "mean": ReductionType.Mean,
                "none": ReductionType.NoReduction}
 
 
-def _reduction_code(reduction) -> ReductionType:
+def _reduction_code(reduction: str | int) -> ReductionType:
     if isinstance(reduction, str) and reduction in _REDUCTIONS:
         return _REDUCTIONS[reduction]
     if isinstance(reduction, int) and not isinstance(reduction, bool):
@@ -28,7 +28,7 @@ def _reduction_code(reduction) -> ReductionType:
                 "'none' (or upstream's codes 0, 1, 2 / poptorch.ReductionType).")
 
 
-def identity_loss(x: torch.Tensor, reduction) -> torch.Tensor:
+def identity_loss(x: torch.Tensor, reduction: str | int) -> torch.Tensor:
     """Reduce ``x`` like a PyTorch loss and mark the result as the model's loss.
 
     The executor starts back-propagation from the marked tensor (with ``"none"`` it
@@ -71,12 +71,12 @@ def _check_dim(tensor: torch.Tensor, dim: int, op: str) -> int:
     return dim % tensor.dim()
 
 
-def _check_static_int(value, name: str, op: str, minimum: int) -> None:
+def _check_static_int(value: object, name: str, op: str, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise Error(f"{op}: {name} must be a constant int >= {minimum}, got {value!r}.")
 
 
-def _check_slice_size(size, op: str) -> None:
+def _check_slice_size(size: object, op: str) -> None:
     """A slice covers at least one element: ``size`` is ``end - start`` of the slice."""
     if isinstance(size, int) and not isinstance(size, bool) and size <= 0:
         if size == 0:
@@ -87,7 +87,8 @@ def _check_slice_size(size, op: str) -> None:
     _check_static_int(size, "size", op, 1)
 
 
-def _start_index(start, extent: int, dim_size: int, op: str):
+def _start_index(start: int | torch.Tensor, extent: int, dim_size: int, op: str
+                 ) -> int | torch.Tensor:
     """``start`` as an index tensor (dynamic) or int (static), checked or clamped.
 
     Static starts are checked. Tensor starts are clamped into ``[0, dim_size - extent]``
@@ -107,7 +108,7 @@ def _start_index(start, extent: int, dim_size: int, op: str):
     return start
 
 
-def dynamic_slice(tensor: torch.Tensor, dim: int, start, size: int,
+def dynamic_slice(tensor: torch.Tensor, dim: int, start: int | torch.Tensor, size: int,
                   step: int) -> torch.Tensor:
     """Slice ``size`` elements from ``start`` along ``dim``, keeping every ``step``-th.
 
@@ -125,7 +126,7 @@ def dynamic_slice(tensor: torch.Tensor, dim: int, start, size: int,
     return tensor.index_select(dim, begin.to(tensor.device) + offsets)
 
 
-def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int, start,
+def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int, start: int | torch.Tensor,
                    size: int) -> torch.Tensor:
     """Return ``input`` with ``size`` elements from ``start`` along ``dim`` replaced by ``src``.
 

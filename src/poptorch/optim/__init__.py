@@ -6,9 +6,8 @@ attributes).
 handling; ``updates``: the update formulas; ``attributes``: VariableAttributes and the
 rules for changing attributes with ``setOptimizer``.
 """
-# ruff: noqa: F401
 from .attributes import VariableAttributes
 from .base import Optimizer
 from .optimizers import LAMB, SGD, Adam, AdamW, RMSprop
 
-__all__ = ["Optimizer", "VariableAttributes", "SGD", "Adam", "AdamW", "RMSprop", "LAMB"]
+__all__ = ["LAMB", "SGD", "Adam", "AdamW", "Optimizer", "RMSprop", "VariableAttributes"]

@@ -19,16 +19,24 @@ from __future__ import annotations
 
 import copy
 import inspect
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Tuple
+from typing import Any
 
 import torch
 
 from .._logging import logger
 from ..errors import Error
 
-__all__ = ["VariableAttributes", "snapshot_constants", "check_update", "restore_constants",
-           "copy_hyperparameters", "OptimizerSnapshot", "is_constant"]
+__all__ = [
+    "OptimizerSnapshot",
+    "VariableAttributes",
+    "check_update",
+    "copy_hyperparameters",
+    "is_constant",
+    "restore_constants",
+    "snapshot_constants",
+]
 
 
 # Constructor arguments of torch.optim optimizers that select an implementation
@@ -75,7 +83,7 @@ class VariableAttributes:
             self._variable_attributes.append(attr)
 
     @property
-    def allowed_attributes(self) -> Tuple[str, ...]:
+    def allowed_attributes(self) -> tuple[str, ...]:
         """Every attribute whose constness can be chosen."""
         return tuple(self._allowed_attributes)
 
@@ -96,7 +104,7 @@ def _is_poptorch_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     return hasattr(optimizer, "variable_attrs") and hasattr(optimizer, "_group_attrs")
 
 
-def _torch_defaults(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+def _torch_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Constructor defaults of a torch.optim optimizer's hyperparameters."""
     signature = inspect.signature(type(optimizer).__init__)
     return {name: p.default for name, p in signature.parameters.items()
@@ -105,7 +113,7 @@ def _torch_defaults(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
             and p.kind is not inspect.Parameter.VAR_KEYWORD}
 
 
-def _group_values(optimizer: torch.optim.Optimizer, name: str) -> Tuple[Any, ...]:
+def _group_values(optimizer: torch.optim.Optimizer, name: str) -> tuple[Any, ...]:
     return tuple(_plain(group.get(name)) for group in optimizer.param_groups)
 
 
@@ -122,7 +130,7 @@ def _same(a: Any, b: Any) -> bool:
     return _plain(a) == _plain(b)
 
 
-def attribute_values(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+def attribute_values(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Every tracked attribute of ``optimizer``: ``name -> value`` for optimizer-level
     attributes and ``name -> (value per param group)`` for group hyperparameters."""
     if _is_poptorch_optimizer(optimizer):
@@ -157,8 +165,8 @@ def _structural(optimizer: torch.optim.Optimizer) -> frozenset:
 class OptimizerSnapshot:
     """What the compiled program fixed about the optimizer."""
     optimizer_type: type
-    group_sizes: Tuple[int, ...]
-    constants: Dict[str, Any] = field(default_factory=dict)
+    group_sizes: tuple[int, ...]
+    constants: dict[str, Any] = field(default_factory=dict)
     structural: frozenset = frozenset()
 
 

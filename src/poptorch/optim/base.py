@@ -18,16 +18,17 @@ explicitly are variable (see ``poptorch.optim.attributes``).
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, DefaultDict, Dict, List, Optional, Tuple, cast
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any, ClassVar, cast
 
 import torch
 
-from .attributes import VariableAttributes
+from .._logging import info_once
 from .._runtime.numerics.loss_scaling import PENDING_UNSCALE_ATTR
 from .._runtime.numerics.precision import stochastic_round, stochastic_rounding_active
-from .._logging import info_once
 from ..errors import Error
-
+from .attributes import VariableAttributes
 
 ACCUM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _STATE_KEY = "poptorch"
@@ -53,13 +54,13 @@ class Optimizer:
 
     # precision.LOW_PRECISION_AWARE_ATTR: this class unscales and rounds its own updates
     _poptorch_low_precision_aware = True
-    _group_attrs: Dict[str, Any] = {}
-    _optimizer_attrs: Dict[str, Any] = {}
-    _structural_attrs: Dict[str, Any] = {}
+    _group_attrs: ClassVar[dict[str, Any]] = {}
+    _optimizer_attrs: ClassVar[dict[str, Any]] = {}
+    _structural_attrs: ClassVar[dict[str, Any]] = {}
     # Set by torch.optim.Optimizer, the other base of every concrete class.
-    defaults: Dict[str, Any]
-    param_groups: List[Dict[str, Any]]
-    state: DefaultDict[torch.Tensor, Any]
+    defaults: dict[str, Any]
+    param_groups: list[dict[str, Any]]
+    state: defaultdict[torch.Tensor, Any]
     variable_attrs: VariableAttributes
     _explicit: set
     # PopTorch's attributes, set by _finish from _optimizer_attrs / _structural_attrs
@@ -78,21 +79,21 @@ class Optimizer:
         self.host_state_is_dirty = False
         self.ipu_state_is_dirty = False
         # Set by the executor: returns the device optimizer's state dictionary.
-        self._device_state_reader: Optional[Callable[[], Dict[str, Any]]] = None
+        self._device_state_reader: Callable[[], dict[str, Any]] | None = None
         # Top-level state-dict entries added by others (e.g. the loss scaler).
-        self._extra_state: Dict[str, Any] = {}
+        self._extra_state: dict[str, Any] = {}
         # Set by the executor when a model using this optimizer is compiled for a
         # device: state_dict() then shows the device view (ipu_state / ipu_param).
         self._compiled_on_device = False
         # ipu_state / ipu_param as last loaded, shown until the next step uses them.
-        self._loaded_ipu: Optional[Tuple[Any, Any]] = None
+        self._loaded_ipu: tuple[Any, Any] | None = None
 
     # --- pickling (torch.save of a model with its optimizer, poptorch.load) --------
-    def __getstate__(self) -> Dict[str, Any]:
+    def __getstate__(self) -> dict[str, Any]:
         """torch keeps only defaults, state and param_groups; PopTorch's attributes
         (loss_scaling, accumulator types, ...) travel too. Hooks and the device reader
         belong to this process and are left out, as torch leaves out its hooks."""
-        state = super().__getstate__()  # type: ignore[misc]
+        state = super().__getstate__()  # type: ignore[misc]  # (a mixin: torch.optim.Optimizer, the other base, has it)
         for key, value in self.__dict__.items():
             if key not in state and not key.startswith("_optimizer_") \
                     and key != "_device_state_reader" and not self._patched_method(key):
@@ -105,15 +106,15 @@ class Optimizer:
         after loading), and torch leaves it out too."""
         return callable(getattr(type(self), key, None)) and callable(self.__dict__[key])
 
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        super().__setstate__(state)  # type: ignore[misc]
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # type: ignore[misc]  # (as above)
         self.__dict__.setdefault("host_state_is_dirty", False)
         self.__dict__.setdefault("ipu_state_is_dirty", False)
         self.__dict__.setdefault("_extra_state", {})
         self._device_state_reader = None
 
     # --- construction helpers ---------------------------------------------------
-    def _prepare(self, params: Any, passed: Dict[str, Any]) -> Tuple[List[Any], Dict[str, Any]]:
+    def _prepare(self, params: Any, passed: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
         """Validate param groups and explicit arguments before torch's __init__.
 
         Returns the materialised params and the resolved group hyperparameters.
@@ -141,7 +142,7 @@ class Optimizer:
         self._explicit |= group_keys & set(self._group_attrs)
         return params, resolved
 
-    def _finish(self, passed: Dict[str, Any]) -> None:
+    def _finish(self, passed: dict[str, Any]) -> None:
         """Set optimizer-level attributes and ``variable_attrs`` after torch's __init__."""
         Optimizer.__init__(self)
         for name, default in {**self._optimizer_attrs, **self._structural_attrs}.items():
@@ -172,10 +173,10 @@ class Optimizer:
     #: Applied to what :py:meth:`_gradients` returns, for one step, when set: the
     #: sharded optimizer state of ``_runtime/memory/sharding.py`` clips by the norm of
     #: the whole model's gradients, which no shard sees.
-    gradient_override: Optional[Callable[[Dict[torch.Tensor, torch.Tensor]],
-                                         Dict[torch.Tensor, torch.Tensor]]] = None
+    gradient_override: (Callable[[dict[torch.Tensor, torch.Tensor]],
+                                 dict[torch.Tensor, torch.Tensor]] | None) = None
 
-    def _gradients(self) -> Dict[torch.Tensor, torch.Tensor]:
+    def _gradients(self) -> dict[torch.Tensor, torch.Tensor]:
         """Each parameter's gradient in the accumulator dtype, unscaled and clipped,
         returned in the compute dtype (float32, or wider if the parameter is)."""
         grads = self._own_gradients()
@@ -183,9 +184,9 @@ class Optimizer:
             grads = self.gradient_override(grads)
         return grads
 
-    def _own_gradients(self) -> Dict[torch.Tensor, torch.Tensor]:
+    def _own_gradients(self) -> dict[torch.Tensor, torch.Tensor]:
         accum = getattr(self, "accum_type", torch.float32)
-        grads: Dict[torch.Tensor, torch.Tensor] = {}
+        grads: dict[torch.Tensor, torch.Tensor] = {}
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -210,7 +211,7 @@ class Optimizer:
         return grads
 
     # --- state dictionary ---------------------------------------------------------
-    def get_state_dict(self) -> Dict[str, Any]:
+    def get_state_dict(self) -> dict[str, Any]:
         """The host copy of the state dictionary (without reading from the device)."""
         state = torch.optim.Optimizer.state_dict(cast(torch.optim.Optimizer, self))
         for key, value in self._extra_state.items():
@@ -219,7 +220,7 @@ class Optimizer:
                              for name in (*self._optimizer_attrs, *self._structural_attrs)}
         return state
 
-    def set_state_dict(self, state: Dict[str, Any]) -> None:
+    def set_state_dict(self, state: dict[str, Any]) -> None:
         """Replace the host copy of the state (the device copy is not marked dirty)."""
         state = dict(state)
         attrs = state.pop(_STATE_KEY, {})
@@ -238,7 +239,7 @@ class Optimizer:
         """True if the optimizer holds state (on the host or on the device)."""
         return bool(self.state) or self.host_state_is_dirty
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """The state dictionary, read from the device first if it moved on there."""
         if self.host_state_is_dirty and self._device_state_reader is not None:
             self.set_state_dict(self._device_state_reader())
@@ -254,7 +255,7 @@ class Optimizer:
         state["ipu_state"], state["ipu_param"] = ipu_state, ipu_param
         return state
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a state dictionary from ``state_dict()``; a model using this optimizer
         receives it before its next run."""
         if not isinstance(state, dict) or "state" not in state or "param_groups" not in state:
@@ -268,7 +269,7 @@ class Optimizer:
             self._loaded_ipu = (ipu_state, ipu_param)
         self.ipu_state_is_dirty = True
 
-    def _restore_state_dtypes(self, state: Dict[str, Any]) -> None:
+    def _restore_state_dtypes(self, state: dict[str, Any]) -> None:
         """torch's load_state_dict casts state to the parameter dtype; PopTorch keeps
         the accumulator dtypes, so put back the saved tensors' dtypes (and values)."""
         saved_ids = [i for g in state["param_groups"] for i in g["params"]]
@@ -280,7 +281,7 @@ class Optimizer:
 
     # --- state tensors --------------------------------------------------------------
     @staticmethod
-    def _store(state: Dict[str, Any], key: str, value: torch.Tensor,
+    def _store(state: dict[str, Any], key: str, value: torch.Tensor,
                dtype: torch.dtype) -> torch.Tensor:
         """Keep ``value`` as optimizer state ``key`` in ``dtype``; return the stored
         value in ``value``'s dtype (rounded through ``dtype``), which the update uses."""
@@ -292,7 +293,7 @@ class Optimizer:
         return value if dtype == value.dtype else state[key].to(value.dtype)
 
     @staticmethod
-    def _next_step(state: Dict[str, Any]) -> float:
+    def _next_step(state: dict[str, Any]) -> float:
         step = state.get("step")
         if step is None:
             step = state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -317,7 +318,7 @@ def apply_to_param(p: torch.Tensor, update: Callable[[torch.Tensor], Any]) -> No
         p.copy_(stochastic_round(wide, p.dtype) if stochastic_rounding_active() else wide)
 
 
-def state_view(state: Dict[str, Any], key: str, like: torch.Tensor,
+def state_view(state: dict[str, Any], key: str, like: torch.Tensor,
                fill: float = 0.0) -> torch.Tensor:
     """The state tensor ``key`` in the compute dtype (a new tensor; store it back)."""
     value = state.get(key)

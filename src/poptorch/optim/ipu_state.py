@@ -17,15 +17,14 @@ A state tensor that does not exist yet shows its initial value.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import torch
 
+IpuView = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]
 
-IpuView = Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]
 
-
-def _params(optimizer: Any) -> List[torch.Tensor]:
+def _params(optimizer: Any) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
@@ -40,7 +39,7 @@ def _is_number(value: Any) -> bool:
 
 def ipu_view(optimizer: Any) -> IpuView:
     """``(ipu_state, ipu_param)`` of an optimizer whose model is compiled."""
-    state: Dict[str, torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
     for index, p in enumerate(_params(optimizer)):
         current = optimizer.state.get(p, {})
         for key, initial in optimizer._initial_state(p).items():
@@ -48,7 +47,7 @@ def ipu_view(optimizer: Any) -> IpuView:
             if not isinstance(value, torch.Tensor):
                 value = initial if value is None else torch.tensor(float(value))
             state[f"{key}___{index}"] = value.detach().clone()
-    param: Dict[str, torch.Tensor] = {}
+    param: dict[str, torch.Tensor] = {}
     for i, group in enumerate(optimizer.param_groups):
         for name in optimizer._group_attrs:
             if _is_number(group.get(name)):
@@ -60,8 +59,8 @@ def ipu_view(optimizer: Any) -> IpuView:
     return state, param
 
 
-def load_ipu_view(optimizer: Any, ipu_state: Optional[Dict[str, torch.Tensor]],
-                  ipu_param: Optional[Dict[str, torch.Tensor]]) -> None:
+def load_ipu_view(optimizer: Any, ipu_state: dict[str, torch.Tensor] | None,
+                  ipu_param: dict[str, torch.Tensor] | None) -> None:
     """Write the entries of a loaded ``ipu_state`` / ``ipu_param`` into the optimizer
     (raises ``poptorch.Error`` naming an unknown entry)."""
     from ..errors import Error

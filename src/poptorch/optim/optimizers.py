@@ -21,27 +21,28 @@ Arguments default to ``None``: use the torch default and mark the attribute cons
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
 
 import torch
 
-from . import updates
-from .base import Optimizer
-from .attributes import VariableAttributes
 from ..errors import Error
+from . import updates
+from .attributes import VariableAttributes
+from .base import Optimizer
 
-__all__ = ["Optimizer", "VariableAttributes", "SGD", "Adam", "AdamW", "RMSprop", "LAMB"]
+__all__ = ["LAMB", "SGD", "Adam", "AdamW", "Optimizer", "RMSprop", "VariableAttributes"]
 
 _F32 = torch.float32
 _INF = float("inf")
 
 
-def _arguments(frame_locals: Dict[str, Any]) -> Dict[str, Any]:
+def _arguments(frame_locals: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in frame_locals.items()
             if k not in ("self", "params", "__class__")}
 
 
-def _run_closure(closure: Optional[Callable[[], Any]]) -> Any:
+def _run_closure(closure: Callable[[], Any] | None) -> Any:
     if closure is None:
         return None
     with torch.enable_grad():
@@ -59,22 +60,23 @@ class SGD(Optimizer, torch.optim.SGD):
     ``velocity_scaling`` may differ between param groups.
     """
 
-    _group_attrs = {"lr": None, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0,
-                    "nesterov": False, "maximize": False, "velocity_scaling": 1.0}
-    _optimizer_attrs = {"loss_scaling": 1.0, "max_grad_norm": _INF}
-    _structural_attrs = {"use_combined_accum": False, "accum_type": _F32,
+    _group_attrs: ClassVar[dict[str, Any]] = {
+        "lr": None, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0,
+        "nesterov": False, "maximize": False, "velocity_scaling": 1.0}
+    _optimizer_attrs: ClassVar[dict[str, Any]] = {"loss_scaling": 1.0, "max_grad_norm": _INF}
+    _structural_attrs: ClassVar[dict[str, Any]] = {"use_combined_accum": False, "accum_type": _F32,
                          "velocity_accum_type": _F32}
 
-    def __init__(self, params: Iterable[Any], lr: float, momentum: Optional[float] = None,
-                 dampening: Optional[float] = None, weight_decay: Optional[float] = None,
-                 nesterov: Optional[bool] = None, maximize: Optional[bool] = None,
-                 foreach: Optional[bool] = None, differentiable: Optional[bool] = None,
-                 loss_scaling: Optional[float] = None,
-                 velocity_scaling: Optional[float] = None,
-                 use_combined_accum: Optional[bool] = None,
-                 accum_type: Optional[torch.dtype] = None,
-                 velocity_accum_type: Optional[torch.dtype] = None,
-                 max_grad_norm: Optional[float] = None) -> None:
+    def __init__(self, params: Iterable[Any], lr: float, momentum: float | None = None,
+                 dampening: float | None = None, weight_decay: float | None = None,
+                 nesterov: bool | None = None, maximize: bool | None = None,
+                 foreach: bool | None = None, differentiable: bool | None = None,
+                 loss_scaling: float | None = None,
+                 velocity_scaling: float | None = None,
+                 use_combined_accum: bool | None = None,
+                 accum_type: torch.dtype | None = None,
+                 velocity_accum_type: torch.dtype | None = None,
+                 max_grad_norm: float | None = None) -> None:
         passed = _arguments(locals())
         params, hp = self._prepare(params, passed)
         torch.optim.SGD.__init__(self, params, lr=lr, momentum=hp["momentum"],
@@ -84,13 +86,13 @@ class SGD(Optimizer, torch.optim.SGD):
                                  foreach=foreach, differentiable=bool(differentiable))
         self._finish(passed)
 
-    def _initial_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def _initial_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each state tensor of ``p`` before the first step (see ``ipu_state``)."""
         dtype = p.dtype if self.use_combined_accum else self.velocity_accum_type
         return {"momentum_buffer": torch.zeros_like(p, dtype=dtype)}
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform a single optimization step."""
         loss = _run_closure(closure)
         grads = self._gradients()
@@ -113,7 +115,7 @@ class _AdamBase(Optimizer):
             raise Error(f"poptorch.optim.{type(self).__name__} does not support "
                         f"amsgrad=True; use amsgrad=False (the default).")
 
-    def _initial_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def _initial_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each state tensor of ``p`` before the first step (see ``ipu_state``)."""
         return {"step": torch.tensor(0.0),
                 "exp_avg": torch.zeros_like(p, dtype=self.first_order_momentum_accum_type),
@@ -121,7 +123,7 @@ class _AdamBase(Optimizer):
                     p, dtype=self.second_order_momentum_accum_type)}
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform a single optimization step."""
         self._check_amsgrad()
         loss = _run_closure(closure)
@@ -149,20 +151,20 @@ class Adam(_AdamBase, torch.optim.Adam):
     AMSGrad is not supported (must be False).
     """
 
-    _group_attrs = dict(_ADAM_GROUP)
-    _optimizer_attrs = {"loss_scaling": 1.0, "max_grad_norm": _INF}
-    _structural_attrs = dict(_MOMENT_TYPES)
+    _group_attrs: ClassVar[dict[str, Any]] = dict(_ADAM_GROUP)
+    _optimizer_attrs: ClassVar[dict[str, Any]] = {"loss_scaling": 1.0, "max_grad_norm": _INF}
+    _structural_attrs: ClassVar[dict[str, Any]] = dict(_MOMENT_TYPES)
 
-    def __init__(self, params: Iterable[Any], lr: Optional[float] = None,
-                 betas: Optional[Tuple[float, float]] = None, eps: Optional[float] = None,
-                 weight_decay: Optional[float] = None, amsgrad: Optional[bool] = None,
-                 foreach: Optional[bool] = None, maximize: Optional[bool] = None,
-                 capturable: Optional[bool] = None, differentiable: Optional[bool] = None,
-                 fused: Optional[bool] = None, loss_scaling: Optional[float] = None,
-                 accum_type: Optional[torch.dtype] = None,
-                 first_order_momentum_accum_type: Optional[torch.dtype] = None,
-                 second_order_momentum_accum_type: Optional[torch.dtype] = None,
-                 max_grad_norm: Optional[float] = None) -> None:
+    def __init__(self, params: Iterable[Any], lr: float | None = None,
+                 betas: tuple[float, float] | None = None, eps: float | None = None,
+                 weight_decay: float | None = None, amsgrad: bool | None = None,
+                 foreach: bool | None = None, maximize: bool | None = None,
+                 capturable: bool | None = None, differentiable: bool | None = None,
+                 fused: bool | None = None, loss_scaling: float | None = None,
+                 accum_type: torch.dtype | None = None,
+                 first_order_momentum_accum_type: torch.dtype | None = None,
+                 second_order_momentum_accum_type: torch.dtype | None = None,
+                 max_grad_norm: float | None = None) -> None:
         passed = _arguments(locals())
         params, hp = self._prepare(params, passed)
         torch.optim.Adam.__init__(self, params, lr=hp["lr"], betas=hp["betas"],
@@ -182,21 +184,22 @@ class AdamW(_AdamBase, torch.optim.AdamW):
     """
 
     _decoupled = True
-    _group_attrs = {**_ADAM_GROUP, "weight_decay": 1e-2}
-    _optimizer_attrs = {"loss_scaling": 1.0, "bias_correction": True, "max_grad_norm": _INF}
-    _structural_attrs = dict(_MOMENT_TYPES)
+    _group_attrs: ClassVar[dict[str, Any]] = {**_ADAM_GROUP, "weight_decay": 1e-2}
+    _optimizer_attrs: ClassVar[dict[str, Any]] = {
+        "loss_scaling": 1.0, "bias_correction": True, "max_grad_norm": _INF}
+    _structural_attrs: ClassVar[dict[str, Any]] = dict(_MOMENT_TYPES)
 
-    def __init__(self, params: Iterable[Any], lr: Optional[float] = None,
-                 betas: Optional[Tuple[float, float]] = None, eps: Optional[float] = None,
-                 weight_decay: Optional[float] = None, amsgrad: Optional[bool] = None,
-                 maximize: Optional[bool] = None, foreach: Optional[bool] = None,
-                 capturable: Optional[bool] = None, differentiable: Optional[bool] = None,
-                 fused: Optional[bool] = None, loss_scaling: Optional[float] = None,
-                 bias_correction: Optional[bool] = None,
-                 accum_type: Optional[torch.dtype] = None,
-                 first_order_momentum_accum_type: Optional[torch.dtype] = None,
-                 second_order_momentum_accum_type: Optional[torch.dtype] = None,
-                 max_grad_norm: Optional[float] = None) -> None:
+    def __init__(self, params: Iterable[Any], lr: float | None = None,
+                 betas: tuple[float, float] | None = None, eps: float | None = None,
+                 weight_decay: float | None = None, amsgrad: bool | None = None,
+                 maximize: bool | None = None, foreach: bool | None = None,
+                 capturable: bool | None = None, differentiable: bool | None = None,
+                 fused: bool | None = None, loss_scaling: float | None = None,
+                 bias_correction: bool | None = None,
+                 accum_type: torch.dtype | None = None,
+                 first_order_momentum_accum_type: torch.dtype | None = None,
+                 second_order_momentum_accum_type: torch.dtype | None = None,
+                 max_grad_norm: float | None = None) -> None:
         passed = _arguments(locals())
         params, hp = self._prepare(params, passed)
         torch.optim.AdamW.__init__(self, params, lr=hp["lr"], betas=hp["betas"],
@@ -219,21 +222,22 @@ class RMSprop(Optimizer, torch.optim.RMSprop):
     dtype of the mean square.
     """
 
-    _group_attrs = {"lr": 1e-2, "alpha": 0.99, "eps": 1e-8, "weight_decay": 0.0,
-                    "momentum": 0.0, "centered": False, "maximize": False}
-    _optimizer_attrs = {"loss_scaling": 1.0, "use_tf_variant": False}
-    _structural_attrs = dict(_MOMENT_TYPES)
+    _group_attrs: ClassVar[dict[str, Any]] = {
+        "lr": 1e-2, "alpha": 0.99, "eps": 1e-8, "weight_decay": 0.0, "momentum": 0.0,
+        "centered": False, "maximize": False}
+    _optimizer_attrs: ClassVar[dict[str, Any]] = {"loss_scaling": 1.0, "use_tf_variant": False}
+    _structural_attrs: ClassVar[dict[str, Any]] = dict(_MOMENT_TYPES)
 
-    def __init__(self, params: Iterable[Any], lr: Optional[float] = None,
-                 alpha: Optional[float] = None, eps: Optional[float] = None,
-                 weight_decay: Optional[float] = None, momentum: Optional[float] = None,
-                 centered: Optional[bool] = None, foreach: Optional[bool] = None,
-                 maximize: Optional[bool] = None, differentiable: Optional[bool] = None,
-                 loss_scaling: Optional[float] = None,
-                 accum_type: Optional[torch.dtype] = None,
-                 first_order_momentum_accum_type: Optional[torch.dtype] = None,
-                 second_order_momentum_accum_type: Optional[torch.dtype] = None,
-                 use_tf_variant: Optional[bool] = None) -> None:
+    def __init__(self, params: Iterable[Any], lr: float | None = None,
+                 alpha: float | None = None, eps: float | None = None,
+                 weight_decay: float | None = None, momentum: float | None = None,
+                 centered: bool | None = None, foreach: bool | None = None,
+                 maximize: bool | None = None, differentiable: bool | None = None,
+                 loss_scaling: float | None = None,
+                 accum_type: torch.dtype | None = None,
+                 first_order_momentum_accum_type: torch.dtype | None = None,
+                 second_order_momentum_accum_type: torch.dtype | None = None,
+                 use_tf_variant: bool | None = None) -> None:
         passed = _arguments(locals())
         params, hp = self._prepare(params, passed)
         torch.optim.RMSprop.__init__(self, params, lr=hp["lr"], alpha=hp["alpha"],
@@ -243,7 +247,7 @@ class RMSprop(Optimizer, torch.optim.RMSprop):
                                      differentiable=bool(differentiable))
         self._finish(passed)
 
-    def _initial_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def _initial_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each state tensor of ``p`` before the first step (see ``ipu_state``)."""
         first, second = (self.first_order_momentum_accum_type,
                          self.second_order_momentum_accum_type)
@@ -255,7 +259,7 @@ class RMSprop(Optimizer, torch.optim.RMSprop):
                    if any(g["centered"] for g in self.param_groups) else {})}
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform a single optimization step."""
         loss = _run_closure(closure)
         grads = self._gradients()
@@ -280,20 +284,21 @@ class LAMB(Optimizer, torch.optim.Optimizer):
 
     # max_weight_norm is per param group, as upstream (optimum-graphcore gives biases
     # max_weight_norm=0.0: phi = 0, trust ratio 1, i.e. no layer-wise scaling)
-    _group_attrs = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2,
-                    "max_weight_norm": None}
-    _optimizer_attrs = {"loss_scaling": 1.0, "bias_correction": True}
-    _structural_attrs = dict(_MOMENT_TYPES)
+    _group_attrs: ClassVar[dict[str, Any]] = {
+        "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2,
+        "max_weight_norm": None}
+    _optimizer_attrs: ClassVar[dict[str, Any]] = {"loss_scaling": 1.0, "bias_correction": True}
+    _structural_attrs: ClassVar[dict[str, Any]] = dict(_MOMENT_TYPES)
 
-    def __init__(self, params: Iterable[Any], lr: Optional[float] = None,
-                 betas: Optional[Tuple[float, float]] = None, eps: Optional[float] = None,
-                 weight_decay: Optional[float] = None,
-                 bias_correction: Optional[bool] = None,
-                 loss_scaling: Optional[float] = None,
-                 max_weight_norm: Optional[float] = None,
-                 accum_type: Optional[torch.dtype] = None,
-                 first_order_momentum_accum_type: Optional[torch.dtype] = None,
-                 second_order_momentum_accum_type: Optional[torch.dtype] = None) -> None:
+    def __init__(self, params: Iterable[Any], lr: float | None = None,
+                 betas: tuple[float, float] | None = None, eps: float | None = None,
+                 weight_decay: float | None = None,
+                 bias_correction: bool | None = None,
+                 loss_scaling: float | None = None,
+                 max_weight_norm: float | None = None,
+                 accum_type: torch.dtype | None = None,
+                 first_order_momentum_accum_type: torch.dtype | None = None,
+                 second_order_momentum_accum_type: torch.dtype | None = None) -> None:
         passed = _arguments(locals())
         params, hp = self._prepare(params, passed)
         _check_range("lr", hp["lr"], 0.0)
@@ -310,7 +315,7 @@ class LAMB(Optimizer, torch.optim.Optimizer):
         torch.optim.Optimizer.__init__(self, params, dict(hp))
         self._finish(passed)
 
-    def _initial_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def _initial_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each state tensor of ``p`` before the first step (see ``ipu_state``)."""
         return {"step": torch.tensor(0.0),
                 "exp_avg": torch.zeros_like(p, dtype=self.first_order_momentum_accum_type),
@@ -318,7 +323,7 @@ class LAMB(Optimizer, torch.optim.Optimizer):
                     p, dtype=self.second_order_momentum_accum_type)}
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform a single optimization step."""
         loss = _run_closure(closure)
         grads = self._gradients()

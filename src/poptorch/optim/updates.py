@@ -9,18 +9,18 @@ float32 the results agree with torch.optim to rounding.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict
+from typing import Any
 
 import torch
 
 from .base import Optimizer, apply_to_param, state_view
 
-State = Dict[str, Any]
+State = dict[str, Any]
 _store = Optimizer._store
 _next_step = Optimizer._next_step
 
 
-def sgd(p: torch.Tensor, g: torch.Tensor, group: Dict[str, Any], state: State, *,
+def sgd(p: torch.Tensor, g: torch.Tensor, group: dict[str, Any], state: State, *,
         combined: bool, velocity_dtype: torch.dtype) -> None:
     """SGD with momentum, separate (velocity in ``velocity_dtype``) or combined variant
     (one tensor in the parameter dtype holding ``velocity_scaling * velocity``)."""
@@ -42,7 +42,7 @@ def sgd(p: torch.Tensor, g: torch.Tensor, group: Dict[str, Any], state: State, *
     apply_to_param(p, lambda w: w.add_(g, alpha=-lr))
 
 
-def adam(p: torch.Tensor, g: torch.Tensor, group: Dict[str, Any], state: State, *,
+def adam(p: torch.Tensor, g: torch.Tensor, group: dict[str, Any], state: State, *,
          decoupled: bool, bias_correction: bool, first_dtype: torch.dtype,
          second_dtype: torch.dtype) -> None:
     """Adam (L2 weight decay in the gradient) or AdamW (decoupled weight decay)."""
@@ -71,7 +71,7 @@ def adam(p: torch.Tensor, g: torch.Tensor, group: Dict[str, Any], state: State, 
     apply_to_param(p, lambda w: w.addcdiv_(exp_avg, denom, value=-step_size))
 
 
-def rmsprop(p: torch.Tensor, g: torch.Tensor, group: Dict[str, Any], state: State, *,
+def rmsprop(p: torch.Tensor, g: torch.Tensor, group: dict[str, Any], state: State, *,
             tf_variant: bool, first_dtype: torch.dtype, second_dtype: torch.dtype) -> None:
     """RMSprop as in torch.optim, or the TensorFlow variant (mean square starts at one,
     eps inside the square root, learning rate inside the momentum buffer)."""
@@ -91,10 +91,7 @@ def rmsprop(p: torch.Tensor, g: torch.Tensor, group: Dict[str, Any], state: Stat
         mean_square = square_avg.addcmul(grad_avg, grad_avg, value=-1)
     else:
         mean_square = square_avg
-    if tf_variant:
-        avg = mean_square.add(eps).sqrt_()
-    else:
-        avg = mean_square.sqrt().add_(eps)
+    avg = mean_square.add(eps).sqrt_() if tf_variant else mean_square.sqrt().add_(eps)
     # The momentum buffer (in ipu_state from compile on) is kept current even with
     # momentum 0, as PopTorch's accumulator is: it then holds the last update, so raising
     # momentum later continues from it. Same arithmetic as torch.optim's momentum path.
@@ -109,7 +106,7 @@ def rmsprop(p: torch.Tensor, g: torch.Tensor, group: Dict[str, Any], state: Stat
         apply_to_param(p, lambda w: w.add_(buf, alpha=-lr))
 
 
-def lamb(p: torch.Tensor, g: torch.Tensor, group: Dict[str, Any], state: State, *,
+def lamb(p: torch.Tensor, g: torch.Tensor, group: dict[str, Any], state: State, *,
          bias_correction: bool, max_weight_norm: float | None,
          first_dtype: torch.dtype, second_dtype: torch.dtype) -> None:
     """LAMB (You et al. 2019): an Adam direction plus decoupled weight decay, scaled

@@ -8,9 +8,15 @@ One module per sub-object: ``training`` (``Options.Training``), ``precision``
 reading of config files, ``attribute`` ``poptorch.Attribute``.
 """
 # ruff: noqa: F401
-from ..annotations.strategies import (BlockId, ParallelPhasedExecution, Phase,
-                                      PipelinedExecution, SerialPhasedExecution,
-                                      ShardedExecution, Stage)
+from ..annotations.strategies import (
+                                      BlockId,
+                                      ParallelPhasedExecution,
+                                      Phase,
+                                      PipelinedExecution,
+                                      SerialPhasedExecution,
+                                      ShardedExecution,
+                                      Stage,
+)
 from ..errors import ConfigFileError
 from .attribute import Attribute
 from .distributed import _DistributedOptions
@@ -21,6 +27,16 @@ from .precision import _PrecisionOptions
 from .tensor_locations import TensorLocationSettings, _TensorLocationOptions
 from .training import _TrainingOptions
 
-__all__ = ["Options", "TensorLocationSettings", "Attribute", "BlockId", "ConfigFileError",
-           "Stage", "Phase", "PipelinedExecution", "ShardedExecution",
-           "SerialPhasedExecution", "ParallelPhasedExecution"]
+__all__ = [
+                                      "Attribute",
+                                      "BlockId",
+                                      "ConfigFileError",
+                                      "Options",
+                                      "ParallelPhasedExecution",
+                                      "Phase",
+                                      "PipelinedExecution",
+                                      "SerialPhasedExecution",
+                                      "ShardedExecution",
+                                      "Stage",
+                                      "TensorLocationSettings",
+]

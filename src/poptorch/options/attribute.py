@@ -1,6 +1,7 @@
 """``poptorch.Attribute``: PopART attributes for the ops of a scope (recorded only)."""
 from __future__ import annotations
 
+from types import TracebackType
 from typing import Any
 
 from .. import _logging
@@ -21,7 +22,7 @@ class Attribute:
     def __init__(self, **kwargs: Any) -> None:
         self.attributes = kwargs
 
-    def __enter__(self) -> "Attribute":
+    def __enter__(self) -> Attribute:
         _logging.info_once(("Attribute", tuple(sorted(self.attributes))),
                            "poptorch.Attribute(%s) is recorded only: PopART attributes "
                            "have no meaning on this device.",
@@ -29,7 +30,8 @@ class Attribute:
         _attribute_stack.append(self.attributes)
         return self
 
-    def __exit__(self, type, value, traceback) -> None:  # pylint: disable=redefined-builtin
+    def __exit__(self, type: type[BaseException] | None, value: BaseException | None,  # pylint: disable=redefined-builtin
+                 traceback: TracebackType | None) -> None:
         _attribute_stack.pop()
 
 

@@ -247,7 +247,8 @@ class Options(OptionsDict):
         """True while :py:meth:`outputMode` is still ``OutputMode.Default``."""
         return self._values["output_mode"] == enums.OutputMode.Default.value
 
-    def anchorTensor(self, short_name: str, long_name: str, output_mode=None,
+    def anchorTensor(self, short_name: str, long_name: str,
+                     output_mode: enums.OutputMode | str | int | None = None,
                      output_return_period: int = 1) -> Options:
         """Make the tensor ``long_name`` retrievable as ``short_name`` after each run.
 
@@ -340,7 +341,7 @@ class Options(OptionsDict):
         return self
 
     # -- execution -----------------------------------------------------------------
-    def setExecutionStrategy(self, strategy) -> Options:
+    def setExecutionStrategy(self, strategy: _IExecutionStrategy) -> Options:
         """Partition the model with this strategy: an instance of
         :py:class:`~poptorch.PipelinedExecution`, :py:class:`~poptorch.ShardedExecution`,
         :py:class:`~poptorch.SerialPhasedExecution` or

@@ -15,13 +15,13 @@ outputs): ``Final`` keeps the last iteration's value, ``All`` stacks every itera
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from ..config import RuntimeConfig
 from ...enums import OutputMode
 from ...errors import Error
+from ..config import RuntimeConfig
 from .plan import BatchPlan, resolve_output_mode
 
 GRADIENT_PREFIX = "Gradient___"

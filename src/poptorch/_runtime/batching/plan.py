@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from ..torch_internals import pytree
 
 from ...enums import CommGroupType, OutputMode
 from ...errors import Error
+from ..torch_internals import pytree
 
 Microbatch = tuple[tuple, dict]
 
@@ -135,7 +135,7 @@ def _split_plain(plan: BatchPlan, args: tuple) -> list[Microbatch]:
             raise _size_error(plan, f"args[{index}]", rows)
         chunks.append(arg.split(rows // f))
     empty: dict = {}
-    return [(args, empty) for args in zip(*chunks)]
+    return [(args, empty) for args in zip(*chunks, strict=True)]
 
 
 def _regroup(plan: BatchPlan, micro: list[Microbatch]) -> list[list[Microbatch]]:
@@ -236,7 +236,7 @@ class OutputCollector:
                 return _combine(parts)
         elif type(first) is tuple and all(type(p) is tuple and len(p) == len(first)
                                           for p in parts):
-            columns = list(zip(*parts))
+            columns = list(zip(*parts, strict=True))
             if all(isinstance(t, torch.Tensor) for column in columns for t in column):
                 return tuple(_combine(list(column)) for column in columns)
         flat = [pytree.tree_flatten(p) for p in parts]

@@ -14,7 +14,8 @@ arguments only); other calls bind the arguments to ``forward``'s signature first
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -39,7 +40,7 @@ def _describe(value: Any) -> Any:
 def _show(desc: Any) -> str:
     kind = desc[0]
     if kind == "tensor":
-        return f"Tensor[{str(desc[1])}, {torch.Size(desc[2])}]"
+        return f"Tensor[{desc[1]!s}, {torch.Size(desc[2])}]"
     if kind == "dict":
         return "{" + ", ".join(f"{k!r}: {_show(v)}" for k, v in desc[1].items()) + "}"
     if kind in ("list", "tuple"):
@@ -66,7 +67,7 @@ def _same_value(a: Any, b: Any) -> bool:
         return True
     try:
         return bool(type(a) is type(b) and a == b)
-    except Exception:  # noqa: BLE001 - objects whose == is not a bool: compare identity
+    except Exception:
         return False
 
 
@@ -242,6 +243,7 @@ def detach_inputs(args: tuple, kwargs: dict, warn_key: Any = None) -> tuple[tupl
     if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
         return args, kwargs
     import logging
+
     from ..._logging import log_once
     log_once(logging.WARNING, ("input requires grad", warn_key),
              "Input tensor has requires_grad=True set. This tensor will be detached "

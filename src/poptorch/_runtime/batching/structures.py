@@ -10,7 +10,7 @@ values, rebuilt with ``cls(**items)`` (dataclass-style constructors, ``ModelOutp
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..torch_internals import pytree
@@ -38,10 +38,10 @@ def register_mapping_outputs(output: Any) -> None:
 
 
 def _register(cls: type) -> None:
-    def flatten(mapping):
+    def flatten(mapping: Mapping[Any, Any]) -> tuple[list[Any], list[Any]]:
         return list(mapping.values()), list(mapping.keys())
 
-    def unflatten(values, keys):
+    def unflatten(values: Iterable[Any], keys: list[Any]) -> Any:
         items = dict(zip(keys, values, strict=False))
         try:
             return cls(**items)

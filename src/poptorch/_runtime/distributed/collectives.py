@@ -7,24 +7,24 @@ most ``BUCKET_BYTES`` and each bucket is sent as one flat tensor.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator, List, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
-
-from ..torch_internals import foreach_copy_
 import torch.distributed as dist
 
 from ..device_faults import collective_failure
+from ..torch_internals import foreach_copy_
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
 
 
 def buckets(tensors: Sequence[torch.Tensor],
-            bucket_bytes: int = BUCKET_BYTES) -> List[List[int]]:
+            bucket_bytes: int = BUCKET_BYTES) -> list[list[int]]:
     """Indices of ``tensors`` grouped by device and dtype into buckets of bounded size
     (each tensor in exactly one bucket, in order within a bucket)."""
     open_buckets: dict = {}  # (device, dtype) -> [indices, bytes] of the filling bucket
-    result: List[List[int]] = []
+    result: list[list[int]] = []
     for i, t in enumerate(tensors):
         size = t.numel() * t.element_size()
         bucket = open_buckets.get((t.device, t.dtype))
@@ -89,7 +89,7 @@ def broadcast_(tensors: Sequence[torch.Tensor], group: Any, src: int = 0) -> Non
             foreach_copy_(members, list(_views(flat, members)))
 
 
-def all_reduce_sum(tensors: Sequence[torch.Tensor], group: Any) -> List[torch.Tensor]:
+def all_reduce_sum(tensors: Sequence[torch.Tensor], group: Any) -> list[torch.Tensor]:
     """The sums over all processes of ``tensors``, as views into flat buffers (the
     inputs are not modified). All buckets are in flight at once."""
     if not tensors:
@@ -101,7 +101,7 @@ def all_reduce_sum(tensors: Sequence[torch.Tensor], group: Any) -> List[torch.Te
             flat = _flat(members)
             pending.append((bucket, members, flat,
                             dist.all_reduce(flat, group=group, async_op=True)))
-    result: List[Any] = [None] * len(tensors)
+    result: list[Any] = [None] * len(tensors)
     with failures_as_errors("Summing gradients"):
         for bucket, members, flat, work in pending:
             work.wait()

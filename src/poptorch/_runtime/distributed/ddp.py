@@ -20,7 +20,7 @@ as in the first step, which gradients the last backward pass reached). Otherwise
 ``POPTORCH_DISTRIBUTED_FIND_UNUSED=1``, DDP searches for unused parameters every step.
 """
 import inspect
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 
@@ -37,7 +37,7 @@ def find_unused_forced() -> bool:
     return bool(env_setting(FIND_UNUSED_ENV))
 
 
-def _no_buffer_sync() -> Dict[str, Any]:
+def _no_buffer_sync() -> dict[str, Any]:
     """DDP's keyword that turns off its per-forward buffer broadcast: newer torch renamed
     ``broadcast_buffers`` to ``forward_sync_buffers`` and warns on the old name (init-time
     syncing is off either way: ``init_sync=False`` gates every construction collective)."""
@@ -64,16 +64,16 @@ class SyncOnLastMicrobatch:
     """Runs a sequential runner so that, once DDP is attached, only the last
     micro-batch of each step (``per_step`` of them) synchronises gradients."""
 
-    def __init__(self, inner: SequentialRunner, params: List[torch.nn.Parameter],
+    def __init__(self, inner: SequentialRunner, params: list[torch.nn.Parameter],
                  per_step: int) -> None:
         self.inner = inner
         self.params = params
         self.per_step = per_step
         self.count = 0
-        self.ddp: Optional[Any] = None
+        self.ddp: Any | None = None
         self.check_used = False
         # Before DDP: per parameter, whether the last micro-batch's backward reached it.
-        self.last_used: Optional[List[bool]] = None
+        self.last_used: list[bool] | None = None
 
     def attach(self, ddp: Any, find_unused: bool) -> None:
         """Run the model through ``ddp`` from the next step on."""
@@ -85,11 +85,11 @@ class SyncOnLastMicrobatch:
         """Called before the micro-batches of a training step."""
         self.count = 0
 
-    def __call__(self, microbatches: List[Any], loss_of: Optional[LossOf]) -> List[Any]:
+    def __call__(self, microbatches: list[Any], loss_of: LossOf | None) -> list[Any]:
         ddp = self.ddp
         if loss_of is None:
             return self.inner(microbatches, loss_of)
-        outputs: List[Any] = []
+        outputs: list[Any] = []
         for microbatch in microbatches:
             self.count += 1
             last = self.count % self.per_step == 0
@@ -110,7 +110,7 @@ class SyncOnLastMicrobatch:
                 raise self._unused_error()
         return outputs
 
-    def _probe(self, microbatch: Any, loss_of: LossOf) -> List[Any]:
+    def _probe(self, microbatch: Any, loss_of: LossOf) -> list[Any]:
         """Run the last micro-batch of a step and record which parameters its backward
         reached (a gradient that appeared, was replaced or was added to in place)."""
         before = [(p.grad, p.grad._version if p.grad is not None else -1)

@@ -10,7 +10,8 @@ before its next send), so the last stage starts its next step at once.
 """
 from __future__ import annotations
 
-from typing import Any, Hashable, List, Optional
+from collections.abc import Hashable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,7 @@ class OutputBroadcast:
         self._layouts: dict = {}  # key -> (spec, leaves: tensor meta or constant)
         self._sending: list = []  # the sender's broadcasts in flight (work, buffer)
 
-    def __call__(self, key: Hashable, outputs: Optional[List[Any]]) -> List[Any]:
+    def __call__(self, key: Hashable, outputs: list[Any] | None) -> list[Any]:
         """``outputs`` on the sender (None elsewhere); the outputs on every process."""
         with failures_as_errors("Sending the pipeline's outputs"):
             self.wait()
@@ -44,7 +45,7 @@ class OutputBroadcast:
             work, _ = self._sending.pop(0)
             work.wait()
 
-    def _first(self, key: Hashable, outputs: Optional[List[Any]]) -> List[Any]:
+    def _first(self, key: Hashable, outputs: list[Any] | None) -> list[Any]:
         box: list = [None]
         if outputs is not None:
             box[0] = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), outputs)
@@ -58,7 +59,7 @@ class OutputBroadcast:
             return outputs
         return pytree.tree_map_only(torch.Tensor, lambda t: t.to(self.device), box[0])
 
-    def _tensors(self, layout: tuple, outputs: Optional[List[Any]]) -> List[Any]:
+    def _tensors(self, layout: tuple, outputs: list[Any] | None) -> list[Any]:
         spec, metas = layout
         dtypes = sorted({m[2] for m in metas if m[0] == "tensor"}, key=str)
         if outputs is not None:

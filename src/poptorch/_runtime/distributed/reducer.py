@@ -10,7 +10,7 @@ process); one that got a gradient on some process only is reduced with zeros els
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -21,7 +21,7 @@ from .world import World
 class GradientReducer:
     """Sums ``params``' gradients over all processes of ``world`` (see module doc)."""
 
-    def __init__(self, world: World, params: List[torch.nn.Parameter]) -> None:
+    def __init__(self, world: World, params: list[torch.nn.Parameter]) -> None:
         self.group = world.group
         self.params = params
 
@@ -35,7 +35,7 @@ class GradientReducer:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         present = torch.tensor([p.grad is not None for p in params] + list(extra),
                                dtype=torch.float32, device=params[0].device)
-        reduced = all_reduce_sum(grads + [present], self.group)
+        reduced = all_reduce_sum([*grads, present], self.group)
         counts = reduced[-1].tolist()
         for p, grad, count in zip(params, reduced, counts, strict=False):
             p.grad = grad if count > 0 else None

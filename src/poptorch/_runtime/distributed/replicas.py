@@ -12,21 +12,20 @@ this: they run on each process on their own.
 from __future__ import annotations
 
 import weakref
-from typing import Any, List, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..program.replica_groups import GroupedParameter
 from ..program.runner import PerReplicaRunner, SequentialRunner
+from . import world as world_module
 from .collectives import broadcast_, failures_as_errors
 from .ddp import SyncOnLastMicrobatch, find_unused_forced, make_ddp
 from .reducer import GradientReducer
-from . import world as world_module
 from .world import World
 
-
-_live: "weakref.WeakSet[CrossProcessReplicas]" = weakref.WeakSet()
+_live: weakref.WeakSet[CrossProcessReplicas] = weakref.WeakSet()
 
 
 def _release_all() -> None:
@@ -41,13 +40,13 @@ class CrossProcessReplicas:
     """The cross-process side of a compiled model (see module docstring)."""
 
     def __init__(self, world: World, model: torch.nn.Module,
-                 params: List[torch.nn.Parameter], broadcast_buffers: bool) -> None:
+                 params: list[torch.nn.Parameter], broadcast_buffers: bool) -> None:
         _live.add(self)
         self.world = world
         self.model = model
         self.params = params
         self.reducer: Any = GradientReducer(world, params)
-        self.buffers = [b for b in model.buffers()] if broadcast_buffers else []
+        self.buffers = list(model.buffers()) if broadcast_buffers else []
         self.ddp_runner: Any = None
         # How many processes the reduced gradients were divided by: DDP averages, the
         # reducer sums. The device program scales the result to PopTorch's Mean / Sum.
@@ -103,7 +102,7 @@ class CrossProcessReplicas:
         if self.ddp_runner is not None:
             self.ddp_runner.begin_step()
 
-    def start_identical(self, optimizer: Optional[Any]) -> None:
+    def start_identical(self, optimizer: Any | None) -> None:
         """Give every process process 0's weights, buffers and optimizer state."""
         tensors = list(self.model.parameters()) + list(self.model.buffers())
         broadcast_([t.data for t in tensors], self.world.group)

@@ -16,8 +16,9 @@ and gather every stage's trained weights onto every process (``copyWeightsToHost
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -99,7 +100,7 @@ def start_from_process_0(world: World, tensors: Sequence[torch.Tensor]) -> None:
     broadcast_([t.data for t in tensors], world.group)
 
 
-def gather_stages(layout: StageLayout, tensors_of_stage: List[List[torch.Tensor]]) -> None:
+def gather_stages(layout: StageLayout, tensors_of_stage: list[list[torch.Tensor]]) -> None:
     """Every process receives every stage's tensors from replica 0's process of that
     stage (all processes call this together)."""
     for s, tensors in enumerate(tensors_of_stage):
@@ -112,8 +113,8 @@ class StageReplicas:
     gradients of this process's stage are summed over its replicas (the stage group);
     ``world`` is that group, so the program's Mean divides by the replicas' micro-batches."""
 
-    def __init__(self, layout: StageLayout, params: List[torch.nn.Parameter],
-                 buffers: List[torch.Tensor], broadcast_buffers: bool) -> None:
+    def __init__(self, layout: StageLayout, params: list[torch.nn.Parameter],
+                 buffers: list[torch.Tensor], broadcast_buffers: bool) -> None:
         self.world = layout.stage_world
         self.reducer = GradientReducer(self.world, params)
         self.buffers = buffers if broadcast_buffers else []
@@ -129,7 +130,7 @@ class StageReplicas:
     def begin_step(self) -> None:
         return None
 
-    def start_identical(self, optimizer: Optional[Any]) -> None:
+    def start_identical(self, optimizer: Any | None) -> None:
         """Nothing left to do: the weights came from process 0 at compile time, and the
         optimizer holds state only for this stage's parameters once it steps."""
         return None

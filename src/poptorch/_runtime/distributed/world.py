@@ -13,7 +13,7 @@ import atexit
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ class World:
 
     rank: int
     size: int
-    group: Optional[Any] = None
+    group: Any | None = None
 
     @property
     def distributed(self) -> bool:

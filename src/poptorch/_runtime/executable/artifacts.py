@@ -20,12 +20,13 @@ import contextlib
 import hashlib
 import os
 import tempfile
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-from ..torch_internals import inductor_cache_dir, inductor_codecache
 from ..._logging import logger
+from ..torch_internals import inductor_cache_dir, inductor_codecache
 
 FORMAT = 1
 

@@ -23,7 +23,8 @@ import os
 import pickle
 import re
 import tempfile
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 

@@ -8,12 +8,13 @@ also part of the executable-cache key.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
-from ..torch_internals import pytree
 
 from ...errors import Error
+from ..torch_internals import pytree
 
 
 def _describe(leaf: Any) -> tuple:
@@ -51,7 +52,7 @@ class InputSignature:
         self.leaves = leaves
 
     @classmethod
-    def of(cls, args: tuple, kwargs: dict) -> "InputSignature":
+    def of(cls, args: tuple, kwargs: dict) -> InputSignature:
         """The signature of a call ``f(*args, **kwargs)``."""
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         return cls(str(spec), [_describe(leaf) for leaf in leaves])
@@ -97,7 +98,7 @@ class InputSignature:
         return f"a {leaf[1]}"
 
     @classmethod
-    def _summary(cls, leaves) -> str:
+    def _summary(cls, leaves: Iterable[tuple]) -> str:
         return "(" + ", ".join(cls._one(leaf) for leaf in leaves) + ")"
 
     def __getstate__(self) -> dict:

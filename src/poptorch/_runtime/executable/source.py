@@ -14,10 +14,12 @@ Its :py:meth:`first_call` context manager surrounds the executor's first call.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from ..._logging import logger
-from . import artifacts, cache as executable_cache
+from . import artifacts
+from . import cache as executable_cache
 from .signature import InputSignature
 
 

@@ -25,8 +25,8 @@ partitioning of ``torch.distributed.optim.ZeroRedundancyOptimizer``).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence
 
 import torch
 
@@ -68,12 +68,12 @@ class ShardLayout:
     """The pieces of the sharded parameters and the parameters every replica keeps
     whole (``replicated``); ``replicas_per_process`` maps an owner to its process."""
 
-    pieces: List[Piece]
-    replicated: List[int]
+    pieces: list[Piece]
+    replicated: list[int]
     replicas_per_process: int
     processes: int
-    buckets: List[Bucket] = field(default_factory=list)
-    by_param: Dict[int, List[Piece]] = field(default_factory=dict)
+    buckets: list[Bucket] = field(default_factory=list)
+    by_param: dict[int, list[Piece]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for piece in self.pieces:
@@ -83,7 +83,7 @@ class ShardLayout:
         """The process holding ``piece``'s optimizer state."""
         return piece.owner // self.replicas_per_process
 
-    def local(self, process: int) -> List[Piece]:
+    def local(self, process: int) -> list[Piece]:
         """The pieces whose optimizer state ``process`` holds (in canonical order)."""
         return [p for p in self.pieces if self.process_of(p) == process]
 
@@ -98,7 +98,7 @@ class ShardLayout:
         return bool(self.pieces) and self.processes * self.replicas_per_process > 1
 
 
-def balanced_ranges(numel: int, parts: int) -> List[tuple]:
+def balanced_ranges(numel: int, parts: int) -> list[tuple]:
     """``parts`` contiguous ranges covering ``range(numel)``, sizes differing by at most
     one (the first ``numel % parts`` one longer), as ``torch.tensor_split``."""
     base, extra = divmod(numel, parts)
@@ -112,7 +112,7 @@ def balanced_ranges(numel: int, parts: int) -> List[tuple]:
 
 def plan_layout(params: Sequence[torch.Tensor], *, min_elements: int,
                 replicas_per_process: int, processes: int, elementwise: bool,
-                slot_members: Dict[int, List[List[int]]] | None = None) -> ShardLayout:
+                slot_members: dict[int, list[list[int]]] | None = None) -> ShardLayout:
     """The layout of ``params`` (see module docstring).
 
     ``slot_members[i]``: for a replica-grouped parameter ``i`` (first dimension one
@@ -121,9 +121,9 @@ def plan_layout(params: Sequence[torch.Tensor], *, min_elements: int,
     """
     total = replicas_per_process * processes
     slot_members = slot_members or {}
-    pieces: List[Piece] = []
-    replicated: List[int] = []
-    flat: List[int] = []
+    pieces: list[Piece] = []
+    replicated: list[int] = []
+    flat: list[int] = []
     load = [0] * total
     for i, p in enumerate(params):
         if (p.numel() < max(min_elements, 1) or not p.is_contiguous() or total == 1
@@ -161,11 +161,11 @@ def plan_layout(params: Sequence[torch.Tensor], *, min_elements: int,
     return ShardLayout(pieces, replicated, replicas_per_process, processes, buckets)
 
 
-def _buckets(params: Sequence[torch.Tensor], indices: List[int], replicas: int
-             ) -> List[Bucket]:
+def _buckets(params: Sequence[torch.Tensor], indices: list[int], replicas: int
+             ) -> list[Bucket]:
     """Consecutive ``indices`` of one dtype and device in buckets of about
     ``BUCKET_ELEMENTS`` (a larger tensor alone), padded to a multiple of ``replicas``."""
-    groups: List[List[int]] = []
+    groups: list[list[int]] = []
     for i in indices:
         last = groups[-1] if groups else None
         if last is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 
@@ -43,15 +43,15 @@ def elementwise(optimizer: Any) -> bool:
         ("poptorch.optim", "torch.optim"))
 
 
-def _settings(locations: LocationsConfig, kind: str) -> Dict[str, Any]:
+def _settings(locations: LocationsConfig, kind: str) -> dict[str, Any]:
     return dict(getattr(locations, kind))
 
 
-def slot_members(params: List[torch.nn.Parameter], names: Dict[int, str],
-                 groupings: Optional[dict], replicas: int) -> Dict[int, List[List[int]]]:
+def slot_members(params: list[torch.nn.Parameter], names: dict[int, str],
+                 groupings: dict | None, replicas: int) -> dict[int, list[list[int]]]:
     """For each replica-grouped parameter (by index): the global replicas sharing each
     slice of its first dimension."""
-    result: Dict[int, List[List[int]]] = {}
+    result: dict[int, list[list[int]]] = {}
     for i, p in enumerate(params):
         grouping = (groupings or {}).get(names.get(id(p)))
         if grouping is None:
@@ -63,7 +63,7 @@ def slot_members(params: List[torch.nn.Parameter], names: Dict[int, str],
         if mode == VariableRetrievalMode.AllReplicas:
             result[i] = [[k] for k in range(replicas)]
             continue
-        members: List[List[int]] = [[] for _ in range(group_count(replicas, kind, size))]
+        members: list[list[int]] = [[] for _ in range(group_count(replicas, kind, size))]
         for k in range(replicas):
             members[group_of(k, replicas, kind, size)].append(k)
         result[i] = members
@@ -77,7 +77,7 @@ class LocationEffects:
     wrappers: tuple[Any, ...] = ()  # entered around every call (activations off chip)
 
 
-def install(model: torch.nn.Module, locations: LocationsConfig, groupings: Optional[dict],
+def install(model: torch.nn.Module, locations: LocationsConfig, groupings: dict | None,
             device: torch.device, *, training: bool, optimizer: Callable[[], Any],
             cross: Any, replicas: int) -> LocationEffects:
     """Make the tensor ``locations`` (``Options.TensorLocations`` as compiled) act on a

@@ -17,7 +17,8 @@ anyway, to test the logic of the moves on the CPU.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -41,14 +42,14 @@ class StateStorage:
             return False
         return param.device.type != "cpu" or self.force_stream
 
-    def fetch(self, state: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
+    def fetch(self, state: dict[str, Any], device: torch.device) -> dict[str, Any]:
         """The state tensors of one parameter on ``device`` (copies; asynchronous from
         pinned memory)."""
         return {k: v.to(device, non_blocking=True, copy=True)
                 if isinstance(v, torch.Tensor) and v.dim() > 0 else v
                 for k, v in state.items()}
 
-    def store(self, host: Dict[str, Any], used: Dict[str, Any]) -> None:
+    def store(self, host: dict[str, Any], used: dict[str, Any]) -> None:
         """Write the state ``used`` by an update back into ``host`` (allocating pinned
         host tensors for entries the update created)."""
         for key, value in used.items():
@@ -70,11 +71,11 @@ class StateStorage:
             torch.cuda.current_stream(device).synchronize()
 
 
-def chunks(params: List[torch.Tensor], max_elements: int) -> List[List[torch.Tensor]]:
+def chunks(params: list[torch.Tensor], max_elements: int) -> list[list[torch.Tensor]]:
     """``params`` in consecutive chunks of at most ``max_elements`` elements (a larger
     tensor is a chunk of its own)."""
-    result: List[List[torch.Tensor]] = []
-    current: List[torch.Tensor] = []
+    result: list[list[torch.Tensor]] = []
+    current: list[torch.Tensor] = []
     size = 0
     for p in params:
         if current and size + p.numel() > max_elements:
@@ -94,7 +95,7 @@ class ActivationsOffChip:
     per thread."""
 
     def __init__(self) -> None:
-        self._active: List[Any] = []
+        self._active: list[Any] = []
 
     @staticmethod
     def thread_context() -> Any:

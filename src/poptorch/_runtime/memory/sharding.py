@@ -21,9 +21,8 @@ resumes at any world size and with or without sharding.
 from __future__ import annotations
 
 import weakref
-
 from collections import defaultdict
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,7 +43,7 @@ _GATHER_HINT = ("optimizer.state_dict() of a sharded optimizer gathers the state
 # The managed step in force for each optimizer: its state_dict hook finds it here, and
 # the entry keeps the pieces alive as long as the optimizer (a program compiled again
 # takes them over).
-_MANAGERS: "weakref.WeakKeyDictionary[Any, ManagedStep]" = weakref.WeakKeyDictionary()
+_MANAGERS: weakref.WeakKeyDictionary[Any, ManagedStep] = weakref.WeakKeyDictionary()
 
 
 def _gather_before_state_dict(optimizer: Any) -> None:
@@ -61,7 +60,7 @@ def take_over(optimizer: Any) -> None:
         previous.gather_into(optimizer)
 
 
-def state_bytes(state: Dict[Any, Dict[str, Any]]) -> int:
+def state_bytes(state: dict[Any, dict[str, Any]]) -> int:
     """Bytes of the tensors of an optimizer ``state`` (each storage counted once)."""
     seen = set()
     total = 0
@@ -82,7 +81,7 @@ class ManagedStep:
     ``optimizer_of()`` returns the optimizer in force (``setOptimizer`` replaces it).
     """
 
-    def __init__(self, optimizer_of: Any, params: List[torch.nn.Parameter],
+    def __init__(self, optimizer_of: Any, params: list[torch.nn.Parameter],
                  layout: ShardLayout, world: World, storage: StateStorage,
                  flatten: bool = True) -> None:
         self.optimizer_of = optimizer_of
@@ -91,23 +90,23 @@ class ManagedStep:
         self.layout = layout
         self.world = world
         self.storage = storage
-        self.local: List[Piece] = layout.local(world.rank)
-        self.pieces: Dict[Piece, torch.nn.Parameter] = {
+        self.local: list[Piece] = layout.local(world.rank)
+        self.pieces: dict[Piece, torch.nn.Parameter] = {
             piece: torch.nn.Parameter(torch.empty(0), requires_grad=False)
             for piece in self.local}
         self.replicated = set(layout.replicated)
         self.piece_index = {piece: j for j, piece in enumerate(layout.pieces)}
-        self.state: Dict[Any, Dict[str, Any]] = defaultdict(dict)
+        self.state: dict[Any, dict[str, Any]] = defaultdict(dict)
         self.moved_on = False  # the pieces stepped since the state was last gathered
         self.opt: Any = None
         self.inner: Any = None
-        self.groups: List[List[Any]] = []
-        self.group_ids: List[tuple] = []
-        self.bucket_groups: List[List[List[Any]]] = []
-        self.rest_groups: List[List[Any]] = []
+        self.groups: list[list[Any]] = []
+        self.group_ids: list[tuple] = []
+        self.bucket_groups: list[list[list[Any]]] = []
+        self.rest_groups: list[list[Any]] = []
         # The buckets' weights, each in one tensor (the parameters are views into it)
         # so that a bucket is gathered in place; only across processes.
-        self.flats: List[torch.Tensor] = []
+        self.flats: list[torch.Tensor] = []
         if flatten and world.distributed:
             self.flats = [self._flatten(bucket) for bucket in layout.buckets]
         # per (dtype, device): per process, the other pieces it sends, in canonical order
@@ -128,12 +127,12 @@ class ManagedStep:
     def _regroup(self, opt: Any) -> None:
         """The parameters of each param group during the step: piece parameters of the
         pieces this process holds, whole replicated parameters."""
-        by_param: Dict[int, List[Piece]] = {}
+        by_param: dict[int, list[Piece]] = {}
         for piece in self.local:
             by_param.setdefault(piece.param, []).append(piece)
         self.groups, self.group_ids = [], []
         for group in opt.param_groups:
-            members: List[Any] = []
+            members: list[Any] = []
             for p in group["params"]:
                 i = self.index[id(p)]
                 if i in self.replicated:
@@ -166,7 +165,7 @@ class ManagedStep:
         saved_groups, saved_state = opt.param_groups, opt.state
         clip = self._clip_coefficient(opt)
         max_norm = getattr(opt, "max_grad_norm", None)
-        pending: List[Any] = []
+        pending: list[Any] = []
         try:
             if clip is not None:
                 opt.gradient_override = self._clipped_gradients(opt, clip)
@@ -198,7 +197,7 @@ class ManagedStep:
             self._all_gather_weights()
         return result
 
-    def _step_on(self, opt: Any, groups: List[dict], members: List[List[Any]]) -> Any:
+    def _step_on(self, opt: Any, groups: list[dict], members: list[list[Any]]) -> Any:
         """The optimizer's step over ``members`` (per param group) with their state."""
         opt.param_groups = [dict(g, params=m) for g, m in zip(groups, members, strict=False) if m]
         opt.state = self.state
@@ -225,7 +224,7 @@ class ManagedStep:
                 setattr(view, PENDING_UNSCALE_ATTR, divisor)
             shard.grad = view
 
-    def _streamed_step(self, opt: Any, groups: List[dict], streamed: set) -> Any:
+    def _streamed_step(self, opt: Any, groups: list[dict], streamed: set) -> Any:
         """The update one chunk of parameters at a time, their state fetched from host
         memory to the device and written back (``offload``)."""
         result = None
@@ -237,7 +236,7 @@ class ManagedStep:
                 [p for p in members if id(p) in streamed], OFFLOAD_CHUNK_ELEMENTS)
             for part in parts:
                 moving = [p for p in part if id(p) in streamed]
-                state: Dict[Any, Dict[str, Any]] = defaultdict(dict)
+                state: dict[Any, dict[str, Any]] = defaultdict(dict)
                 for p in part:
                     if p in self.state:
                         state[p] = (storage.fetch(self.state[p], p.device)
@@ -256,7 +255,7 @@ class ManagedStep:
         return result
 
     # --- gradient clipping over all pieces ----------------------------------------
-    def _clip_coefficient(self, opt: Any) -> Optional[torch.Tensor]:
+    def _clip_coefficient(self, opt: Any) -> torch.Tensor | None:
         """``max_grad_norm``'s coefficient from the norm over all pieces of all
         processes (None: no clipping, or nothing sharded)."""
         max_norm = getattr(opt, "max_grad_norm", float("inf"))
@@ -267,7 +266,8 @@ class ManagedStep:
         saved_groups = opt.param_groups
         opt.max_grad_norm = float("inf")
         try:
-            opt.param_groups = [dict(g, params=m) for g, m in zip(saved_groups, self.groups, strict=False)]
+            opt.param_groups = [dict(g, params=m)
+                                for g, m in zip(saved_groups, self.groups, strict=False)]
             grads = type(opt)._gradients(opt)
         finally:
             opt.param_groups = saved_groups
@@ -291,8 +291,8 @@ class ManagedStep:
 
     @staticmethod
     def _clipped_gradients(opt: Any, coef: torch.Tensor) -> Any:
-        def clipped(grads: Dict[torch.Tensor, torch.Tensor]
-                    ) -> Dict[torch.Tensor, torch.Tensor]:
+        def clipped(grads: dict[torch.Tensor, torch.Tensor]
+                    ) -> dict[torch.Tensor, torch.Tensor]:
             return {p: g * coef.to(device=g.device, dtype=g.dtype) for p, g in grads.items()}
         return clipped
 
@@ -316,8 +316,8 @@ class ManagedStep:
             return dist.all_gather_into_tensor(flat, flat[start:end],
                                                group=self.world.group, async_op=True)
 
-    def _gather_plan(self) -> List[tuple]:
-        plan: Dict[tuple, List[List[Piece]]] = {}
+    def _gather_plan(self) -> list[tuple]:
+        plan: dict[tuple, list[list[Piece]]] = {}
         for piece in self.layout.pieces:
             if self.flats and piece.bucket >= 0:
                 continue
@@ -325,7 +325,7 @@ class ManagedStep:
             per_process = plan.setdefault((p.dtype, p.device),
                                           [[] for _ in range(self.world.size)])
             per_process[self.layout.process_of(piece)].append(piece)
-        return [(key, per_process) for key, per_process in plan.items()]
+        return list(plan.items())
 
     def _all_gather_weights(self) -> None:
         """Every process sends its updated pieces and receives everyone else's."""
@@ -355,7 +355,7 @@ class ManagedStep:
                 foreach_copy_(targets, sources)
 
     # --- the state dictionary ------------------------------------------------------
-    def _split(self, full: Dict[Any, Dict[str, Any]]) -> None:
+    def _split(self, full: dict[Any, dict[str, Any]]) -> None:
         """Take this process's pieces of a whole state (loaded or gathered)."""
         self.state = defaultdict(dict)
         for i, p in enumerate(self.params):
@@ -371,7 +371,7 @@ class ManagedStep:
                 continue
             self.state[shard] = {k: _slice(v, p, piece) for k, v in entry.items()}
         for p in [p for p in self.state if self.storage.streams(p)]:
-            host: Dict[str, Any] = {}
+            host: dict[str, Any] = {}
             self.storage.store(host, self.state[p])
             self.state[p] = host
         self.storage.wait([p.device for p in self.params])
@@ -388,15 +388,15 @@ class ManagedStep:
             if shard is not None and self.state.get(shard):
                 local[j] = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
                             for k, v in self.state[shard].items()}
-        gathered: List[Any] = [local]
+        gathered: list[Any] = [local]
         if self.world.distributed:
             gathered = [None] * self.world.size
             with failures_as_errors(f"Gathering the optimizer state ({_GATHER_HINT})"):
                 dist.all_gather_object(gathered, local, group=self.world.group)
-        states: Dict[int, Dict[str, Any]] = {}
+        states: dict[int, dict[str, Any]] = {}
         for part in gathered:
             states.update(part)
-        full: Dict[Any, Dict[str, Any]] = defaultdict(dict)
+        full: dict[Any, dict[str, Any]] = defaultdict(dict)
         for i in self.layout.replicated:
             p = self.params[i]
             if self.state.get(p):
@@ -424,10 +424,10 @@ def _slice(value: Any, p: torch.Tensor, piece: Piece) -> Any:
     return value.detach().reshape(-1)[piece.start:piece.end].to(p.device, copy=True)
 
 
-def _join(found: List[Dict[str, Any]], pieces: List[Piece], p: torch.Tensor
-          ) -> Dict[str, Any]:
+def _join(found: list[dict[str, Any]], pieces: list[Piece], p: torch.Tensor
+          ) -> dict[str, Any]:
     """One parameter's whole state from its pieces' states."""
-    entry: Dict[str, Any] = {}
+    entry: dict[str, Any] = {}
     for key, first in found[0].items():
         values = [f.get(key) for f in found]
         elementwise = all(isinstance(v, torch.Tensor) and v.dim() >= 1

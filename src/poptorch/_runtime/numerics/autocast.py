@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -34,8 +35,17 @@ from ..attributes import own_attribute
 from .casting import LOW_PRECISION, cast_floating, floating_args
 from .precision import _NEVER_CAST, _writes_in_place
 
-__all__ = ["CastRules", "AutocastMode", "AutocastRun", "op_name", "canonical_name", "enter_region",
-           "exit_region", "install_module_hooks", "region_stack"]
+__all__ = [
+    "AutocastMode",
+    "AutocastRun",
+    "CastRules",
+    "canonical_name",
+    "enter_region",
+    "exit_region",
+    "install_module_hooks",
+    "op_name",
+    "region_stack",
+]
 
 # Python operator spellings of torch operators: ``a * b`` calls ``Tensor.__mul__``.
 _DUNDER_NAMES = {"truediv": "div", "floordiv": "floor_divide", "and": "bitwise_and",
@@ -150,7 +160,7 @@ def region_stack() -> list:
     return stack
 
 
-def _current_run() -> "AutocastRun | None":
+def _current_run() -> AutocastRun | None:
     run = _tls.run
     return run if run is not None else _global_run
 
@@ -183,7 +193,7 @@ def _pop() -> None:
         _stop_mode()
 
 
-def _start_mode(run: "AutocastRun", owner: Any) -> None:
+def _start_mode(run: AutocastRun, owner: Any) -> None:
     mode = AutocastMode(run.rules)
     mode.__enter__()
     _tls.mode, _tls.owner = mode, owner
@@ -263,7 +273,9 @@ class AutocastMode(TorchFunctionMode):
         super().__init__()
         self.rules = rules
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Callable[..., Any], types: Collection[type],
+                           args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         stack = region_stack()
         if not stack or func in _NEVER_CAST or _writes_in_place(func, kwargs):
@@ -341,7 +353,7 @@ class _AutocastForward:
             for _ in range(pushed):
                 _pop()
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         if self.previous is not None:
             return _same, (self.previous,)
         return functools.partial, (type(self.module).forward, self.module)

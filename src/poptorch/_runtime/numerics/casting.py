@@ -24,15 +24,22 @@ call, as upstream fixed it when compiling.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable
+from collections.abc import Callable, Collection, Iterable
+from types import TracebackType
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from .precision import _NEVER_CAST, _writes_in_place
 
-__all__ = ["WeightsFollowActivations", "DefaultCasting", "LOW_PRECISION",
-           "floating_args", "cast_floating"]
+__all__ = [
+    "LOW_PRECISION",
+    "DefaultCasting",
+    "WeightsFollowActivations",
+    "cast_floating",
+    "floating_args",
+]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 _CASTABLE = (torch.float16, torch.bfloat16, torch.float32)
@@ -51,7 +58,8 @@ def floating_args(values: Iterable[Any], out: list) -> list:
     return out
 
 
-def cast_floating(value: Any, dtype: torch.dtype, which=None) -> Any:
+def cast_floating(value: Any, dtype: torch.dtype,
+                  which: Callable[[torch.Tensor], bool] | None = None) -> Any:
     """``value`` with its float16/bfloat16/float32 tensors (those for which
     ``which(t)`` holds, if given) cast to ``dtype``; lists/tuples one level deep."""
     if isinstance(value, torch.Tensor):
@@ -92,7 +100,9 @@ class WeightsFollowActivations(TorchFunctionMode):
         (dtype,) = act
         return dtype
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Callable[..., Any], types: Collection[type],
+                           args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if func in _NEVER_CAST or _writes_in_place(func, kwargs):
             return func(*args, **kwargs)
@@ -150,7 +160,8 @@ class DefaultCasting:
             mode.__enter__()
         self._modes.append((mode, self._signature))
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         mode, signature = self._modes.pop()
         if mode is None:
             return

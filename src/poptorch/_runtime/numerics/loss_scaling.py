@@ -23,14 +23,15 @@ checked, as in PopTorch: an overflow shows up as inf/NaN weights and losses.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
 from ...errors import Error
 from .precision import is_low_precision_aware
 
-__all__ = ["LossScaler", "PENDING_UNSCALE_ATTR"]
+__all__ = ["PENDING_UNSCALE_ATTR", "LossScaler"]
 
 # Attribute set on a low-precision gradient tensor: divide it by this value (in the
 # accumulator dtype) before using it. Read by poptorch.optim optimizers.
@@ -126,12 +127,12 @@ class LossScaler:
                 g.div_(scale)
 
     # --- checkpointing ----------------------------------------------------------------
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """The scaler's progress (saved in the optimizer's state_dict too)."""
         return {"scale": self._scale, "configured": self._configured,
                 "good_steps": self._good_steps, "skipped_steps": self.skipped_steps}
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the progress saved by :meth:`state_dict`."""
         self._scale = float(state["scale"])
         self._configured = float(state["configured"])
@@ -149,16 +150,16 @@ class LossScaler:
         load = self.optimizer.register_load_state_dict_pre_hook(self._load_hook)
         optimizer: Any = self.optimizer  # (our attribute on the user's optimizer)
         optimizer._poptorch_scaler_hooks = (save, load)  # removed above when set again
-        extra: Optional[dict] = getattr(self.optimizer, "_extra_state", None)
+        extra: dict | None = getattr(self.optimizer, "_extra_state", None)
         if extra and _STATE_KEY in extra:
             # The optimizer was loaded from a checkpoint before this scaler existed.
             self.load_state_dict(extra[_STATE_KEY])
 
-    def _save_hook(self, optimizer: Any, state: Dict[str, Any]) -> Dict[str, Any]:
+    def _save_hook(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
         state[_STATE_KEY] = self.state_dict()
         return state
 
-    def _load_hook(self, optimizer: Any, state: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    def _load_hook(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any] | None:
         if _STATE_KEY in state:
             self.load_state_dict(state[_STATE_KEY])
         return None

@@ -25,17 +25,18 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from ..torch_internals import NormBase, pytree
 
 from ... import _logging
 from ...enums import HalfFloatCastingBehavior
 from ...errors import Error
 from ..config import PrecisionConfig
+from ..torch_internals import NormBase, pytree
 
 __all__ = ["PrecisionPolicy", "stochastic_round", "stochastic_rounding_active"]
 
@@ -192,7 +193,9 @@ class _MixedPrecisionCasting(TorchFunctionMode):
             return type(value)(cast) if type(value) in (list, tuple) else value
         return value
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Callable[..., Any], types: Collection[type],
+                           args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if func not in _NEVER_CAST and not _writes_in_place(func, kwargs):
             found: set = set()
@@ -232,12 +235,12 @@ class _FloatAffine:
                 self.saved[name] = p
                 self.params[name] = p.float()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.params.update(self.saved)
         self.saved = {}
 
 
-def _float_statistics_forward(module: torch.nn.Module):
+def _float_statistics_forward(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
     cls_forward = type(module).forward
 
     def forward(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -292,7 +295,7 @@ class _CudaHalfPartials:
                 self.saved[flag] = getattr(matmul, flag)
                 setattr(matmul, flag, True)
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         matmul = torch.backends.cuda.matmul
         for flag, value in self.saved.items():
             setattr(matmul, flag, value)

@@ -15,7 +15,8 @@ runs; it is installed only when the option is on, so other models pay nothing.
 """
 from __future__ import annotations
 
-from typing import Optional
+from collections.abc import Callable, Collection
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +26,8 @@ OPTION = "groupNormStridedChannelGrouping"
 
 
 def strided_group_norm(input: torch.Tensor, num_groups: int,
-                       weight: Optional[torch.Tensor] = None,
-                       bias: Optional[torch.Tensor] = None,
+                       weight: torch.Tensor | None = None,
+                       bias: torch.Tensor | None = None,
                        eps: float = 1e-5) -> torch.Tensor:
     """``F.group_norm`` where group ``g`` holds channels ``g, g + G, g + 2G, ...``."""
     channels = input.shape[1] if input.dim() > 1 else 0
@@ -47,8 +48,8 @@ def strided_group_norm(input: torch.Tensor, num_groups: int,
 
 
 def _torch_group_norm(input: torch.Tensor, num_groups: int,
-                      weight: Optional[torch.Tensor] = None,
-                      bias: Optional[torch.Tensor] = None, eps: float = 1e-5,
+                      weight: torch.Tensor | None = None,
+                      bias: torch.Tensor | None = None, eps: float = 1e-5,
                       cudnn_enabled: bool = True) -> torch.Tensor:
     return strided_group_norm(input, num_groups, weight, bias, eps)
 
@@ -61,13 +62,15 @@ class StridedGroupNorm(TorchFunctionMode):
     norms use strided channel groups. Modes do not follow a call into other threads, so
     pipeline stages' threads get their own through :py:meth:`thread_context`."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Callable[..., Any], types: Collection[type],
+                           args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         replacement = _REPLACEMENTS.get(func)
         if replacement is not None:
             return replacement(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 
-    def thread_context(self) -> "StridedGroupNorm":
+    def thread_context(self) -> StridedGroupNorm:
         return StridedGroupNorm()
 
 

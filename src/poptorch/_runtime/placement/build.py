@@ -35,15 +35,14 @@ import inspect
 import itertools
 import re
 import threading
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..._logging import info_once
 from ..config import PlacementConfig, RuntimeConfig
 from ..program.overlapped_io import FirstForwardCheck, OverlapSettings
-from ..program.runner import SequentialRunner
+from ..program.runner import LossOf, SequentialRunner
 from . import recompute
 from .actions import defer_weight_halves, device_lanes, sharded_actions
 from .capture import CapturedModel, CaptureUnsupported, capture
@@ -70,7 +69,9 @@ from .strategy import (
     schedule_name,
 )
 
-LossOf = Callable[[Any], torch.Tensor]
+if TYPE_CHECKING:  # (types only: the process runtime is imported when it is used)
+    from .processes import StageProcessRunner
+
 # Whole words only: ``poptorch.Block(``, ``Block.start``, ``BlockFunction``, ``ipu.IPU(``,
 # not a user's ``ResBlock(`` or ``BeginBlock(``.
 _BLOCK_WORDS = re.compile(r"(?<![\w])(Block\s*\(|Block\.start|BlockFunction\b|IPU\s*\()")
@@ -79,7 +80,8 @@ _BLOCK_WORDS = re.compile(r"(?<![\w])(Block\s*\(|Block\.start|BlockFunction\b|IP
 def build_runner(model: torch.nn.Module, config: RuntimeConfig | Any, training: bool,
                  devices: list[torch.device] | None = None,
                  example: tuple | None = None,
-                 overlap: OverlapSettings | None = None) -> ModelParallelRunner | None:
+                 overlap: OverlapSettings | None = None
+                 ) -> ModelParallelRunner | StageProcessRunner | None:
     """A runner for the model's execution strategy, or None when the model has no block
     annotations and no strategy was set (the executor then runs it on one device).
 
@@ -93,7 +95,7 @@ def build_runner(model: torch.nn.Module, config: RuntimeConfig | Any, training: 
         config = RuntimeConfig.of(config)
     if config.distributed.stages_on_processes:  # one process per stage (torchrun)
         from .processes import StageProcessRunner  # pylint: disable=import-outside-toplevel
-        return StageProcessRunner(model, config, training, example, overlap)  # type: ignore
+        return StageProcessRunner(model, config, training, example, overlap)
     if not config.placement.strategy_given and not (
             has_static_annotations(model) or _forward_uses_blocks(model)):
         return None
@@ -230,7 +232,7 @@ class ModelParallelRunner:
         check = FirstForwardCheck(self.overlap) \
             if self.overlap is not None and self.captured is None else None
         if self._is_plain(part):
-            self._plain = SequentialRunner(self.model, check)
+            self._plain = SequentialRunner(self.model, check=check)
         else:
             self._sequential = SequentialStages(self.model, part, self.devices,
                                                 self.streaming, check)

@@ -21,18 +21,19 @@ one after another (``sequential.py``).
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx
+from torch.fx.node import Argument, Target
 
 from .. import context
 from ..program.overlapped_io import OverlapSettings
 from ..torch_internals import pytree
 from . import io_markers, markers, recompute
 from .partition import IMPLICIT_BLOCK, BlockTrace, _Tracer
-
 
 BLOCK_META = "poptorch_block"
 
@@ -82,7 +83,8 @@ class _BlockTracer(torch.fx.Tracer):
     def reset_auto_id(self) -> None:
         self.blocks.reset_auto_id()
 
-    def begin_block(self, user_id, ipu_id, layer=None) -> None:
+    def begin_block(self, user_id: str | int | None, ipu_id: int | None,
+                    layer: torch.nn.Module | None = None) -> None:
         self.blocks.begin_block(user_id, ipu_id, layer=layer)
 
     def checkpoint(self, tensors: list) -> list:
@@ -97,21 +99,26 @@ class _BlockTracer(torch.fx.Tracer):
         return [node[i] for i in range(len(tensors))]
 
     # fx tracer -----------------------------------------------------------------------
-    def create_args_for_root(self, root_fn, is_module, concrete_args=None):
+    def create_args_for_root(self, root_fn: Callable[..., Any], is_module: bool,
+                             concrete_args: dict[str, Any] | tuple[Any, ...] | None = None
+                             ) -> tuple[Any, list[Any]]:
         self._making_args = True
         try:
             return super().create_args_for_root(root_fn, is_module, concrete_args)
         finally:
             self._making_args = False
 
-    def call_module(self, m, forward, args, kwargs):
+    def call_module(self, m: torch.nn.Module, forward: Callable[..., Any],
+                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.is_leaf_module(m, self.path_of_module(m)):
             hook = markers.begin_block_of(m)
             if hook is not None:  # leaf: fx emits one node and runs no hook
                 hook(m, args)
         return super().call_module(m, forward, args, kwargs)
 
-    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+    def create_node(self, kind: str, target: Target, args: tuple[Argument, ...],
+                    kwargs: dict[str, Argument], name: str | None = None,
+                    type_expr: Any | None = None) -> torch.fx.Node:
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         if self._making_args:
             if kind != "placeholder":

@@ -312,7 +312,7 @@ class _Step:
     def _finish_microbatch(self, m: int, args: list, out: tuple) -> None:
         staged = self.staged
 
-        def value(source):
+        def value(source: tuple) -> Any:
             if source[0] == "import":
                 return args[source[1]]
             if source[0] == "stage":
@@ -416,6 +416,6 @@ class _on_stream:
         if self.context is not None:
             self.context.__enter__()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.context is not None:
             self.context.__exit__(*exc)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -39,7 +39,7 @@ def set_listener(listener: Any) -> Any:
     return previous
 
 
-def begin_block(user_id: Any, ipu_id: Optional[int], layer: Any = None) -> None:
+def begin_block(user_id: Any, ipu_id: int | None, layer: Any = None) -> None:
     """Report the start of a block to the listener, if any."""
     listener = current_listener()
     if listener is not None:
@@ -49,7 +49,7 @@ def begin_block(user_id: Any, ipu_id: Optional[int], layer: Any = None) -> None:
 class BeginBlockHook:
     """Forward pre-hook starting a block each time the annotated layer is called."""
 
-    def __init__(self, user_id: Any, ipu_id: Optional[int], layer_name: str) -> None:
+    def __init__(self, user_id: Any, ipu_id: int | None, layer_name: str) -> None:
         self.user_id = user_id
         self.ipu_id = ipu_id
         self.order = next(_annotation_counter)
@@ -59,7 +59,7 @@ class BeginBlockHook:
         begin_block(self.user_id, self.ipu_id, layer=module)
 
 
-def attach_begin_block(module: torch.nn.Module, user_id: Any, ipu_id: Optional[int]) -> None:
+def attach_begin_block(module: torch.nn.Module, user_id: Any, ipu_id: int | None) -> None:
     """Annotate ``module`` in place (replacing an earlier annotation): a
     :class:`BeginBlockHook` among its forward pre-hooks, which is where the annotation
     is found again (also on copies of the module, which copy their hooks)."""
@@ -76,7 +76,7 @@ def detach_begin_block(module: torch.nn.Module) -> bool:
     return bool(keys)
 
 
-def begin_block_of(module: torch.nn.Module) -> Optional[BeginBlockHook]:
+def begin_block_of(module: torch.nn.Module) -> BeginBlockHook | None:
     """The BeginBlock annotation of ``module`` (None when it has none)."""
     for hook in forward_pre_hooks(module).values():
         if isinstance(hook, BeginBlockHook):

@@ -9,20 +9,21 @@ execution strategy and enforces the rules of the user guide, raising
 """
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from ..torch_internals import pytree
 
-from . import markers
-from .strategy import (PARALLEL_PHASED, PIPELINED, ExecutionStrategy, is_phased,
-                       kind_of)
 from ...enums import AutoStage
 from ...errors import Error
 from .. import context
 from ..config import RuntimeConfig
+from ..torch_internals import pytree
+from . import markers
+from .strategy import PARALLEL_PHASED, PIPELINED, ExecutionStrategy, is_phased, kind_of
 
 IMPLICIT_BLOCK = "<before first block>"
 
@@ -46,11 +47,11 @@ class BlockNamer:
 @dataclass
 class BlockTrace:
     """What one traced forward pass showed."""
-    sequence: List[str] = field(default_factory=list)  # block ids, in the order entered
-    ipu_of: Dict[str, Optional[int]] = field(default_factory=dict)
-    users: Dict[int, List[str]] = field(default_factory=dict)  # id(param/buffer) -> blocks
-    tensor_names: Dict[int, str] = field(default_factory=dict)
-    begin_block_layers: List[Any] = field(default_factory=list)  # hooks, in call order
+    sequence: list[str] = field(default_factory=list)  # block ids, in the order entered
+    ipu_of: dict[str, int | None] = field(default_factory=dict)
+    users: dict[int, list[str]] = field(default_factory=dict)  # id(param/buffer) -> blocks
+    tensor_names: dict[int, str] = field(default_factory=dict)
+    begin_block_layers: list[Any] = field(default_factory=list)  # hooks, in call order
 
 
 class _Tracer(TorchFunctionMode):
@@ -60,7 +61,7 @@ class _Tracer(TorchFunctionMode):
         super().__init__()
         self.trace = BlockTrace()
         self.namer = BlockNamer()
-        self.current: Optional[str] = None
+        self.current: str | None = None
         self._weights = {id(t): n for n, t in model.named_parameters()}
         self._weights.update({id(t): n for n, t in model.named_buffers()})
         self.trace.tensor_names = dict(self._weights)
@@ -69,7 +70,8 @@ class _Tracer(TorchFunctionMode):
     def reset_auto_id(self) -> None:
         self.namer.reset_auto_id()
 
-    def begin_block(self, user_id, ipu_id, layer=None) -> None:
+    def begin_block(self, user_id: str | int | None, ipu_id: int | None,
+                    layer: torch.nn.Module | None = None) -> None:
         block = self.namer.name(user_id)
         known = self.trace.ipu_of.get(block, ipu_id)
         if block in self.trace.ipu_of and ipu_id is not None and known != ipu_id:
@@ -88,23 +90,26 @@ class _Tracer(TorchFunctionMode):
         return tensors
 
     # torch function mode
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Callable[..., Any], types: Collection[type],
+                           args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         for t in pytree.tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and id(t) in self._weights:
-                if self.current is None:
-                    self._enter_implicit()
+                block = self.current if self.current is not None else self._enter_implicit()
                 users = self.trace.users.setdefault(id(t), [])
-                if self.current not in users:
-                    users.append(self.current)
+                if block not in users:
+                    users.append(block)
         if self.current is None:
             self._enter_implicit()
         return func(*args, **kwargs)
 
-    def _enter_implicit(self) -> None:
+    def _enter_implicit(self) -> str:
+        """Enter the implicit block (code before the first block); returns its id."""
         self.current = IMPLICIT_BLOCK
         self.trace.sequence.append(IMPLICIT_BLOCK)
         self.trace.ipu_of[IMPLICIT_BLOCK] = 0
+        return IMPLICIT_BLOCK
 
 
 def has_static_annotations(model: torch.nn.Module) -> bool:
@@ -141,19 +146,19 @@ def trace_blocks(model: torch.nn.Module, args: tuple, kwargs: dict,
 class StagePlan:
     index: int  # position in execution order
     ipu: int
-    blocks: List[str]
-    phase: Optional[int] = None
+    blocks: list[str]
+    phase: int | None = None
 
 
 @dataclass
 class Partition:
     """The resolved partition of a model."""
     strategy: ExecutionStrategy
-    stages: List[StagePlan]
-    block_stage: Dict[str, int]
-    sequence: List[str]
+    stages: list[StagePlan]
+    block_stage: dict[str, int]
+    sequence: list[str]
     num_ipus: int
-    weight_stage: Dict[int, int]  # id(param/buffer) -> stage index
+    weight_stage: dict[int, int]  # id(param/buffer) -> stage index
     num_phases: int = 0
 
     @property
@@ -190,7 +195,7 @@ def resolve_partition(trace: BlockTrace, strategy: ExecutionStrategy, config: Ru
 
 def _check_begin_block_order(trace: BlockTrace) -> None:
     hooks = trace.begin_block_layers
-    for earlier, later in zip(hooks, hooks[1:], strict=False):
+    for earlier, later in itertools.pairwise(hooks):
         if later.order < earlier.order:
             raise Error(
                 f"BeginBlock order: layer {earlier.layer_name} (block "
@@ -200,15 +205,16 @@ def _check_begin_block_order(trace: BlockTrace) -> None:
                 "the layers run.")
 
 
-def _label(user_id, ipu_id) -> str:
+def _label(user_id: str | int | None, ipu_id: int | None) -> str:
     return f"user_id={user_id!r}, ipu_id={ipu_id!r}"
 
 
-def _pipeline_stages(trace: BlockTrace, strategy: ExecutionStrategy):
+def _pipeline_stages(trace: BlockTrace, strategy: ExecutionStrategy
+                     ) -> tuple[list[StagePlan], dict[str, int]]:
     name = _kind(strategy)
     blocks = list(dict.fromkeys(trace.sequence))
-    stage_key: Dict[str, int] = {}
-    ipu_of_key: Dict[int, int] = {}
+    stage_key: dict[str, int] = {}
+    ipu_of_key: dict[int, int] = {}
     if strategy.auto_stage is not None:
         next_stage = 0
         for block in blocks:
@@ -259,12 +265,12 @@ def _pipeline_stages(trace: BlockTrace, strategy: ExecutionStrategy):
     return stages, {b: index_of[k] for b, k in stage_key.items()}
 
 
-def _user_blocks(blocks: List[str]) -> List[str]:
+def _user_blocks(blocks: list[str]) -> list[str]:
     return [b for b in blocks if b != IMPLICIT_BLOCK]
 
 
-def _check_ascending(sequence: List[str], stage_key: Dict[str, int], name: str) -> None:
-    for before, after in zip(sequence, sequence[1:], strict=False):
+def _check_ascending(sequence: list[str], stage_key: dict[str, int], name: str) -> None:
+    for before, after in itertools.pairwise(sequence):
         if stage_key[after] < stage_key[before]:
             raise Error(
                 f"Block {after!r} (stage {stage_key[after]}) runs after block {before!r} "
@@ -273,14 +279,15 @@ def _check_ascending(sequence: List[str], stage_key: Dict[str, int], name: str) 
                 "explicitly with poptorch.Stage.")
 
 
-def _phased_stages(trace: BlockTrace, strategy: ExecutionStrategy):
+def _phased_stages(trace: BlockTrace, strategy: ExecutionStrategy
+                   ) -> tuple[list[StagePlan], dict[str, int], int]:
     name = _kind(strategy)
     phases = strategy.phases
     if not phases:
         raise Error(f"{name} needs at least one poptorch.Phase.")
     blocks = list(dict.fromkeys(trace.sequence))
-    stages: List[StagePlan] = []
-    block_stage: Dict[str, int] = {}
+    stages: list[StagePlan] = []
+    block_stage: dict[str, int] = {}
     group = len(phases[0].stages)
     # Automatic IPUs (stage j of phase p on IPU 2j + p % 2, or j) need phases of equal
     # width; stages placed explicitly with .ipu(n) may differ per phase, as upstream.
@@ -329,9 +336,9 @@ def _phased_stages(trace: BlockTrace, strategy: ExecutionStrategy):
     return stages, block_stage, len(phases)
 
 
-def _check_weights(trace: BlockTrace, stages: List[StagePlan],
-                   block_stage: Dict[str, int]) -> Dict[int, int]:
-    weight_stage: Dict[int, int] = {}
+def _check_weights(trace: BlockTrace, stages: list[StagePlan],
+                   block_stage: dict[str, int]) -> dict[int, int]:
+    weight_stage: dict[int, int] = {}
     for key, users in trace.users.items():
         stage_ids = [block_stage[b] for b in users]
         ipus = {stages[s].ipu for s in stage_ids}
@@ -372,5 +379,14 @@ def _check_pipeline_depth(part: Partition, config: RuntimeConfig, training: bool
                 "poptorch.ShardedExecution.")
 
 
-__all__ = ["BlockNamer", "BlockTrace", "Partition", "StagePlan", "trace_blocks",
-           "resolve_partition", "is_pipelined", "has_static_annotations", "IMPLICIT_BLOCK"]
+__all__ = [
+    "IMPLICIT_BLOCK",
+    "BlockNamer",
+    "BlockTrace",
+    "Partition",
+    "StagePlan",
+    "has_static_annotations",
+    "is_pipelined",
+    "resolve_partition",
+    "trace_blocks",
+]

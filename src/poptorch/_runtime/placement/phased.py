@@ -129,7 +129,8 @@ class StreamingMemory:
             if t.grad is not None:
                 t.grad = t.grad.to(device)
 
-    def activation_scope(self, devices: list[torch.device]):
+    def activation_scope(self, devices: list[torch.device]
+                         ) -> contextlib.AbstractContextManager[Any]:
         """Saved activations go to host memory between forward and backward."""
         if self.stream_activations and any(d.type != "cpu" for d in devices):
             return torch.autograd.graph.save_on_cpu(pin_memory=False)

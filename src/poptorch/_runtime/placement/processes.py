@@ -20,20 +20,22 @@ the other processes of its pipeline, so every process returns what PopTorch retu
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ...enums import OutputMode
+from ...errors import Error
 from .. import context
-from ..distributed import stage_processes, world as world_module
+from ..config import RuntimeConfig
+from ..distributed import stage_processes
+from ..distributed import world as world_module
 from ..distributed.collectives import failures_as_errors
 from ..distributed.consistency import check_same_everywhere
 from ..distributed.output_broadcast import OutputBroadcast
-from ..config import RuntimeConfig
 from ..torch_internals import pytree
-from ...enums import OutputMode
-from ...errors import Error
 from . import recompute
 from .capture import CapturedModel, check_markers, trace_model
 from .partition import Partition, resolve_partition
@@ -84,12 +86,12 @@ class _StageAdapter(torch.nn.Module):
         return tuple(result)
 
 
-def _plan_adapters(staged: StagedModel) -> List[_StageAdapter]:
+def _plan_adapters(staged: StagedModel) -> list[_StageAdapter]:
     """The adapters of every stage (module docstring): which values cross each
     boundary, and where each stage finds its inputs and its outputs."""
     stages = staged.stages
     n = len(stages)
-    carry: List[list] = []  # carry[k]: values (producer, position) crossing k -> k + 1
+    carry: list[list] = []  # carry[k]: values (producer, position) crossing k -> k + 1
     for k in range(n - 1):
         values: list = []
         for later in stages[k + 1:]:
@@ -120,7 +122,7 @@ class StageProcessRunner:
     """The step runner of a model whose stages run on processes (module docstring)."""
 
     def __init__(self, model: torch.nn.Module, config: RuntimeConfig, training: bool,
-                 example: Optional[tuple], overlap: Any = None) -> None:
+                 example: tuple | None, overlap: Any = None) -> None:
         strategy = config.placement.strategy
         if kind_of(strategy) != PIPELINED:
             raise Error(
@@ -150,7 +152,7 @@ class StageProcessRunner:
         self.strategy = strategy
         self.device = _devices.acquire_devices(config.placement.device_options, 1)[0]
         self.input_device = self.output_device = self.device
-        self.last_schedule: Optional[ScheduleRecord] = None
+        self.last_schedule: ScheduleRecord | None = None
         captured = _capture_or_explain(model, example, strategy, overlap)
         part = resolve_partition(captured.trace, strategy, config, training, 0)
         world = world_module.join(config.distributed.process_id,
@@ -179,7 +181,7 @@ class StageProcessRunner:
         self._final_only = config.output_mode == OutputMode.Final.value
         self._broadcast = OutputBroadcast(self.layout.last_rank, self.layout.pipeline_group,
                                           self.device)
-        self._loss_of: Optional[LossOf] = None
+        self._loss_of: LossOf | None = None
         # every process starts from process 0's weights; this stage's go to its device
         tensors = list(model.parameters()) + list(model.buffers())
         stage_processes.start_from_process_0(world, tensors)
@@ -208,7 +210,7 @@ class StageProcessRunner:
         stage_processes.gather_stages(self.layout, self._stage_tensors)
 
     # ------------------------------------------------------------------ run
-    def __call__(self, microbatches: List[tuple], loss_of: Optional[LossOf]) -> List[Any]:
+    def __call__(self, microbatches: list[tuple], loss_of: LossOf | None) -> list[Any]:
         inputs = []
         for args, kwargs in microbatches:
             values = self.captured.inputs_of(args, kwargs)
@@ -251,8 +253,7 @@ class StageProcessRunner:
         key = (count, training)
         made = self._schedules.get(key)
         if made is None:
-            from torch.distributed.pipelining import (  # pylint: disable=import-outside-toplevel
-                PipelineStage, Schedule1F1B, ScheduleGPipe)
+            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # pylint: disable=import-outside-toplevel
             layout = self.layout
             stage = PipelineStage(self.adapter, layout.stage, layout.stages, self.device,
                                   group=layout.pipeline_group)
@@ -282,7 +283,7 @@ class StageProcessRunner:
         assert loss_of is not None  # (set for the duration of a training step)
         return loss_of(model_output)
 
-    def _outputs(self, stage: Any, inputs: List[dict]) -> List[Any]:
+    def _outputs(self, stage: Any, inputs: list[dict]) -> list[Any]:
         """Every micro-batch's output, on every process of the pipeline: the last stage
         has them and broadcasts them to the others (with ``OutputMode.Final``, only the
         last micro-batch's, the one the program returns)."""
@@ -301,7 +302,7 @@ class StageProcessRunner:
         # OutputMode.Final reads only the last micro-batch's output: only it travels
         return received * len(inputs) if self._final_only else received
 
-    def _check_same_inputs(self, inputs: List[dict]) -> None:
+    def _check_same_inputs(self, inputs: list[dict]) -> None:
         """The processes of a pipeline must be fed the same batch (each stage reads the
         inputs it needs from its own call): compared once, at the first call."""
         digest = hashlib.sha1()

@@ -24,6 +24,7 @@ import collections
 import sys
 import threading
 import weakref
+from collections.abc import Callable, Collection
 from types import FrameType
 from typing import Any
 
@@ -93,7 +94,7 @@ class recording:
             self.rec.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         _state.recording = self.previous
         if self.owner is not None:
             self.rec.finish()
@@ -192,7 +193,9 @@ class _TapeMode(TorchDispatchMode):
         super().__init__()
         self.recording = recording
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Callable[..., Any], types: Collection[type],
+                           args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if _leaves_no_tensor_trace(func):
             # Name scopes (push / pop_name_scope, NameScope's profiler range): they
@@ -277,7 +280,9 @@ class _Segment:
         self.drop_after: list[list[Ref]] = []
 
     # recording ------------------------------------------------------------------
-    def before(self, func, args: tuple, kwargs: dict) -> tuple:
+    def before(self, func: Any, args: tuple, kwargs: dict) -> tuple:
+        """Record the call of ``func`` (an aten operator overload: its schema and tags
+        are read) before it runs; returns the tape entry (see :meth:`after`)."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
         writes = _written_leaves(func, args, kwargs)
         refs = []
@@ -426,7 +431,7 @@ class _External:
 _no_trace_cache: dict[Any, bool] = {}
 
 
-def _leaves_no_tensor_trace(func) -> bool:
+def _leaves_no_tensor_trace(func: Any) -> bool:  # (an aten operator overload: its schema)
     """True for an operator that returns no tensor and writes to none of its arguments
     (by its schema): nothing a replay computes can depend on it."""
     cached = _no_trace_cache.get(func)
@@ -449,7 +454,7 @@ _UNANNOTATED_WRITES = {
 }
 
 
-def _written_leaves(func, args: tuple, kwargs: dict) -> set:
+def _written_leaves(func: Any, args: tuple, kwargs: dict) -> set:  # (func: as above)
     """Leaf positions (in the flattened ``(args, kwargs)``) of the arguments that
     ``func`` writes to (from its schema, e.g. ``self`` of ``add_``, ``out=``)."""
     cached = _write_cache.get(func)
@@ -495,7 +500,7 @@ class _ReplayRng:
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.saved is not None:
             torch.set_rng_state(self.saved[0])
             if self.saved[1] is not None:

@@ -27,7 +27,7 @@ engine then runs the full backward.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -47,7 +47,7 @@ def _grad_node(t: torch.Tensor) -> Node | None:
 class SplitBackward:
     """The two halves of one stage backward (module docstring)."""
 
-    __slots__ = ("groups", "kept", "handles")
+    __slots__ = ("groups", "handles", "kept")
 
     def __init__(self, groups: list[tuple[list[Node], list[torch.Tensor]]]):
         # per group: its joins and its weights
@@ -93,7 +93,7 @@ class SplitBackward:
         self.groups = []
 
 
-def _keeper(kept: dict, node: Node):
+def _keeper(kept: dict, node: Node) -> Callable[[tuple], None]:
     def hook(grads: tuple) -> None:
         kept[node] = grads
     return hook

@@ -17,7 +17,7 @@ streams the phase's weights in there).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -55,7 +55,8 @@ class StageRun(TorchFunctionMode):
     def reset_auto_id(self) -> None:
         self.namer.reset_auto_id()
 
-    def begin_block(self, user_id, ipu_id, layer=None) -> None:
+    def begin_block(self, user_id: str | int | None, ipu_id: int | None,
+                    layer: torch.nn.Module | None = None) -> None:
         block = self.namer.name(user_id)
         stage = self.partition.block_stage.get(block)
         if stage is None:
@@ -85,7 +86,9 @@ class StageRun(TorchFunctionMode):
         self._enter_stage(self.partition.block_stage[self.partition.sequence[0]])
 
     # ---------------------------------------------------------------- torch function mode
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Callable[..., Any], types: Collection[type],
+                           args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         args, kwargs = pytree.tree_map_only(torch.Tensor, self._adopt, (args, kwargs))
         out = func(*args, **kwargs)
@@ -150,11 +153,11 @@ class listening:
 
     def __init__(self, listener: Any) -> None:
         self.listener = listener
-        self.previous = None
+        self.previous: Any = None
 
-    def __enter__(self):
+    def __enter__(self) -> Any:
         self.previous = markers.set_listener(self.listener)
         return self.listener
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         markers.set_listener(self.previous)

@@ -20,7 +20,6 @@ import torch
 import torch.fx
 
 from ..torch_internals import pytree
-
 from .capture import BLOCK_META, CapturedModel
 from .partition import Partition
 from .recompute import checkpoint_values
@@ -121,7 +120,9 @@ def _check_forward_order(gm: torch.fx.GraphModule, stage_of: dict[torch.fx.Node,
                 raise ValueError("a stage reads a value of a later stage")
 
 
-def _stage_module(gm, s, stage_of, imports, exports):
+def _stage_module(gm: torch.fx.GraphModule, s: int, stage_of: dict[torch.fx.Node, int],
+                  imports: list[torch.fx.Node], exports: list[dict[torch.fx.Node, int]]
+                  ) -> tuple[torch.fx.GraphModule, list[tuple]]:
     """Stage ``s`` as a graph module, and the source of each of its inputs."""
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -141,7 +142,7 @@ def _stage_module(gm, s, stage_of, imports, exports):
             if arg.op == "get_attr" and arg not in env:
                 env[arg] = graph.get_attr(arg.target)
         env[node] = graph.node_copy(node, lambda n: env[n])
-    ordered = sorted(exports[s], key=exports[s].get)
+    ordered = sorted(exports[s], key=exports[s].__getitem__)
     graph.output(tuple(env[n] for n in ordered))
     module = torch.fx.GraphModule(gm, graph, class_name=f"Stage{s}")
     return module, sources

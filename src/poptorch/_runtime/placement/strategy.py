@@ -8,7 +8,7 @@ this small protocol instead of importing them: each class names its schedule wit
 """
 from __future__ import annotations
 
-from typing import Any, List, Protocol
+from typing import Any, Protocol
 
 PIPELINED = "pipelined"
 SHARDED = "sharded"
@@ -32,7 +32,7 @@ class ExecutionStrategy(Protocol):
 
     def onEndTracing(self) -> None: ...
 
-    def _explicit_stages(self) -> List[Any]: ...
+    def _explicit_stages(self) -> list[Any]: ...
 
 
 def kind_of(strategy: ExecutionStrategy) -> str:

@@ -44,7 +44,7 @@ def missing_compiler() -> str | None:
     None when it can. Looked up once per process."""
     try:
         inductor_cpp_compiler()
-    except Exception as error:  # noqa: BLE001  (InvalidCxxCompiler, a broken toolchain probe)
+    except Exception as error:
         first = str(error).strip().splitlines()
         return f"no C++ compiler was found ({first[0] if first else type(error).__name__})"
     return None

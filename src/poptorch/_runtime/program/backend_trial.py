@@ -134,7 +134,7 @@ class BackendSelector:
             return self.eager
         probation = self.probation
         if self.trial is not None:
-            return probation if self.trial.next_turn() else self.eager  # type: ignore[return-value]
+            return probation if self.trial.next_turn() else self.eager  # type: ignore[return-value]  # (a trial runs only during a probation)
         if probation is not None:
             return probation
         return self.compiled

@@ -39,11 +39,10 @@ import torch
 
 from ..._logging import info_once
 from .. import context
+from ..torch_internals import dynamo_config_patch, dynamo_eager_numerics, optimizer_hooks_registered
 from .loss import LossNeedsEager, find_loss
 from .optimizer import OptimizerBinding
 from .runner import SequentialRunner
-from ..torch_internals import (dynamo_config_patch, dynamo_eager_numerics,
-                               optimizer_hooks_registered)
 
 __all__ = ["MAX_UPDATE_TRACES", "CompiledBackend", "Uncapturable", "torch_compile_backend",
            "update_blocker"]

@@ -23,11 +23,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-from ..torch_internals import foreach_copy_, pytree
 
 from .. import context
 from ..attributes import own_attribute
 from ..batching.plan import Microbatch
+from ..torch_internals import foreach_copy_, pytree
 from .overlapped_io import FirstForwardCheck
 from .runner import LossOf
 
@@ -137,7 +137,7 @@ class ConcurrentReplicas:
         if errors:
             self._drop_replica_grads()
             raise errors[0]
-        per_replica = [first] + results
+        per_replica = [first, *results]
         if training:
             self._gather_grads()
         outputs: list[Any] = [None] * len(microbatches)

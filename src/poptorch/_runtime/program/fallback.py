@@ -135,7 +135,7 @@ class Probation:
         bar = None if self._compiled_once else self._progress_bar()
         try:
             outputs = self.compiled.runner(microbatches, recording)
-        except Exception as error:  # noqa: BLE001  (every failure of a compiled piece)
+        except Exception as error:
             return self._redo(undo, microbatches, loss_of, stage_of(error), error)
         finally:
             if bar is not None:
@@ -193,7 +193,7 @@ class Probation:
         undo = StateUndo(self.params, optimizer=optimizer)
         try:
             self.compiled.update()
-        except Exception as error:  # noqa: BLE001  (every failure of a compiled piece)
+        except Exception as error:
             undo.restore()
             self._leave(f"update {stage_of(error)}", _reason(error))
             self.eager.update()

@@ -30,13 +30,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from ..torch_internals import pytree
 
 from ...errors import Error
+from ..torch_internals import pytree
 
 _NO_LOSS = (
-    "Couldn't find a loss in graph: a training model must compute its loss: return the loss, or (output, loss), or "
-    "mark it with poptorch.identity_loss(loss, reduction). This model returned {what}.")
+    "Couldn't find a loss in graph: a training model must compute its loss: return the "
+    "loss, or (output, loss), or mark it with poptorch.identity_loss(loss, reduction). "
+    "This model returned {what}.")
 
 
 class LossNeedsEager(Exception):

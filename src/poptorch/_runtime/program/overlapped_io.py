@@ -33,17 +33,17 @@ the markers, made one of two ways:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
-from ..torch_internals import DisableTorchFunction, pytree
 
-from .. import context
 from ...enums import OutputMode, OverlapMode
 from ...errors import Error
+from .. import context
+from ..torch_internals import DisableTorchFunction, pytree
 
 __all__ = ["FirstForwardCheck", "MarkerRecord", "OverlapSettings"]
 
@@ -205,7 +205,9 @@ class _ForwardRecord(TorchFunctionMode):
         self.record = MarkerRecord(names, [id(t) for t in inputs])
         self._kept: list[torch.Tensor] = []  # marked outputs and their aliases, alive
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Callable[..., Any], types: Collection[type],
+                           args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if func not in _METADATA:
             for leaf in pytree.tree_leaves((args, kwargs)):

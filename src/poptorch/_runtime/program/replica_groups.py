@@ -18,8 +18,6 @@ Group of global replica ``k`` of ``R`` with group size ``s``: ``Consecutive``
 """
 from __future__ import annotations
 
-from typing import List
-
 import torch
 
 from ...enums import CommGroupType, VariableRetrievalMode
@@ -104,7 +102,7 @@ class GroupedParameter:
 
 
 def grouped_parameters(model: torch.nn.Module, groupings: dict, first_replica: int,
-                       local_replicas: int, replicas: int) -> List[GroupedParameter]:
+                       local_replicas: int, replicas: int) -> list[GroupedParameter]:
     """The grouped parameters of ``model`` from ``{name: (kind, size, mode)}``
     (``CommGroupType.All`` entries are plain weights)."""
     params = dict(model.named_parameters())

@@ -8,15 +8,14 @@ phase the model; the default below runs micro-batches one after the other.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
-from ..torch_internals import foreach_copy_
-
 from ..batching.plan import Microbatch
+from ..torch_internals import foreach_copy_
 from .overlapped_io import FirstForwardCheck
-
 
 
 class LossOf(Protocol):

@@ -35,6 +35,7 @@ class TensorConstants:
 
     def restore(self) -> None:
         """Give every changed constant its compile-time value again (a new tensor)."""
+        obj: torch.Tensor  # (the constant the module held at the last restore)
         for entry in self._entries:
             module, name, snapshot, obj, version = entry
             current = getattr(module, name, None)

@@ -10,7 +10,8 @@ copies the device values back first, as PopTorch's implicit copy-to-host does.
 from __future__ import annotations
 
 import weakref
-from typing import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
+from typing import Any
 
 import torch
 
@@ -83,8 +84,8 @@ _HOOKED_METHODS = ("parameters", "named_parameters", "buffers", "named_buffers",
 
 # The weight syncs of each hooked host module, and the hooked class of each module
 # unhooked for a while (``unhook`` / ``rehook``).
-_SYNCS: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
-_UNHOOKED: "weakref.WeakKeyDictionary[torch.nn.Module, type]" = weakref.WeakKeyDictionary()
+_SYNCS: weakref.WeakKeyDictionary[torch.nn.Module, list] = weakref.WeakKeyDictionary()
+_UNHOOKED: weakref.WeakKeyDictionary[torch.nn.Module, type] = weakref.WeakKeyDictionary()
 
 
 def _install_access_hook(host: torch.nn.Module, sync: WeightSync) -> None:
@@ -100,12 +101,12 @@ def _install_access_hook(host: torch.nn.Module, sync: WeightSync) -> None:
             if s is not None:
                 s.to_host_if_needed()
 
-    namespace = {"_poptorch_hooked": True}
+    namespace: dict[str, Any] = {"_poptorch_hooked": True}
 
-    def make(name):
+    def make(name: str) -> Callable[..., Any]:
         original = getattr(base, name)
 
-        def method(self, *args, **kwargs):
+        def method(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             refresh(self)
             return original(self, *args, **kwargs)
         method.__name__ = name
@@ -115,10 +116,10 @@ def _install_access_hook(host: torch.nn.Module, sync: WeightSync) -> None:
     for name in _HOOKED_METHODS:
         namespace[name] = make(name)
 
-    def __getattr__(self, name):
+    def __getattr__(self: torch.nn.Module, name: str) -> Any:
         refresh(self)
         return base.__getattr__(self, name)
-    namespace["__getattr__"] = __getattr__  # type: ignore[assignment]  # (a class namespace)
+    namespace["__getattr__"] = __getattr__
     host.__class__ = type(base.__name__, (base,), namespace)
 
 
