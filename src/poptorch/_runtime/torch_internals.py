@@ -196,7 +196,7 @@ def dynamo_eager_numerics() -> dict[str, Any]:
     =False`` keeps the eager op. Side effect on 2.11: a tensor ``alpha`` (a tensor
     learning rate) then cannot be captured whole. Empty where this torch has no such
     setting (the fallback: dynamo's own rewrites stay)."""
-    if _TORCH_RELEASE >= (2, 13):
+    if TORCH_RELEASE >= (2, 13):  # from 2.13 on dynamo keeps the eager op for a number
         return {}
     config = dynamo().config
     if hasattr(config, "enable_dynamo_decompositions"):
@@ -204,7 +204,8 @@ def dynamo_eager_numerics() -> dict[str, Any]:
     return {}
 
 
-_TORCH_RELEASE = tuple(int(part) for part in torch.__version__.split(".")[:2])
+TORCH_RELEASE = tuple(int(part) for part in torch.__version__.split(".")[:2])
+"""(major, minor) of the torch in use."""
 
 
 def tensor_inputs_check(tensors: tuple) -> Any:
