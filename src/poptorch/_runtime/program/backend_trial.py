@@ -145,8 +145,11 @@ class BackendSelector:
             self._first = False
             self._start_probation(seconds, max(1, microbatches))
             return
+        probation = self.probation
+        if probation is not None and backend is probation:
+            seconds -= probation.take_overhead()  # (the guards are not the backend's)
         if self.trial is not None:
-            self.trial.record(backend is self.probation, seconds)
+            self.trial.record(backend is probation, seconds)
         elif self.probation is not None and backend is self.probation:
             self._probation_left -= 1
             if self._probation_left <= 0:

@@ -120,6 +120,7 @@ class Probation:
         self.compile_seconds = 0.0
         self.updates_left = UPDATE_PROBATION
         self._compiled_once = False
+        self.overhead = 0.0  # seconds of guarding since the last take_overhead()
         self._progress = progress  # PopTorch's progress bar over the first compile
         self._leave = leave
         self._active = active  # False once the selector dropped the compiled backend
@@ -129,9 +130,11 @@ class Probation:
     def _run_microbatches(self, microbatches: list, loss_of: LossOf | None) -> list:
         if not self._active():
             return self.eager.runner(microbatches, loss_of)
+        t_guard = time.perf_counter()
         undo = StateUndo(self.buffers, rng=RandomState(self.device))
         recording = None if loss_of is None else _RecordingLoss(loss_of)
         t0 = time.perf_counter()
+        self.overhead += t0 - t_guard
         bar = None if self._compiled_once else self._progress_bar()
         try:
             outputs = self.compiled.runner(microbatches, recording)
@@ -153,9 +156,12 @@ class Probation:
             return self._redo(undo, microbatches, loss_of, "compile budget",
                               f"the compiles took {self.compile_seconds:.1f} s, over the "
                               f"budget of {self.budget:.0f} s")
+        t_check = time.perf_counter()
         produced = _tensors(outputs) + (recording.losses if recording else [])
         produced += [p.grad for p in self.params if p.grad is not None]
-        if not _finite(produced):
+        finite = _finite(produced)
+        self.overhead += time.perf_counter() - t_check
+        if not finite:
             undo.restore()
             self._clear_grads()
             again = self.eager.runner(microbatches, loss_of)
@@ -165,6 +171,12 @@ class Probation:
                             "finite where the eager backend's is")
             return again
         return outputs
+
+    def take_overhead(self) -> float:
+        """The seconds spent guarding the pieces since the last call of this (not the
+        compiled backend's own time: the trial leaves it out)."""
+        overhead, self.overhead = self.overhead, 0.0
+        return overhead
 
     def _progress_bar(self) -> Any:
         """The bar shown while the first compiled call compiles (its step's pieces)."""
@@ -190,7 +202,9 @@ class Probation:
         self.updates_left -= 1
         binding = self.compiled.binding
         optimizer = None if binding is None else binding.device
+        t_guard = time.perf_counter()
         undo = StateUndo(self.params, optimizer=optimizer)
+        self.overhead += time.perf_counter() - t_guard
         try:
             self.compiled.update()
         except Exception as error:
@@ -198,7 +212,10 @@ class Probation:
             self._leave(f"update {stage_of(error)}", _reason(error))
             self.eager.update()
             return
-        if not _finite(list(self.params)):
+        t_check = time.perf_counter()
+        finite = _finite(list(self.params))
+        self.overhead += time.perf_counter() - t_check
+        if not finite:
             undo.restore()
             self.eager.update()
             if _finite(list(self.params)):
