@@ -68,6 +68,19 @@ def batch_vector(batch: torch.Tensor | None, num: int, name: str, op: str,
     return batch.to(device=device, dtype=torch.long)
 
 
+def point_pair(x: torch.Tensor, y: torch.Tensor, batch_x: torch.Tensor | None,
+               batch_y: torch.Tensor | None, op: str
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The points of ``x`` and ``y`` (:py:func:`points`), checked to have the same
+    number of features, and their batch vectors (:py:func:`batch_vector`)."""
+    x, y = points(x, "x", op), points(y, "y", op)
+    if x.shape[1] != y.shape[1]:
+        raise OpArgumentError(f"{op}: x and y must have the same number of features, got "
+                              f"{x.shape[1]} and {y.shape[1]}.")
+    return (x, y, batch_vector(batch_x, x.shape[0], "batch_x", op, x.device),
+            batch_vector(batch_y, y.shape[0], "batch_y", op, x.device))
+
+
 def distances(x: torch.Tensor, y: torch.Tensor, batch_x: torch.Tensor,
               batch_y: torch.Tensor, cosine: bool = False) -> torch.Tensor:
     """``[M, N]`` distances from each point of ``y`` to each point of ``x``; ``inf``

@@ -9,13 +9,11 @@ from __future__ import annotations
 import torch
 
 from ._points import (
-    OpArgumentError,
-    batch_vector,
     check_count,
     distances,
     nearest_slots,
     note_unused_options,
-    points,
+    point_pair,
 )
 
 __all__ = ["knn"]
@@ -36,12 +34,7 @@ def knn(x: torch.Tensor, y: torch.Tensor, k: int, batch_x: torch.Tensor | None =
     """
     k = check_count(k, "k", "knn")
     note_unused_options("knn", num_workers, batch_size)
-    x, y = points(x, "x", "knn"), points(y, "y", "knn")
-    if x.shape[1] != y.shape[1]:
-        raise OpArgumentError(f"knn: x and y must have the same number of features, got "
-                         f"{x.shape[1]} and {y.shape[1]}.")
-    bx = batch_vector(batch_x, x.shape[0], "batch_x", "knn", x.device)
-    by = batch_vector(batch_y, y.shape[0], "batch_y", "knn", x.device)
+    x, y, bx, by = point_pair(x, y, batch_x, batch_y, "knn")
     with torch.no_grad():
         row, col = nearest_slots(distances(x, y, bx, by, bool(cosine)), k)
     return torch.stack([row, col], dim=0)

@@ -18,6 +18,7 @@ from ._points import (
     distances,
     nearest_slots,
     note_unused_options,
+    point_pair,
     points,
 )
 
@@ -45,12 +46,7 @@ def radius(x: torch.Tensor, y: torch.Tensor, r: float, batch_x: torch.Tensor | N
     r = _check_radius(r, "radius")
     slots = check_count(max_num_neighbors, "max_num_neighbors", "radius")
     note_unused_options("radius", num_workers, batch_size)
-    x, y = points(x, "x", "radius"), points(y, "y", "radius")
-    if x.shape[1] != y.shape[1]:
-        raise OpArgumentError(f"radius: x and y must have the same number of features, got "
-                         f"{x.shape[1]} and {y.shape[1]}.")
-    bx = batch_vector(batch_x, x.shape[0], "batch_x", "radius", x.device)
-    by = batch_vector(batch_y, y.shape[0], "batch_y", "radius", x.device)
+    x, y, bx, by = point_pair(x, y, batch_x, batch_y, "radius")
     with torch.no_grad():
         row, col = nearest_slots(distances(x, y, bx, by), slots, within=r)
     return torch.stack([row, col], dim=0)
