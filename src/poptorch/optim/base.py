@@ -201,7 +201,8 @@ class Optimizer:
                 if divisor is not None:
                     g = g / divisor
                 grads[p] = g.to(accum).to(compute_dtype(p))
-        self._loaded_ipu = None  # a step moves the device state on
+        if self._loaded_ipu is not None:  # a step moves the device state on (written
+            self._loaded_ipu = None  # only when set: a compiled update writes no attribute)
         max_norm = getattr(self, "max_grad_norm", float("inf"))
         if grads and max_norm != float("inf"):
             norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads.values()])
