@@ -70,7 +70,9 @@ class FastCall:
         program = state.program
         # one micro-batch per call: the driver's single-micro-batch entry
         self._run = program.run_single if program.single_ready() else program.run
-        self._undo_for_call = program.undo_for_call
+        # (a call undoes its buffers' and loss scale's changes when it fails)
+        self._undo_for_call = program.undo_for_call if program.undo_for_call() is not None \
+            else None
         self._count = len(args)
         self._check = _input_check(args)
         constants = state.tensor_constants
@@ -87,7 +89,7 @@ class FastCall:
         opt_sync = self._optimizer_sync
         if opt_sync is not None:
             opt_sync.before_run()
-        undo = self._undo_for_call()
+        undo = None if self._undo_for_call is None else self._undo_for_call()
         mode, casting = self._mode, self._casting
         mode.__enter__()
         casting.enter_run()  # (the float16 rules are settled: nothing to cast)

@@ -3,10 +3,11 @@
 ``torch.compile`` compiles two pieces of a training step, each once per model whatever
 ``deviceIterations`` and ``gradientAccumulation`` are:
 
-* the **micro-batch**: the model's forward pass and its loss (``find_loss``). Its
-  backward pass is the one AOTAutograd compiled with it, run by autograd from the
-  (scaled) loss, so the gradients accumulate into the parameters' ``.grad`` over the
-  micro-batches exactly as the eager backend's do;
+* the **micro-batch**: the model's forward pass, its loss (``find_loss``) and the
+  backward pass, as one graph (``fused_microbatch.py``); the gradients accumulate into
+  the parameters' ``.grad`` over the micro-batches exactly as the eager backend's do.
+  Where that cannot be one graph, the forward pass and the loss are compiled and autograd
+  runs the backward pass AOTAutograd compiled with them;
 * the **update**: the optimizer's own ``step`` (torch.optim's wrappers unwrapped, under
   ``no_grad``), as torch's compiled optimizers are. Its Python hyperparameters are
   compiled in: when they change (``setOptimizer``, a learning-rate schedule synced from
@@ -40,6 +41,7 @@ import torch
 from ..._logging import info_once
 from .. import context
 from ..torch_internals import dynamo_config_patch, dynamo_eager_numerics, optimizer_hooks_registered
+from .fused_microbatch import FusedMicrobatches, Uncapturable, fused_function
 from .loss import LossNeedsEager, find_loss
 from .optimizer import OptimizerBinding
 from .runner import SequentialRunner
@@ -51,10 +53,6 @@ MAX_UPDATE_TRACES = 4
 """How many sets of hyperparameters the update is compiled for before it runs eagerly."""
 
 _names = itertools.count()
-
-
-class Uncapturable(Exception):
-    """Raised while a piece is traced when its graph would differ from the eager step."""
 
 
 def torch_compile_backend() -> str:
@@ -86,13 +84,14 @@ def _own_code(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
-def _compile(fn: Callable[..., Any]) -> Callable[..., Any]:
+def _compile(fn: Callable[..., Any], fullgraph: bool = False) -> Callable[..., Any]:
     backend = torch_compile_backend()
     if backend != "inductor":  # e.g. aot_eager: the same capture, eager kernels
-        compiled = torch.compile(fn, backend=backend)
+        compiled = torch.compile(fn, backend=backend, fullgraph=fullgraph)
     else:
         options: dict[str, Any] = {"fallback_random": True}
-        compiled = torch.compile(fn, backend="inductor", options=options)
+        compiled = torch.compile(fn, backend="inductor", options=options,
+                                 fullgraph=fullgraph)
     numerics = dynamo_eager_numerics()
     if not numerics:
         return compiled
@@ -127,7 +126,14 @@ class CompiledBackend:
         self._update_eagerly = update_eagerly  # the eager backend's update
         self._update_reason = update_reason
         forward, forward_loss = self._microbatch_functions(model, training)
-        self.runner = SequentialRunner(forward, forward_loss, tuple(model.buffers()))
+        buffers = tuple(model.buffers())
+        split = SequentialRunner(forward, forward_loss, buffers)
+        self.runner: SequentialRunner | FusedMicrobatches = split
+        if training:  # the forward, loss and backward of a micro-batch as one graph
+            fused = _compile(_own_code(fused_function(model), "fused"), fullgraph=True)
+            self.runner = FusedMicrobatches(
+                fused, split, [p for p in model.parameters() if p.requires_grad],
+                buffers, binding, label)
         self._update: Callable[[], Any] | None = None
         # the optimizer the update is compiled for: the compile's (the model's first
         # call, eager, has created its state), then each one setOptimizer binds

@@ -18,7 +18,7 @@ import torch
 from .. import context
 from ..batching.plan import OutputCollector, split_inputs
 from ..batching.structures import register_mapping_outputs
-from ..torch_internals import pytree
+from ..torch_internals import pytree, set_grad_enabled
 from .backend_trial import BackendSelector
 from .backends import Backend
 from .cuda_graphs import CaptureFailed, CudaGraphCall, cuda_graph_call
@@ -316,8 +316,18 @@ class DeviceProgram:
                 rng.__enter__()
             if self.spec.training:
                 output = detach(self._train_step(backend, [(args, kwargs)])[0])
-            else:
-                output = detach_needed(self._infer(backend, [(args, kwargs)])[0])
+            else:  # (_infer for one micro-batch, with the grad-mode switch itself)
+                grad = torch.is_grad_enabled()
+                if grad:
+                    set_grad_enabled(False)
+                try:
+                    output = backend.runner([(args, kwargs)], None)[0]
+                finally:
+                    if grad:
+                        set_grad_enabled(True)
+                if marked:
+                    marked.clear()
+                output = detach_needed(output)
         except BaseException as error:
             failed = type(error)
             raise

@@ -85,6 +85,7 @@ class _RecordingLoss:
 
     def __init__(self, rule: LossOf) -> None:
         self.rule = rule
+        self.multiplier = rule.multiplier
         self.losses: list[torch.Tensor] = []
 
     def __call__(self, output: Any) -> torch.Tensor:

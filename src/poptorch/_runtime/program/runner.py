@@ -21,6 +21,8 @@ from .overlapped_io import FirstForwardCheck
 class LossOf(Protocol):
     """A micro-batch's loss for its backward pass (``step.LossRule``)."""
 
+    multiplier: float  # PopTorch's mean scale of this step's losses
+
     def __call__(self, output: Any) -> torch.Tensor:
         """The loss found in ``output``, scaled."""
         ...
