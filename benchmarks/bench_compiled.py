@@ -349,7 +349,8 @@ def main(argv=None) -> int:
         if args.detail:
             cmd.append("--detail")
         t0 = time.perf_counter()
-        env = dict(os.environ, POPTORCH_LOG_LEVEL="WARN")
+        # each run's trial decides anew: a decision stored by an earlier run is not read
+        env = dict(os.environ, POPTORCH_LOG_LEVEL="WARN", POPTORCH_BACKEND_DECISIONS="off")
         env.pop("POPTORCH_BACKEND", None)  # pop runs the default, as a user gets it
         if args.cold:
             env["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_compiled_")
