@@ -208,7 +208,8 @@ class DeviceProgram:
         steps = split_inputs(spec.plan, args, kwargs)  # raises before anything runs
         collector = OutputCollector(spec.plan, spec.output_mode, spec.output_return_period)
         t_prev = self._loop(backend, steps, collector, t_start)
-        return collector.result(), t_prev
+        result = collector.result()
+        return (result if spec.training else detach_needed(result)), t_prev
 
     def _replayed(self, graphs: CudaGraphCall, backend: Backend, args: tuple,
                   kwargs: dict, t_start: float) -> Any:
@@ -256,9 +257,12 @@ class DeviceProgram:
         perf["input"].extend([t_prev] * len(steps))
         perf["input_complete"].extend([time.perf_counter()] * len(steps))
         outputs = self._infer(backend, [mb for step in steps for mb in step])
-        per = spec.plan.per_step
-        for i in range(len(steps)):
-            self._collect(collector, i, outputs[i * per:(i + 1) * per])
+        if collector.keeps_all and spec.finite_check is None:
+            collector.extend(outputs)  # (detached once combined: _device_call)
+        else:
+            per = spec.plan.per_step
+            for i in range(len(steps)):
+                self._collect(collector, i, outputs[i * per:(i + 1) * per])
         t_prev = time.perf_counter()
         perf["output"].extend([t_prev] * len(steps))
         return t_prev
