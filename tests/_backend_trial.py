@@ -23,3 +23,8 @@ def compiled_running(pop) -> bool:
     """Whether ``pop``'s calls run the compiled backend (its probation included)."""
     return pop.backendInUse in ("compiled", "compiling") and \
         pop._program.selector.compiled is not None
+
+
+def training_runner(pop):
+    """The compiled backend's training runner of ``pop`` (``FusedMicrobatches``)."""
+    return pop._program.selector.compiled.runner

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import poptorch
-from _backend_trial import compiled_running  # noqa: E402
+from _backend_trial import compiled_running, training_runner  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -85,6 +85,7 @@ def test_training_matches_plain_pytorch(d, g):
         torch.testing.assert_close(out, ref_out.detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-5)
     assert _compiled(pop)
+    assert training_runner(pop).split_reason is None  # forward + backward: one graph
     for (name, p), r in zip(model.named_parameters(), ref.parameters(), strict=False):
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-5, msg=name)
     torch.testing.assert_close(model.bn.running_mean, ref.bn.running_mean)
@@ -173,6 +174,50 @@ def test_data_dependent_control_flow_stays_compiled_and_matches():
     for _ in range(4):
         torch.testing.assert_close(pop(x), want)
     assert _compiled(pop)
+
+
+class BranchyLoss(nn.Module):
+    """A training model with data-dependent control flow in its forward pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x, y):
+        out = self.fc(x)
+        if out.sum() > 0:
+            out = out * 2
+        return out, F.cross_entropy(out, y)
+
+
+def test_a_micro_batch_that_cannot_be_one_graph_is_split_and_matches(caplog):
+    """A graph break in the forward pass: the micro-batch cannot be traced with its
+    backward as one graph, so the runner switches (one INFO line, before anything ran)
+    to the compiled forward with autograd's backward; every step equals plain
+    PyTorch's, with g=2 and d=2."""
+    torch.manual_seed(6)
+    model = BranchyLoss()
+    ref = copy.deepcopy(model)
+    pop = poptorch.trainingModel(model, _opts(d=2, g=2),
+                                 torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    poptorch.setLogLevel("INFO")
+    try:
+        with caplog.at_level(logging.INFO, logger="poptorch"):
+            for _call in range(4):
+                x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+                out, _ = pop(x, y)
+                for rows in (slice(0, 8), slice(8, 16)):
+                    ref_out, _ = _reference_step(ref, ref_opt, x[rows], y[rows], 2)
+                torch.testing.assert_close(out, ref_out.detach(), rtol=1e-5, atol=1e-5)
+    finally:
+        poptorch.setLogLevel("WARN")
+    assert _compiled(pop)
+    assert training_runner(pop).split_reason is not None
+    lines = [r for r in caplog.records if "cannot be one graph" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in caplog.records]
+    for p, r in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-5)
 
 
 def test_anchored_tensors_are_read_after_compiled_steps():

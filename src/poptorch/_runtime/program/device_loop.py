@@ -302,49 +302,47 @@ class DeviceProgram:
         """:py:meth:`run` for a program where :py:meth:`single_ready` holds: the same
         results, perf counters and errors, without the batching and output machinery
         that one micro-batch does not need."""
-        marked = context.marked_losses()
+        state = context.thread_state()
+        marked = state.losses
         if marked:
             marked.clear()  # drop marks left by runs outside the executor
-        state = context.thread_state()
-        depth = state.depth
-        state.depth = depth + 1
         rng: RngScope | None = self.spec.rng
-        if rng is not None and not rng.enabled:
-            rng = None
         selector = self.selector
         backend = selector.for_call()
+        state.depth += 1
         t_start = time.perf_counter()
-        failed = None
         try:
-            if rng is not None:
-                rng.__enter__()
-            if self.spec.training:
-                output = detach(self._train_step(backend, [(args, kwargs)])[0])
-            else:  # (_infer for one micro-batch, with the grad-mode switch itself)
-                grad = torch.is_grad_enabled()
-                if grad:
-                    set_grad_enabled(False)
-                try:
-                    output = backend.runner([(args, kwargs)], None)[0]
-                finally:
-                    if grad:
-                        set_grad_enabled(True)
-                if marked:
-                    marked.clear()
-                output = detach_needed(output)
-        except BaseException as error:
-            failed = type(error)
-            raise
+            if rng is None or not rng.enabled:
+                output = self._single_step(backend, args, kwargs, marked)
+            else:
+                with rng:  # (a failed call keeps the stream it started from)
+                    output = self._single_step(backend, args, kwargs, marked)
         finally:
-            state.depth = depth
-            if rng is not None:
-                rng.__exit__(failed)
+            state.depth -= 1
         t_end = time.perf_counter()
         stats = self.stats
         stats.perf.record_single(t_start, t_end)
         stats.last_compute_seconds = t_end - t_start
         selector.record(backend, t_end - t_start, 1)
         return output
+
+    def _single_step(self, backend: Backend, args: tuple, kwargs: dict,
+                     marked: list) -> Any:
+        """The step of :py:meth:`run_single`: a training step, or the forward pass
+        without gradients (``_infer`` for one micro-batch, switching grad mode itself)."""
+        if self.spec.training:
+            return detach(self._train_step(backend, [(args, kwargs)])[0])
+        grad = torch.is_grad_enabled()
+        if grad:
+            set_grad_enabled(False)
+        try:
+            output = backend.runner([(args, kwargs)], None)[0]
+        finally:
+            if grad:
+                set_grad_enabled(True)
+        if marked:
+            marked.clear()
+        return detach_needed(output)
 
     def _share_thread_contexts(self) -> None:
         """Give runners that use worker threads (pipelines) the thread-local part of

@@ -83,10 +83,13 @@ class TrainingMode:
         if self._modules is None:
             self._list()
         mode = self.training
-        flipped = [m for m in self._plain if m.training != mode]
-        for module in flipped:
-            object.__setattr__(module, "training", mode)
-        self._flipped = flipped
+        for m in self._plain:  # (a loop that finds none costs less than a list)
+            if m.training != mode:
+                flipped = [m for m in self._plain if m.training != mode]
+                for module in flipped:
+                    object.__setattr__(module, "training", mode)
+                self._flipped = flipped
+                break
         if self._custom:
             self._flipped_custom = [m for m in self._custom if m.training != mode]
             for module in self._flipped_custom:
@@ -94,12 +97,14 @@ class TrainingMode:
 
     def __exit__(self, *exc: object) -> None:
         other = not self.training
-        for module in self._flipped:
-            object.__setattr__(module, "training", other)
-        for module in self._flipped_custom:
-            module.training = other
-        self._flipped = []
-        self._flipped_custom = []
+        if self._flipped:
+            for module in self._flipped:
+                object.__setattr__(module, "training", other)
+            self._flipped = []
+        if self._flipped_custom:
+            for module in self._flipped_custom:
+                module.training = other
+            self._flipped_custom = []
 
 
 def iter_module_pairs(original: torch.nn.Module, copied: torch.nn.Module
