@@ -21,6 +21,7 @@ import torch
 from ...enums import CommGroupType, OutputMode
 from ...errors import Error
 from ..torch_internals import pytree
+from .structures import register_mapping_outputs
 
 Microbatch = tuple[tuple, dict]
 
@@ -239,6 +240,7 @@ class OutputCollector:
             columns = list(zip(*parts, strict=True))
             if all(isinstance(t, torch.Tensor) for column in columns for t in column):
                 return tuple(_combine(list(column)) for column in columns)
+        register_mapping_outputs(first)  # dict-like outputs: combined key by key
         flat = [pytree.tree_flatten(p) for p in parts]
         spec = flat[0][1]
         combined = [_combine([f[0][k] for f in flat]) for k in range(len(flat[0][0]))]
