@@ -294,11 +294,16 @@ class Optimizer:
         return value if dtype == value.dtype else state[key].to(value.dtype)
 
     @staticmethod
-    def _next_step(state: dict[str, Any]) -> float:
+    def _next_step(state: dict[str, Any]) -> float | torch.Tensor:
+        """Count a step in ``state["step"]``; return the count: a float eagerly, the
+        tensor itself while ``torch.compile`` traces the update (as torch.optim's
+        ``_get_value``): the count stays a graph value, no ``.item()`` graph break."""
         step = state.get("step")
         if step is None:
             step = state["step"] = torch.tensor(0.0, dtype=torch.float32)
         step += 1
+        if torch.compiler.is_compiling():
+            return step
         return float(step.item())
 
 

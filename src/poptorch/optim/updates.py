@@ -8,7 +8,6 @@ float32 the results agree with torch.optim to rounding.
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -64,7 +63,7 @@ def adam(p: torch.Tensor, g: torch.Tensor, group: dict[str, Any], state: State, 
     exp_avg_sq = _store(state, "exp_avg_sq", exp_avg_sq, second_dtype)
     if bias_correction:
         step_size = lr / (1 - beta1 ** step)
-        denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
+        denom = (exp_avg_sq.sqrt() / (1 - beta2 ** step) ** 0.5).add_(eps)
     else:
         step_size = lr
         denom = exp_avg_sq.sqrt().add_(eps)
