@@ -295,15 +295,16 @@ class Optimizer:
 
     @staticmethod
     def _next_step(state: dict[str, Any]) -> float | torch.Tensor:
-        """Count a step in ``state["step"]``; return the count: a float eagerly, the
-        tensor itself while ``torch.compile`` traces the update (as torch.optim's
-        ``_get_value``): the count stays a graph value, no ``.item()`` graph break."""
+        """Count a step in ``state["step"]``; return the count: a float eagerly; while
+        ``torch.compile`` traces the update, the tensor itself (as torch.optim's
+        ``_get_value``: a graph value, no ``.item()`` graph break) in float64, so that
+        the bias corrections round as the eager floats do."""
         step = state.get("step")
         if step is None:
             step = state["step"] = torch.tensor(0.0, dtype=torch.float32)
         step += 1
         if torch.compiler.is_compiling():
-            return step
+            return step.to(torch.float64)
         return float(step.item())
 
 
