@@ -6,10 +6,12 @@ do; the host tensors passed to the model are never read or transferred. This mea
 compute without IO. Non-tensor arguments are passed through unchanged.
 
 The modes are PopART's ``SyntheticDataMode``: 1, zeros; 2, random normal (mean 0,
-variance 1), what ``enableSyntheticData(True)`` selects. As in PopART, the random values
-are drawn in float32 from a fixed seed (the same data every run) and converted to the
-input's dtype: integer inputs get the truncated values (mostly 0, some of -2..2), so a
-model indexing with an input (class labels) needs zeros instead.
+variance 1), what ``enableSyntheticData(True)`` selects. As in PopART, floating inputs
+(and complex ones) get the mode's values, the random ones drawn in float32 from a fixed
+seed (the same data every run) and converted to the input's dtype. Integer and boolean
+inputs get zeros in every mode: they are class labels, indices and masks, and a value
+that indexes safely lets every program that ran on an IPU run here (an IPU does not
+bounds-check a label of -1; ``nll_loss`` and ``embedding`` here do).
 """
 from __future__ import annotations
 
@@ -23,6 +25,12 @@ ZEROS = 1
 RANDOM_NORMAL = 2
 MODES = {ZEROS: "zeros", RANDOM_NORMAL: "random normal"}
 _SEED = 0  # random normal data: fixed, as PopART's default-seeded generator
+
+
+def _takes_random_values(dtype: torch.dtype) -> bool:
+    """Whether random normal synthetic data fills inputs of ``dtype`` (floating and
+    complex ones); integer and boolean inputs are indices, labels or masks: zeros."""
+    return dtype.is_floating_point or dtype.is_complex
 
 
 class SyntheticInputs:
@@ -42,7 +50,7 @@ class SyntheticInputs:
         for leaf in leaves:
             if not isinstance(leaf, torch.Tensor):
                 made.append(None)
-            elif self.mode == ZEROS:
+            elif self.mode == ZEROS or not _takes_random_values(leaf.dtype):
                 made.append(torch.zeros(leaf.shape, dtype=leaf.dtype, device=self.device))
             else:
                 values = torch.randn(leaf.shape, generator=generator, dtype=torch.float32)
