@@ -95,3 +95,30 @@ def test_geometric_parsers_without_torch_geometric(caplog, monkeypatch):
         poptorch.registerGeometricCustomArgParsers()
     assert "torch_geometric is not installed" in caplog.text
     assert argparsers._parsers == before
+
+
+def test_geometric_parsers_come_with_the_add_on(monkeypatch):
+    """The core never imports poptorch_geometric: it registers itself when imported
+    (registerArgParserAddOn); before that, asking the core for PyG's parsers says so."""
+    import importlib.util
+
+    from poptorch.executor import argparsers
+    if importlib.util.find_spec("torch_geometric") is None:
+        pytest.skip("torch_geometric is not installed")
+    monkeypatch.setattr(argparsers, "_addons", {})
+    with pytest.raises(ImportError, match="import poptorch_geometric"):
+        poptorch.registerGeometricCustomArgParsers()
+    calls = []
+    argparsers.registerArgParserAddOn("torch_geometric", lambda: calls.append(1))
+    poptorch.registerGeometricCustomArgParsers()
+    assert calls == [1]
+
+
+def test_importing_poptorch_imports_no_add_on():
+    import subprocess
+    import sys
+    code = ("import sys, poptorch; print(sorted(m for m in sys.modules if m.split('.')[0] "
+            "in ('poptorch_geometric', 'popdist', 'poprun', 'libpvti')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"

@@ -12,6 +12,10 @@ import pathlib
 import pytest
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent / "src" / "poptorch"
+# The packages shipped together (pyproject.toml): the core and its add-ons. The add-ons
+# import the core; the core never imports an add-on (import cycles are looked for across
+# all of them, so a core module that imports an add-on which imports ``poptorch`` is one).
+PACKAGES = ("poptorch", "poptorch_geometric", "popdist", "poprun", "libpvti")
 ENGINE = "poptorch._runtime"
 # Importable from anywhere; they import nothing of the package but each other.
 BASICS = {"poptorch.enums", "poptorch.errors", "poptorch._logging", "poptorch._devices"}
@@ -29,6 +33,25 @@ def _modules() -> dict[str, pathlib.Path]:
     return {_module_name(p): p for p in sorted(PACKAGE_DIR.rglob("*.py"))}
 
 
+def _all_modules() -> dict[str, pathlib.Path]:
+    """The modules of every package in ``PACKAGES``."""
+    return {_module_name(p): p for package in PACKAGES
+            for p in sorted((PACKAGE_DIR.parent / package).rglob("*.py"))}
+
+
+def _dynamic_import(node: ast.AST) -> str | None:
+    """The module of ``importlib.import_module("a.b")`` / ``__import__("a.b")`` (a
+    literal, absolute name), else None."""
+    if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str) and not node.args[0].value.startswith(".")):
+        return None
+    func = node.func
+    if (isinstance(func, ast.Attribute) and func.attr == "import_module") or (
+            isinstance(func, ast.Name) and func.id in ("import_module", "__import__")):
+        return node.args[0].value
+    return None
+
+
 def _imports(name: str, path: pathlib.Path, known: set[str]) -> list[tuple[str, int]]:
     """(imported module, line) for every import of a package module in ``path``."""
     is_package = path.name == "__init__.py"
@@ -36,6 +59,8 @@ def _imports(name: str, path: pathlib.Path, known: set[str]) -> list[tuple[str, 
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found += [(a.name, node.lineno) for a in node.names if a.name in known]
+        elif _dynamic_import(node) in known:
+            found.append((_dynamic_import(node) or "", node.lineno))
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = name.split(".") if is_package else name.split(".")[:-1]
@@ -51,8 +76,8 @@ def _imports(name: str, path: pathlib.Path, known: set[str]) -> list[tuple[str, 
     return found
 
 
-def _graph() -> dict[str, list[tuple[str, int]]]:
-    modules = _modules()
+def _graph(modules: dict[str, pathlib.Path] | None = None) -> dict[str, list[tuple[str, int]]]:
+    modules = _modules() if modules is None else modules
     known = set(modules)
     return {name: _imports(name, path, known) for name, path in modules.items()}
 
@@ -101,9 +126,35 @@ def test_the_reader_sees_the_package():
 
 
 def test_no_import_cycles():
-    cycles = _cycles(_graph())
+    """Across all the packages: within one, and between the core and its add-ons."""
+    cycles = _cycles(_graph(_all_modules()))
     assert not cycles, "import cycles among package modules: " + "; ".join(
         " <-> ".join(c) for c in cycles)
+
+
+def test_the_reader_sees_every_package():
+    graph = _graph(_all_modules())
+    assert {"poptorch_geometric.types", "popdist", "poprun", "libpvti"} <= set(graph)
+    # an edge from an add-on into the core
+    assert "poptorch" in {t for t, _ in graph["poptorch_geometric.types"]}
+
+
+def test_the_cycle_reader_sees_circles_across_packages():
+    """A core module importing an add-on that imports the core is a circle, also when the
+    core imports it by name at run time (``importlib.import_module``)."""
+    tree = ast.parse('import importlib\ndef f():\n    importlib.import_module("b.x")\n')
+    assert _dynamic_import(tree.body[1].body[0].value) == "b.x"
+    graph = {"a": [("a.core", 1)], "a.core": [("b.x", 3)], "b.x": [("a", 2)]}
+    assert _cycles(graph) == [["a", "a.core", "b.x"]]
+
+
+def test_the_core_never_imports_an_add_on():
+    bad = [f"{name}:{line} imports {target}"
+           for name, edges in _graph(_all_modules()).items()
+           if name == "poptorch" or name.startswith("poptorch.")
+           for target, line in edges if target.split(".")[0] != "poptorch"]
+    assert not bad, ("poptorch is the core: the add-ons (poptorch_geometric, popdist, ...) "
+                     "register themselves with it when imported:\n" + "\n".join(bad))
 
 
 def test_engine_never_imports_the_public_layer():

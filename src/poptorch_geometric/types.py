@@ -16,6 +16,7 @@ from torch_geometric.data import Data, HeteroData
 from torch_geometric.data.data import BaseData
 
 import poptorch
+from poptorch.executor.argparsers import registerArgParserAddOn
 
 from .common import DataBatch, HeteroDataBatch
 
@@ -26,7 +27,7 @@ GRAPH_TYPES: tuple[type, ...] = (Data, HeteroData, DataBatch, HeteroDataBatch)
 ``Data`` / ``HeteroData`` that a registration of those does not cover)."""
 
 
-class PyGArgsParser(poptorch.ICustomArgParser):
+class PyGArgsParser(poptorch.ICustomArgParser[BaseData]):
     """Takes a PyG ``Data`` / ``HeteroData`` / ``Batch`` apart into its tensors and
     builds one like it from new tensors.
 
@@ -60,12 +61,16 @@ _registered = False
 
 
 def registerCustomArgParsers() -> None:
-    """Registers :class:`PyGArgsParser` with poptorch for PyG's graph and batch classes
-    (done when ``poptorch_geometric`` is imported; calling it again changes nothing)."""
+    """Registers :class:`PyGArgsParser` with poptorch for PyG's graph and batch classes,
+    and itself as the add-on that does it for ``torch_geometric`` (so that
+    ``poptorch.registerGeometricCustomArgParsers()`` finds it: poptorch never imports
+    ``poptorch_geometric``). Done when ``poptorch_geometric`` is imported; calling it
+    again changes nothing."""
     global _registered
     if _registered:
         return
     parser = PyGArgsParser()
     for graph_type in GRAPH_TYPES:
         poptorch.registerCustomArgParser(graph_type, parser)
+    registerArgParserAddOn("torch_geometric", registerCustomArgParsers)
     _registered = True
