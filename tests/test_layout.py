@@ -18,7 +18,8 @@ PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent / "src" / "poptorch
 PACKAGES = ("poptorch", "poptorch_geometric", "popdist", "poprun", "libpvti")
 ENGINE = "poptorch._runtime"
 # Importable from anywhere; they import nothing of the package but each other.
-BASICS = {"poptorch.enums", "poptorch.errors", "poptorch._logging", "poptorch._devices"}
+BASICS = {"poptorch.enums", "poptorch.errors", "poptorch._logging", "poptorch._devices",
+          "poptorch._typing"}
 MAX_LINES = 600
 
 
