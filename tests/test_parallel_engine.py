@@ -7,9 +7,8 @@ import pytest
 import torch
 
 import poptorch
-from poptorch._runtime.placement.actions import device_lanes
+from poptorch._runtime.schedule.schedules import Topology, device_lanes, one_f_one_b
 from poptorch._runtime.placement.build import build_runner
-from poptorch._runtime.placement.pipeline import one_f_one_b_schedule
 
 FEAT = 8
 
@@ -229,15 +228,14 @@ def test_error_in_a_stage_propagates_and_the_engine_recovers():
 
 
 def test_device_lanes_run_every_action_once_in_dependency_order():
-    per_stage = one_f_one_b_schedule(4, 8)
-    producers = [[], [0], [1], [2]]
-    consumers = [[1], [2], [3], []]
-    lanes = device_lanes(per_stage, [0, 1, 0, 1], 2, producers, consumers)
-    ops = [op for lane in lanes for op in lane]
+    per_stage = one_f_one_b(4, 8)
+    lanes = device_lanes(per_stage, [0, 1, 0, 1], 2, Topology.chain(4))
+    ops = [op._replace(lane=-1) for lane in lanes for op in lane]
     assert sorted(ops) == sorted(op for lane in per_stage for op in lane)
-    for stage in range(4):  # each stage keeps its own 1F1B order
+    for stage in range(4):  # each stage keeps its own 1F1B order, on its device
         lane = lanes[stage % 2]
-        assert [op for op in lane if op[1] == stage] == per_stage[stage]
+        assert [op._replace(lane=-1) for op in lane if op.stage == stage] == per_stage[stage]
+        assert {op.lane for op in lane} == {stage % 2}
 
 
 @pytest.mark.parametrize("kind", ["serial", "parallel"])

@@ -15,7 +15,7 @@ import torch
 import poptorch
 from poptorch import _logging
 from poptorch._runtime.placement.build import build_runner
-from poptorch._runtime.placement.pipeline import ENGINE, SEQUENTIAL
+from poptorch._runtime.schedule.timeline import ENGINE, SEQUENTIAL
 
 FEAT = 8
 PLACEMENT = pathlib.Path(poptorch.__file__).parent / "_runtime" / "placement"

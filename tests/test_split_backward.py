@@ -1,16 +1,16 @@
 """A stage backward split into its input half and its weight half
 (_runtime/placement/split_backward.py) against one plain ``backward``: the same
 gradients for the inputs and the weights, bit for bit; the cases it refuses; the
-pipeline schedules that use it (actions.defer_weight_halves) against plain PyTorch."""
+pipeline schedules that use it (schedules.defer_weight_halves) against plain PyTorch."""
 import copy
 
 import pytest
 import torch
 
 import poptorch
-from poptorch._runtime.placement.actions import (defer_weight_halves, dependencies,
-                                                 device_lanes)
-from poptorch._runtime.placement.pipeline import gpipe_schedule, one_f_one_b_schedule
+from poptorch._runtime.schedule.schedules import (Topology, check_dependencies,
+                                                  defer_weight_halves, device_lanes, gpipe,
+                                                  one_f_one_b)
 from poptorch._runtime.placement import split_backward
 
 FEAT = 16
@@ -142,36 +142,21 @@ def test_leaf_that_is_neither_input_nor_weight_is_not_split():
 def test_deferred_weight_halves_follow_the_last_forward(schedule):
     """Stage s splits its last s backwards, those after its last forward only."""
     stages, g = 3, 6
-    per_stage = (gpipe_schedule(stages, g, True) if schedule == "gpipe" else
-                 one_f_one_b_schedule(stages, g))
-    producers = [[], [0], [1]]
-    consumers = [[1], [2], []]
-    lanes = defer_weight_halves(per_stage, producers)
+    per_stage = gpipe(stages, g, True) if schedule == "gpipe" else one_f_one_b(stages, g)
+    topo = Topology.chain(stages)
+    lanes = defer_weight_halves(per_stage, topo)
     assert lanes[0] == per_stage[0]  # the first stage hands no gradient on
     for s in (1, 2):
-        kinds = [op[0] for op in lanes[s]]
+        kinds = [op.kind for op in lanes[s]]
         last_f = max(i for i, k in enumerate(kinds) if k == "F")
         expected = s if schedule == "gpipe" else min(s, stages - s)
         tail = kinds[last_f + 1:]
         whole = len(tail) - 2 * expected
         assert tail == ["B"] * whole + ["I"] * expected + ["W"] * expected
         assert "I" not in kinds[:last_f] and "W" not in kinds[:last_f]
-    merged = device_lanes(lanes, [0, 1, 2], 3, producers, consumers)
-    # run the lanes as the engine does: a lane's head runs once its dependencies ran
-    # (an input half hands its stage's backward over); no lane may stall
-    done, heads = set(), [0] * len(merged)
-    while any(h < len(lane) for h, lane in zip(heads, merged, strict=True)):
-        moved = False
-        for d, lane in enumerate(merged):
-            if heads[d] < len(lane):
-                op = lane[heads[d]]
-                if all(dep in done for dep in dependencies(op, producers, consumers)):
-                    done.add(op)
-                    if op[0] == "I":
-                        done.add(("B", op[1], op[2]))
-                    heads[d] += 1
-                    moved = True
-        assert moved, "the merged lanes stall"
+    # merged onto devices, the lanes run as the engine runs them (a lane's head once
+    # what it consumes ran; an input half hands its stage's backward over): no stall
+    check_dependencies(device_lanes(lanes, [0, 1, 2], 3, topo), topo)
 
 
 class Chain(torch.nn.Module):

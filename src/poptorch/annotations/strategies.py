@@ -11,6 +11,8 @@ import copy
 from typing import Any, cast
 
 from .._runtime.placement import strategy as _kinds
+from .._runtime.schedule import schedules as _schedules
+from .._runtime.schedule.timeline import ScheduleRecord
 from ..enums import AutoStage, Liveness
 from ..errors import Error
 
@@ -117,6 +119,8 @@ class _IExecutionStrategy:
     _execution_mode = 0
     #: the schedule the runtime runs (poptorch._runtime.placement.strategy)
     schedule_kind = _kinds.PIPELINED
+    #: the schedule of the last step run with this strategy (``print`` it)
+    last_schedule: ScheduleRecord | None = None
 
     def __init__(self) -> None:
         self._tracing = False
@@ -176,8 +180,7 @@ class PipelinedExecution(_IExecutionStrategy):
         if len(args) == 1 and isinstance(args[0], list):
             args = tuple(args[0])
         self.auto_stage: AutoStage | None = None
-        self.pipeline_schedule = "1F1B"
-        #: the schedule of the last step run with this strategy (a ScheduleRecord)
+        self.pipeline_schedule = _schedules.DEFAULT
         self.last_schedule = None
         self._stages: list[Stage] = []
         if not args:
@@ -196,14 +199,29 @@ class PipelinedExecution(_IExecutionStrategy):
         return list(self._stages)
 
     def setSchedule(self, schedule: str) -> PipelinedExecution:
-        """Choose the pipeline schedule of training steps: ``"1F1B"`` (default: one
-        forward, one backward; fewer micro-batches in flight) or ``"GPipe"`` (all
-        forwards, then all backwards). Inference always runs forwards in order.
-        (An OpenPopTorch addition.)"""
-        names = {"1f1b": "1F1B", "gpipe": "GPipe"}
-        if not isinstance(schedule, str) or schedule.lower() not in names:
-            raise ValueError(f"Unknown pipeline schedule {schedule!r}: use '1F1B' or 'GPipe'.")
-        self.pipeline_schedule = names[schedule.lower()]
+        """Choose the pipeline schedule of training steps (an OpenPopTorch addition;
+        the names are case-insensitive):
+
+        * ``"1F1B"`` (default): warm-up forwards, then one forward / one backward;
+          at most as many micro-batches in flight as stages;
+        * ``"GPipe"``: all forwards, then all backwards;
+        * ``"Interleaved1F1B"``: several stages per device, blocks placed on devices
+          0, 1, 0, 1, ... (``BeginBlock(..., ipu_id=...)``); each block is its own
+          stage (``AutoStage.AutoIncrement``) and each device alternates its stages'
+          forwards and backwards, which shortens the pipeline's fill and drain;
+        * ``"ZeroBubble"``: each backward split into the input-gradient half (which
+          the earlier stage waits for) and the weight-gradient half, run where the
+          stage would otherwise wait.
+
+        All give the same results. Inference always runs forwards in order.
+        ``poptorch.Error`` for another name (the message lists the valid ones)."""
+        try:
+            self.pipeline_schedule = _schedules.schedule_name_of(schedule)
+        except ValueError as exc:
+            raise Error(str(exc)) from None
+        if self.pipeline_schedule == "Interleaved1F1B" and \
+                self.auto_stage == AutoStage.SameAsIpu:
+            self.auto_stage = AutoStage.AutoIncrement  # blocks 0, 1, 0, 1: four stages
         return self
 
     def __repr__(self) -> str:

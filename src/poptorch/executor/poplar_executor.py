@@ -23,6 +23,7 @@ from .._runtime.compilation import Compilation
 from .._runtime.program.device_loop import DeviceProgram
 from .._runtime.program.optimizer import attach_optimizer, make_loss_scaler
 from .._runtime.program.undo import StateUndo
+from .._runtime.schedule.timeline import ScheduleRecord
 from .._runtime.torch_internals import pytree
 from .._runtime.weights.modelcopy import TrainingMode, shallow_copy_module
 from ..enums import OutputMode
@@ -369,6 +370,13 @@ class PoplarExecutor(ExecutorInspection):
 
     # the compiled program, as tests and benchmarks read it (docs/design.md)
     _program = _executable
+
+    @property
+    def schedule(self) -> ScheduleRecord | None:
+        """The schedule the last step of a model-parallel strategy ran (read-only; our
+        addition): its planned action lists and what executed, a text timeline when
+        printed (docs/parallel.md). None before the first step or without a strategy."""
+        return self._options._execution_strategy.last_schedule
 
     @property
     def backendInUse(self) -> str | None:

@@ -5,12 +5,14 @@ captures the model's graph (``capture.py``: at once with an example call, else o
 first call), resolves the partition and enforces the rules
 (``partition.resolve_partition``), acquires the devices playing the IPUs, places every
 stage's weights on its device and splits the graph into stage modules, which the
-per-device engine (``engine.py``) runs on every call, the first included, with the
-strategy's schedule:
+per-device engine (``engine.py``, the interpreter of a schedule's action lists) runs on
+every call, the first included, with the strategy's schedule
+(``_runtime/schedule/schedules.py``):
 
 * ``PipelinedExecution``: a real pipeline. One worker per device runs its stages'
-  actions in 1F1B order (training; GPipe on request) or GPipe order, so stages of
-  different micro-batches run at the same time on different devices.
+  actions in 1F1B order (training; GPipe, interleaved 1F1B or zero bubble on request:
+  ``setSchedule``) or GPipe order (inference), so stages of different micro-batches
+  run at the same time on different devices.
 * ``ShardedExecution``: stage after stage, one device busy at a time.
 * ``SerialPhasedExecution`` / ``ParallelPhasedExecution``: phase after phase (parallel:
   the even and the odd devices take turns), weights streamed between host memory and
@@ -18,16 +20,16 @@ strategy's schedule:
 
 What the engine cannot run (a model that cannot be captured, phases of several stages,
 a sharded stage revisited, a call whose non-tensor arguments differ from the captured
-ones) runs its stages one after another in the calling thread (``sequential.py``), with
-one INFO line per model saying why.
+ones) runs the sharded action list in the calling thread with the model's own forward
+(``sequential.py``), with one INFO line per model saying why.
 
 The ``set_overlap_for_input`` / ``set_overlap_for_output`` markers are checked on the
 captured graph (``io_markers.py``) or, for a model that was not captured, on its first
 forward (``FirstForwardCheck``), against the options' ``overlap`` settings.
 
 The schedule a step executed is kept in ``runner.last_schedule`` and in
-``strategy.last_schedule`` (a :class:`~.pipeline.ScheduleRecord`; ``print`` it; its
-``runtime`` names the runtime that ran it).
+``strategy.last_schedule`` (a :class:`~..schedule.timeline.ScheduleRecord`; ``print``
+it; its ``runtime`` names the runtime that ran it, its ``plan`` the planned schedule).
 """
 from __future__ import annotations
 
@@ -41,10 +43,13 @@ import torch
 
 from ..._logging import info_once
 from ..config import PlacementConfig, RuntimeConfig
+from ..program.interpreter import EagerCompute, Interpreter
 from ..program.overlapped_io import FirstForwardCheck, OverlapSettings
-from ..program.runner import LossOf, SequentialRunner
+from ..program.runner import LossOf
+from ..schedule import schedules
+from ..schedule.actions import Action
+from ..schedule.timeline import SEQUENTIAL, ScheduleRecord, Timeline
 from . import recompute
-from .actions import defer_weight_halves, device_lanes, sharded_actions
 from .capture import CapturedModel, CaptureUnsupported, capture
 from .engine import Engine
 from .partition import (
@@ -54,9 +59,8 @@ from .partition import (
     resolve_partition,
     trace_blocks,
 )
-from .phased import StreamingMemory, parallel_phased_schedule
-from .pipeline import Action, ScheduleRecord, sequential_schedule, stage_schedules
-from .sequential import SequentialStages
+from .phased import StreamingMemory
+from .sequential import run_in_calling_thread, units_of
 from .stages import split_stages
 from .strategy import (
     PARALLEL_PHASED,
@@ -152,11 +156,12 @@ class ModelParallelRunner:
         self.engine: Engine | None = None
         self.captured: CapturedModel | None = None
         # without a stage to place: the default runner's sequence on the one device
-        self._plain: SequentialRunner | None = None
-        self._sequential: SequentialStages | None = None
+        self._plain: Interpreter | None = None
+        # a model that was not captured: its overlap markers checked on its first forward
+        self._check: FirstForwardCheck | None = None
         self._why_sequential = ""  # why the engine cannot run this model
         self._capture_tried = False
-        self._lanes_cache: dict = {}
+        self._plans: dict[tuple[int, bool], Timeline] = {}
         self._serial = next(_serials)
         # Thread-local contexts of the program (set by the device loop), entered in
         # every worker thread.
@@ -232,10 +237,9 @@ class ModelParallelRunner:
         check = FirstForwardCheck(self.overlap) \
             if self.overlap is not None and self.captured is None else None
         if self._is_plain(part):
-            self._plain = SequentialRunner(self.model, check=check)
+            self._plain = Interpreter(EagerCompute(self.model, check))
         else:
-            self._sequential = SequentialStages(self.model, part, self.devices,
-                                                self.streaming, check)
+            self._check = check
 
     def _place_weights(self, part: Partition) -> None:
         with torch.no_grad():
@@ -266,9 +270,10 @@ class ModelParallelRunner:
 
     def _run_sequential(self, microbatches: list[tuple], loss_of: LossOf | None,
                         why: str) -> list[Any]:
-        """The stages one after another in this thread (``sequential.py``)."""
-        sequential = self._sequential
-        assert sequential is not None  # (made with the partition)
+        """The sharded action list in this thread, with the model's own forward
+        (``sequential.py``)."""
+        part = self.partition
+        assert part is not None  # (compiled before any run)
         if microbatches:
             info_once(("placement-sequential", self._serial),
                       "Model parallelism: %s runs its stages one after another in the "
@@ -276,43 +281,72 @@ class ModelParallelRunner:
                       type(self.model).__name__, why)
         if self.captured is not None and self.captured.checkpoints:
             recompute.hook_model(self.model)  # record whole forwards in segments
-        outputs, record = sequential(microbatches, loss_of)
+        units = max(units_of(part, self.streaming is not None)) + 1
+        ops = schedules.sharded(units, len(microbatches), loss_of is not None)
+        record = ScheduleRecord(units, runtime=SEQUENTIAL)
+        record.plan = Timeline.of("sharded", [ops], schedules.Topology.chain(units))
+        outputs = run_in_calling_thread(ops, self._forward, part, self.devices,
+                                        self.streaming, microbatches, loss_of, record)
         self._keep(record)
         return outputs
+
+    def _forward(self, args: tuple, kwargs: dict) -> Any:
+        check = self._check
+        return (self.model(*args, **kwargs) if check is None
+                else check.run(self.model, args, kwargs))
+
+    def plan(self, count: int, training: bool) -> Timeline:
+        """The schedule of a step of ``count`` micro-batches on the engine: its action
+        list per device (one lane, run in this thread, for sharded and serial phases)."""
+        key = (count, training)
+        timeline = self._plans.get(key)
+        if timeline is not None:
+            return timeline
+        part, engine = self.partition, self.engine
+        assert part is not None and engine is not None  # (compiled before any run)
+        n, kind = part.num_stages, kind_of(self.strategy)
+        topo = schedules.Topology(tuple(map(tuple, engine.producers)),
+                                  tuple(map(tuple, engine.consumers)))
+        if kind == PARALLEL_PHASED:
+            name = "parallel phased"
+            lanes = schedules.parallel_phased(n, count, training, engine.stage_device,
+                                              len(self.devices))
+        elif is_phased(self.strategy):
+            name = "serial phased"
+            lanes = [schedules.serial_phased(list(range(n)), count, training)]
+        elif kind == SHARDED or not is_pipelined(part):
+            name = "sharded"
+            lanes = [schedules.sharded(n, count, training)]
+        else:
+            name = schedule_name(self.strategy)
+            lanes = schedules.pipeline_lanes(name, topo, engine.stage_device,
+                                             len(self.devices), count, training)
+        timeline = self._plans[key] = Timeline.of(name, lanes, topo)
+        return timeline
 
     def _run_engine(self, inputs: list[dict], loss_of: LossOf | None) -> list[Any]:
         part, engine = self.partition, self.engine
         assert part is not None and engine is not None  # (compiled before any run)
         engine.worker_contexts = self.worker_contexts
-        n, count, training = part.num_stages, len(inputs), loss_of is not None
-        record = ScheduleRecord(n)
+        plan = self.plan(len(inputs), loss_of is not None)
+        lanes = [list(lane) for lane in plan.lanes]
+        record = ScheduleRecord(part.num_stages, plan=plan, topology=plan.topology)
         if is_phased(self.strategy):
-            outputs = self._run_engine_phased(inputs, loss_of, record)
-        elif kind_of(self.strategy) == SHARDED or not is_pipelined(part):
-            outputs = engine.run_in_order(sharded_actions(n, count, training), inputs,
-                                          loss_of, record)
+            outputs = self._run_engine_phased(lanes, inputs, loss_of, record)
+        elif len(lanes) == 1:  # sharded: one device busy at a time, in this thread
+            outputs = engine.run_in_order(lanes[0], inputs, loss_of, record)
         else:
-            key = (count, training, schedule_name(self.strategy))
-            lanes = self._lanes_cache.get(key)
-            if lanes is None:
-                per_stage = stage_schedules(key[2], n, count, training)
-                if training:
-                    per_stage = defer_weight_halves(per_stage, engine.producers)
-                lanes = device_lanes(per_stage, engine.stage_device, len(self.devices),
-                                     engine.producers, engine.consumers)
-                self._lanes_cache[key] = lanes
             outputs = engine.run_lanes(lanes, inputs, loss_of, record)
         self._keep(record)
         return outputs
 
-    def _run_engine_phased(self, inputs: list[dict], loss_of: LossOf | None,
-                           record: ScheduleRecord) -> list[Any]:
+    def _run_engine_phased(self, lanes: list[list[Action]], inputs: list[dict],
+                           loss_of: LossOf | None, record: ScheduleRecord) -> list[Any]:
         """Phases (one stage each) on the engine: serial phases in this thread, parallel
         phases on the even / odd devices' workers; a phase's weights are streamed in
         before its first action and out when its lane moves on."""
         part, engine, streaming = self.partition, self.engine, self.streaming
         assert part is not None and engine is not None and streaming is not None
-        count, training = len(inputs), loss_of is not None
         lane_phase: dict = {}
         lock = threading.Lock()
 
@@ -325,14 +359,9 @@ class ModelParallelRunner:
         scope = lambda: streaming.activation_scope(self.devices)  # noqa: E731
         try:
             if kind_of(self.strategy) == PARALLEL_PHASED:
-                lanes: list[list[Action]] = [[] for _ in self.devices]
-                for ops in parallel_phased_schedule(part.num_phases, count, training):
-                    for op in ops:
-                        lanes[engine.stage_device[op.stage]].append(op)
                 return engine.run_lanes(lanes, inputs, loss_of, record, before, (scope, ))
-            ops = sequential_schedule(list(range(part.num_stages)), count, training)[0]
             with scope():
-                return engine.run_in_order(ops, inputs, loss_of, record, cut=True,
+                return engine.run_in_order(lanes[0], inputs, loss_of, record, cut=True,
                                            before=before)
         finally:
             streaming.offload_all()

@@ -3,7 +3,8 @@
 ``torch.distributed.pipelining`` runs one stage per process and moves activations with
 send / recv. Here all stages live in one process: each device (an IPU played by a GPU,
 or a "virtual IPU" on the CPU) gets one long-lived :class:`DeviceWorker` thread that
-executes its action list (:mod:`.actions`) in order, and activations cross from stage
+executes its action list (``_runtime/schedule/schedules.py``) in order: the engine is
+the interpreter of a schedule, and activations cross from stage
 to stage through a mailbox (:class:`_Step`), as ``PipelineStage.forward_one_chunk`` /
 ``backward_one_chunk`` do:
 
@@ -36,18 +37,14 @@ from typing import Any
 import torch
 
 from .. import context
+from ..schedule.actions import Action, ActionKind
+from ..schedule.timeline import ScheduleEvent, ScheduleRecord
 from ..torch_internals import pytree
 from . import recompute, split_backward
-from .pipeline import (
-    BACKWARD,
-    FORWARD,
-    INPUT_HALF,
-    WEIGHT_HALF,
-    Action,
-    ScheduleEvent,
-    ScheduleRecord,
-)
 from .stages import StagedModel
+
+FORWARD, BACKWARD = ActionKind.FORWARD, ActionKind.BACKWARD
+INPUT_HALF, WEIGHT_HALF = ActionKind.INPUT_HALF, ActionKind.WEIGHT_HALF
 
 #: Longest time a worker waits for the actions its next action depends on before
 #: declaring the schedule stalled.
@@ -237,7 +234,7 @@ class _Step:
                     self.all_finished.set()
 
     def _wait_for(self, op: Action) -> None:
-        kind, s, m = op
+        kind, s, m = op.kind, op.stage, op.microbatch
         if kind == WEIGHT_HALF:  # after its input half, on the same lane
             return
         deps = ([Action(FORWARD, p, m) for p in self.engine.producers[s]] if kind == FORWARD
@@ -266,7 +263,7 @@ class _Step:
 
     # ------------------------------------------------------------ actions
     def run_op(self, lane: int, op: Action) -> None:
-        kind, s, m = op
+        kind, s, m = op.kind, op.stage, op.microbatch
         if self.before is not None:
             self.before(lane, op)
         event = ScheduleEvent(lane, BACKWARD if kind == INPUT_HALF else kind, s, m,
@@ -398,7 +395,8 @@ class _Step:
 def _handed_over(op: Action) -> Action:
     """What finishing ``op`` gives the stages waiting on it (an input half: the
     stage's backward, as far as they are concerned)."""
-    return Action(BACKWARD, op.stage, op.microbatch) if op.kind == INPUT_HALF else op
+    kind = BACKWARD if op.kind == INPUT_HALF else op.kind
+    return Action(kind, op.stage, op.microbatch)  # (without its lane: a dependency key)
 
 
 def _to(value: Any, device: torch.device) -> Any:

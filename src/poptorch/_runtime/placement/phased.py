@@ -1,4 +1,5 @@
-"""Phased execution: schedules and streaming memory.
+"""Phased execution: streaming memory (the phased schedules are in
+``_runtime/schedule/schedules.py``).
 
 Phases run one after another (serial), or alternate between the even and the odd IPUs
 (parallel: two lanes, so phase ``p + 1`` of one micro-batch can overlap phase ``p`` of
@@ -25,21 +26,8 @@ import torch
 from ...enums import Liveness
 from ..config import PlacementConfig
 from .partition import Partition
-from .pipeline import BACKWARD, FORWARD, Action
 
 HOST = torch.device("cpu")
-
-
-def parallel_phased_schedule(num_phases: int, num_microbatches: int,
-                             training: bool) -> list[list[Action]]:
-    """Two lanes (even / odd phases), each running its phases phase-major."""
-    lanes: list[list[Action]] = [[], []]
-    for p in range(num_phases):
-        lanes[p % 2] += [Action(FORWARD, p, m) for m in range(num_microbatches)]
-    if training:
-        for p in reversed(range(num_phases)):
-            lanes[p % 2] += [Action(BACKWARD, p, m) for m in range(num_microbatches)]
-    return [lane for lane in lanes if lane]
 
 
 def _location_off_chip(settings: Any, numel: int) -> bool:

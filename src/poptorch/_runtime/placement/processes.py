@@ -35,11 +35,12 @@ from ..distributed import world as world_module
 from ..distributed.collectives import failures_as_errors
 from ..distributed.consistency import check_same_everywhere
 from ..distributed.output_broadcast import OutputBroadcast
+from ..schedule import schedules
+from ..schedule.timeline import PROCESSES, ScheduleEvent, ScheduleRecord
 from ..torch_internals import pytree
 from . import recompute
 from .capture import CapturedModel, check_markers, trace_model
 from .partition import Partition, resolve_partition
-from .pipeline import PROCESSES, ScheduleEvent, ScheduleRecord, stage_schedules
 from .stages import StagedModel, split_stages
 from .strategy import PIPELINED, kind_of, publish_schedule, schedule_name
 
@@ -328,10 +329,13 @@ class StageProcessRunner:
         """Publish the schedule the processes ran, on the runner and the user's
         strategy object (every stage's action order, as torch's schedule runs it)."""
         n = self.layout.stages
-        lanes = stage_schedules(schedule_name(self.strategy), n, count, training)
+        lanes = (schedules.one_f_one_b(n, count)
+                 if training and schedule_name(self.strategy) == "1F1B"
+                 else schedules.gpipe(n, count, training))
         record = ScheduleRecord(n, runtime=PROCESSES)
         for s, lane in enumerate(lanes):
-            record.events += [ScheduleEvent(s, kind, st, m, 0.0) for kind, st, m in lane]
+            record.events += [ScheduleEvent(s, op.kind, op.stage, op.microbatch, 0.0)
+                              for op in lane]
         self.last_schedule = record
         publish_schedule(self.strategy, record)
 

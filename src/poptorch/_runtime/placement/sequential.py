@@ -1,19 +1,20 @@
-"""The stages one after another in the calling thread: the runtime of the models the
-engine cannot run.
+"""A schedule run in the calling thread by a model that was not captured.
 
 The engine (``engine.py``) runs stage modules split from the captured graph. A model
 that cannot be captured (data-dependent control flow, ``*args`` signatures), phased
 execution whose phases hold several stages, sharded stages that revisit an earlier
-stage, and a call whose non-tensor arguments differ from the captured ones run here
-instead: each micro-batch runs the model's own ``forward`` under a
-:class:`~.stagerun.StageRun`, which moves every tensor to the device of the stage the
-forward pass is in, then (training) its backward pass; the next micro-batch follows.
-One device is busy at a time, as in sharded execution.
+stage, and a call whose non-tensor arguments differ from the captured ones have no
+stage modules: :func:`run_in_calling_thread` interprets the same kind of action list
+(``schedules.sharded``: each micro-batch forward through the units, then back) with
+the model's own ``forward``, under a :class:`~.stagerun.StageRun` that moves every
+tensor to the device of the stage the forward pass is in. The forward of a micro-batch
+cannot be cut into calls per unit, so it runs whole at the micro-batch's first ``F``
+action (the later ``F`` actions are the units it crossed); a ``B`` action runs its
+unit's backward (phased: cut at phase boundaries, each phase's backward with its
+weights in place) or, uncut, the loss's one backward at the micro-batch's first ``B``.
 
-Phased execution streams a phase's weights in as the forward pass reaches the phase;
-its forward is cut at phase boundaries so that each phase's backward runs with that
-phase's weights in place (the others stay in host memory), and every streamed weight
-goes back to the host at the end of the step.
+Phased execution streams a phase's weights in as the forward pass reaches the phase,
+and every streamed weight goes back to the host at the end of the step.
 """
 from __future__ import annotations
 
@@ -24,98 +25,103 @@ from typing import Any
 
 import torch
 
-from ..program.overlapped_io import FirstForwardCheck
+from ..schedule.actions import Action, ActionKind
+from ..schedule.timeline import ScheduleEvent, ScheduleRecord
 from .partition import Partition
 from .phased import StreamingMemory
-from .pipeline import BACKWARD, FORWARD, SEQUENTIAL, ScheduleEvent, ScheduleRecord
 from .stagerun import StageRun, listening
 
 LossOf = Callable[[Any], torch.Tensor]
+Forward = Callable[[tuple, dict], Any]  # the model's forward on (args, kwargs)
+
+F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 
 
-class SequentialStages:
-    """Runs the micro-batches of a step through the stages of ``partition``, one after
-    another (module docstring); ``check``: the overlap markers' check of the first
-    forward, for a model whose markers were not checked on a captured graph."""
+def units_of(partition: Partition, phased: bool) -> list[int]:
+    """The unit of each stage: its phase (phased: the forward is cut between phases),
+    else the stage itself (uncut)."""
+    if phased:
+        return [s.phase or 0 for s in partition.stages]
+    return list(range(partition.num_stages))
 
-    def __init__(self, model: torch.nn.Module, partition: Partition,
-                 devices: list[torch.device], streaming: StreamingMemory | None,
-                 check: FirstForwardCheck | None) -> None:
-        self.model = model
-        self.partition = partition
-        self.devices = devices
-        self.streaming = streaming
-        self.check = check
-        phased = streaming is not None
-        # Phased: units are phases (cut between them); else units are stages (uncut).
-        self.unit_of_stage = ([s.phase or 0 for s in partition.stages] if phased
-                              else list(range(partition.num_stages)))
-        self.num_units = max(self.unit_of_stage) + 1
-        self._resident: int | None = None
 
-    def __call__(self, microbatches: list[tuple], loss_of: LossOf | None
-                 ) -> tuple[list[Any], ScheduleRecord]:
-        """The outputs of the micro-batches, and the schedule executed."""
-        record = ScheduleRecord(self.num_units, runtime=SEQUENTIAL)
-        outputs = []
-        self._resident = None  # the phase whose weights are in place
-        try:
-            for m, (args, kwargs) in enumerate(microbatches):
-                outputs.append(self._microbatch(m, args, kwargs, loss_of, record))
-        finally:
-            if self.streaming is not None:
-                self.streaming.offload_all()
-        return outputs, record
+def run_in_calling_thread(ops: list[Action], forward: Forward, partition: Partition,
+                          devices: list[torch.device], streaming: StreamingMemory | None,
+                          microbatches: list[tuple], loss_of: LossOf | None,
+                          record: ScheduleRecord) -> list[Any]:
+    """Run ``ops`` (units as stages) over ``microbatches``; the outputs per
+    micro-batch, the executed actions appended to ``record`` (module docstring)."""
+    unit_of_stage = units_of(partition, streaming is not None)
+    resident: list[int | None] = [None]  # the phase whose weights are in place
 
-    def _microbatch(self, m: int, args: tuple, kwargs: dict, loss_of: LossOf | None,
-                    record: ScheduleRecord) -> Any:
-        streaming, clock = self.streaming, time.perf_counter
-        reached: list[tuple[int, float]] = []  # (unit, time) as the forward reached it
+    def stream_in(unit: int) -> None:
+        if streaming is not None:
+            streaming.enter(unit, resident[0])
+            resident[0] = unit
 
-        def reach(unit: int) -> None:
-            reached.append((unit, clock()))
-            self._stream_in(unit)
-
-        run = StageRun(self.partition, self.devices, self.unit_of_stage,
-                       cut=streaming is not None, on_unit=reach)
-        scope = (streaming.activation_scope(self.devices) if streaming is not None
-                 else contextlib.nullcontext())
+    outputs: list[Any] = [None] * len(microbatches)
+    runs: dict[int, tuple[StageRun, list[int]]] = {}  # micro-batch -> its run, units
+    scope = (streaming.activation_scope(devices) if streaming is not None
+             else contextlib.nullcontext())
+    try:
         with scope:
-            with listening(run), run:
-                run.start()
-                out = self._forward(args, kwargs)
-                loss = loss_of(out) if loss_of is not None else None
-            ends = [t for _, t in reached[1:]] + [clock()]
-            for (unit, start), end in zip(reached, ends, strict=True):
-                record.events.append(ScheduleEvent(0, FORWARD, unit, m, start, end))
-            units = [unit for unit, _ in reached]
-            if loss is None:
-                return out
-            if streaming is None:  # one graph through every stage: one backward call
-                start = clock()
-                loss.backward()
-                end = clock()
-                record.events += [ScheduleEvent(0, BACKWARD, unit, m, start, end)
-                                  for unit in reversed(units)]
-                return out
-            run.loss = loss
-            for unit in reversed(units):
-                start = clock()
-                self._stream_in(unit)
-                run.backward_unit(unit)
-                record.events.append(ScheduleEvent(0, BACKWARD, unit, m, start, clock()))
-        return out
+            for op in ops:
+                m = op.microbatch
+                if op.kind == F and m not in runs:
+                    run = StageRun(partition, devices, unit_of_stage,
+                                   cut=streaming is not None, on_unit=stream_in)
+                    units, out = _forward(run, forward, microbatches[m], m, loss_of,
+                                          record)
+                    runs[m] = (run, units)
+                    outputs[m] = out
+                elif op.kind == B and m in runs:
+                    _backward(op.stage, m, runs, streaming is not None, stream_in, record)
+    finally:
+        if streaming is not None:
+            streaming.offload_all()
+    return outputs
 
-    def _stream_in(self, unit: int) -> None:
-        """Phased: ``unit``'s weights onto its devices, the previous phase's off."""
-        if self.streaming is not None:
-            self.streaming.enter(unit, self._resident)
-            self._resident = unit
 
-    def _forward(self, args: tuple, kwargs: dict) -> Any:
-        check = self.check
-        if check is None:
-            return self.model(*args, **kwargs)
-        out = check.run(self.model, args, kwargs)
-        self.check = None  # checked: later forwards run as they are
-        return out
+def _forward(run: StageRun, forward: Forward, microbatch: tuple, m: int,
+             loss_of: LossOf | None, record: ScheduleRecord) -> tuple[list[int], Any]:
+    """Micro-batch ``m``'s whole forward (and loss); the units it crossed, in order."""
+    clock = time.perf_counter
+    reached: list[tuple[int, float]] = []
+    hook = run.on_unit
+
+    def reach(unit: int) -> None:
+        reached.append((unit, clock()))
+        if hook is not None:
+            hook(unit)
+
+    run.on_unit = reach
+    args, kwargs = microbatch
+    with listening(run), run:
+        run.start()
+        out = forward(args, kwargs)
+        run.loss = loss_of(out) if loss_of is not None else None
+    ends = [t for _, t in reached[1:]] + [clock()]
+    for (unit, start), end in zip(reached, ends, strict=True):
+        record.events.append(ScheduleEvent(0, F, unit, m, start, end))
+    return [unit for unit, _ in reached], out
+
+
+def _backward(unit: int, m: int, runs: dict[int, tuple[StageRun, list[int]]], cut: bool,
+              stream_in: Callable[[int], None], record: ScheduleRecord) -> None:
+    clock = time.perf_counter
+    run, units = runs[m]
+    if run.loss is None and not cut:
+        return
+    start = clock()
+    if not cut:  # one graph through every unit: the loss's one backward, at the first B
+        loss, run.loss = run.loss, None
+        assert loss is not None
+        loss.backward()
+        end = clock()
+        record.events += [ScheduleEvent(0, B, u, m, start, end) for u in reversed(units)]
+        return
+    if unit not in units:
+        return  # (the forward never reached it)
+    stream_in(unit)
+    run.backward_unit(unit)
+    record.events.append(ScheduleEvent(0, B, unit, m, start, clock()))

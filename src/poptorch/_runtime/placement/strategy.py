@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from ..schedule.schedules import DEFAULT
+
 PIPELINED = "pipelined"
 SHARDED = "sharded"
 SERIAL_PHASED = "serial_phased"
@@ -46,8 +48,9 @@ def is_phased(strategy: ExecutionStrategy) -> bool:
 
 
 def schedule_name(strategy: ExecutionStrategy) -> str:
-    """The pipeline schedule a pipelined strategy asks for ("1F1B" or "GPipe")."""
-    return getattr(strategy, "pipeline_schedule", "1F1B")
+    """The pipeline schedule a pipelined strategy asks for (one of
+    ``schedules.SCHEDULES``)."""
+    return getattr(strategy, "pipeline_schedule", DEFAULT)
 
 
 def publish_schedule(strategy: ExecutionStrategy, record: Any) -> None:

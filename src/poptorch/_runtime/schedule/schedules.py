@@ -1,0 +1,393 @@
+"""Every schedule of a step, as data: per-lane lists of :class:`~.actions.Action`.
+
+A pipeline schedule is first written per *stage* (one list of actions per stage), as
+``torch.distributed.pipelining`` writes its ``_Action`` lists, then merged into one list
+per *device* (:func:`device_lanes`): the per-device engine runs one worker per device,
+and the calling thread runs a one-lane schedule. The schedules:
+
+* :func:`gpipe`: every forward, then every backward.
+* :func:`one_f_one_b`: warm-up forwards, then one forward / one backward alternately,
+  then the remaining backwards (PipeDream-flush): at most ``stages - s`` micro-batches
+  are in flight on stage ``s``.
+* :func:`interleaved_one_f_one_b`: several stages per device (placed 0, 1, 0, 1, ...);
+  each device runs its stages' forwards round by round (a round: up to ``devices``
+  micro-batches through each of its stages in turn), backwards in reverse stage order,
+  after ``(stages per device - 1) * devices + 2 * (devices - 1 - rank)`` warm-up
+  forwards (the counts of ``ScheduleInterleaved1F1B``), one forward / one backward after.
+* :func:`zero_bubble`: every backward of a stage that hands gradients on is split into
+  its input half (``I``: what the earlier stage waits for) and its weight half (``W``),
+  and the weight halves fill the slots where the stage would otherwise wait, with at
+  most as many micro-batches alive as 1F1B (the ZB-H1 schedule of the zero-bubble
+  paper; ``ScheduleInterleavedZeroBubble`` builds its lists the same way, by simulation).
+* :func:`defer_weight_halves`: 1F1B / GPipe with the cool-down backwards of the later
+  stages split, their weight halves after the stage's last action.
+* :func:`sharded`: one device busy at a time, micro-batch after micro-batch.
+* :func:`serial_phased` / :func:`parallel_phased`: phase after phase, all micro-batches
+  of a phase together (parallel: the even and odd phases on two lanes).
+
+:func:`simulate` lays a schedule out in time (``F``: 1 slot, ``B``: 2, ``I``, ``W``: 1
+each), which both merges stages onto devices without deadlock and checks a schedule
+(:func:`check_dependencies`: no action before what it consumes, every action once).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .actions import Action, ActionKind, check_order
+
+__all__ = [
+    "DEFAULT",
+    "SCHEDULES",
+    "Topology",
+    "check_dependencies",
+    "defer_weight_halves",
+    "dependencies",
+    "device_lanes",
+    "gpipe",
+    "interleaved_one_f_one_b",
+    "one_f_one_b",
+    "parallel_phased",
+    "pipeline_lanes",
+    "schedule_name_of",
+    "serial_phased",
+    "sharded",
+    "simulate",
+    "zero_bubble",
+]
+
+F, B = ActionKind.FORWARD, ActionKind.BACKWARD
+IH, W = ActionKind.INPUT_HALF, ActionKind.WEIGHT_HALF
+
+Lanes = list[list[Action]]
+
+#: The pipeline schedules ``PipelinedExecution.setSchedule`` accepts.
+SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "ZeroBubble")
+#: The default: of the schedules giving the same results, the fastest measured
+#: (``benchmarks/bench_parallel.py``).
+DEFAULT = "1F1B"
+
+#: The time an action takes in a laid-out schedule, in slots (a backward computes
+#: about twice a forward's work; its halves one forward's each).
+COST = {F: 1, B: 2, IH: 1, W: 1}
+
+
+def schedule_name_of(name: object) -> str:
+    """The canonical spelling of a schedule name (case-insensitive), or ``ValueError``
+    naming the valid ones."""
+    if isinstance(name, str):
+        for known in SCHEDULES:
+            if known.lower() == name.lower():
+                return known
+    raise ValueError(f"Unknown pipeline schedule {name!r}: use one of "
+                     + ", ".join(repr(s) for s in SCHEDULES) + ".")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Which stages each stage reads from (``producers``) and is read by
+    (``consumers``): the edges along which activations and gradients travel."""
+    producers: tuple[tuple[int, ...], ...]
+    consumers: tuple[tuple[int, ...], ...]
+
+    @staticmethod
+    def chain(num_stages: int) -> Topology:
+        """Stage ``s`` reads stage ``s - 1`` only."""
+        return Topology(tuple((s - 1, ) if s else () for s in range(num_stages)),
+                        tuple((s + 1, ) if s + 1 < num_stages else ()
+                              for s in range(num_stages)))
+
+    @staticmethod
+    def of(producers: Sequence[Sequence[int]]) -> Topology:
+        """From each stage's producers; the consumers follow."""
+        consumers: list[list[int]] = [[] for _ in producers]
+        for s, ps in enumerate(producers):
+            for p in ps:
+                consumers[p].append(s)
+        return Topology(tuple(tuple(p) for p in producers),
+                        tuple(tuple(c) for c in consumers))
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.producers)
+
+
+def dependencies(op: Action, topo: Topology) -> list[Action]:
+    """What ``op`` consumes: a forward, the forwards of the stages it reads; a backward
+    (or its input half), its own forward and the backwards of its readers (a reader's
+    input half counts as its backward); a weight half, its input half."""
+    kind, stage, m = op.kind, op.stage, op.microbatch
+    if kind == F:
+        return [Action(F, p, m) for p in topo.producers[stage]]
+    if kind == W:
+        return [Action(IH, stage, m)]
+    return [Action(F, stage, m)] + [Action(B, c, m) for c in topo.consumers[stage]]
+
+
+def _key(op: Action) -> Action:
+    """What finishing ``op`` hands over, without its lane (an input half: its stage's
+    backward, as far as the readers are concerned)."""
+    return Action(B if op.kind == IH else op.kind, op.stage, op.microbatch)
+
+
+def simulate(lanes: Sequence[Sequence[Action]], topo: Topology) -> dict[Action, int]:
+    """The start slot of every action when each lane runs its list in order, an action
+    starting once its lane is free and what it consumes has finished (:data:`COST`);
+    ``ValueError`` if the lanes wait for each other forever."""
+    end: dict[Action, int] = {}  # handed-over key (and the I itself) -> finish slot
+    start: dict[Action, int] = {}
+    cursor = [0] * len(lanes)
+    free = [0] * len(lanes)
+    remaining = sum(len(lane) for lane in lanes)
+    while remaining:
+        progress = False
+        for d, lane in enumerate(lanes):
+            while cursor[d] < len(lane):
+                op = lane[cursor[d]]
+                plain = Action(op.kind, op.stage, op.microbatch)
+                deps = dependencies(plain, topo)
+                if any(dep not in end for dep in deps):
+                    break
+                t = max([free[d]] + [end[dep] for dep in deps])
+                start[plain] = t
+                free[d] = t + COST.get(op.kind, 1)
+                end[plain] = end[_key(plain)] = free[d]
+                cursor[d] += 1
+                remaining -= 1
+                progress = True
+        if not progress:
+            stuck = [str(lane[cursor[d]]) for d, lane in enumerate(lanes)
+                     if cursor[d] < len(lane)]
+            raise ValueError(f"the schedule's lanes wait for each other forever at {stuck}")
+    return start
+
+
+def check_dependencies(lanes: Sequence[Sequence[Action]], topo: Topology) -> None:
+    """``ValueError`` unless the schedule runs (:func:`simulate`), runs each action
+    once, keeps a weight half on its input half's lane and, laid out in time, runs no
+    action before one it consumes (``actions.check_order``)."""
+    seen: set[Action] = set()
+    lane_of: dict[Action, int] = {}
+    for d, lane in enumerate(lanes):
+        for op in lane:
+            plain = Action(op.kind, op.stage, op.microbatch)
+            if plain in seen:
+                raise ValueError(f"the schedule runs {plain} twice")
+            seen.add(plain)
+            lane_of[plain] = d
+    for op in seen:
+        if op.kind == W and lane_of.get(Action(IH, op.stage, op.microbatch)) != lane_of[op]:
+            raise ValueError(f"{op} is not on the lane of its input half")
+    start = simulate(lanes, topo)
+    order = sorted(start, key=lambda a: (start[a], a.stage, a.kind.value))
+    # (an input half hands its stage's backward over: both read as that backward)
+    check_order([_key(a) for a in order],
+                {_key(a): [_key(d) for d in dependencies(a, topo)] for a in order})
+
+
+# ------------------------------------------------------------------ per stage
+def gpipe(num_stages: int, num_microbatches: int, training: bool) -> Lanes:
+    """Per stage: all forwards, then all backwards."""
+    lanes = []
+    for s in range(num_stages):
+        ops = [Action(F, s, m) for m in range(num_microbatches)]
+        if training:
+            ops += [Action(B, s, m) for m in range(num_microbatches)]
+        lanes.append(ops)
+    return lanes
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Lanes:
+    """Per stage: ``num_stages - s - 1`` warm-up forwards, then forward and backward
+    alternately, then the remaining backwards."""
+    lanes = []
+    for s in range(num_stages):
+        warmup = min(num_stages - s - 1, num_microbatches)
+        ops = [Action(F, s, m) for m in range(warmup)]
+        for i in range(num_microbatches - warmup):
+            ops += [Action(F, s, warmup + i), Action(B, s, i)]
+        ops += [Action(B, s, m) for m in range(num_microbatches - warmup, num_microbatches)]
+        lanes.append(ops)
+    return lanes
+
+
+def defer_weight_halves(stage_lanes: Lanes, topo: Topology) -> Lanes:
+    """Split the cool-down backwards of the later stages: stage ``s`` splits its last
+    ``s`` backwards that follow its last forward (no activation then lives longer than
+    the stage's peak) into an input half, where the backward was, and a weight half,
+    after the stage's last action; earlier stages get their gradients sooner while the
+    pipeline drains. A stage that reads no earlier stage hands no gradient on and keeps
+    its backwards whole (each split costs a little host time)."""
+    out = []
+    for s, lane in enumerate(stage_lanes):
+        forwards = [i for i, op in enumerate(lane) if op.kind == F]
+        after = forwards[-1] if forwards else -1
+        cool = [i for i, op in enumerate(lane) if op.kind == B and i > after]
+        split = set(cool[len(cool) - min(s, len(cool)):]) if topo.producers[s] else set()
+        ops = [Action(IH, s, op.microbatch) if i in split else op for i, op in enumerate(lane)]
+        ops += [Action(W, s, lane[i].microbatch) for i in sorted(split)]
+        out.append(ops)
+    return out
+
+
+def zero_bubble(topo: Topology, num_microbatches: int) -> Lanes:
+    """Per stage (module docstring): each stage, when free, runs the first ready of:
+    its next input half (or whole backward), its next forward while fewer than
+    ``stages - s`` micro-batches hold activations (1F1B's bound; a micro-batch holds
+    them until its weight half), else its oldest pending weight half."""
+    n, count = topo.num_stages, num_microbatches
+    lanes: Lanes = [[] for _ in range(n)]
+    end: dict[Action, int] = {}
+    free = [0] * n
+    next_f, next_b = [0] * n, [0] * n
+    pending: list[list[int]] = [[] for _ in range(n)]
+    alive = [0] * n
+    total = sum(2 * count + (count if topo.producers[s] else 0) for s in range(n))
+    done = 0
+    t = 0
+    while done < total:
+        if t > 4 * total + 8:  # (every action is ready within that many slots)
+            raise ValueError("the zero-bubble schedule cannot place its actions")
+        for s in range(n):
+            if free[s] > t:
+                continue
+            split = bool(topo.producers[s])
+            choice = None
+            m = next_b[s]
+            if m < count:
+                op = Action(IH if split else B, s, m)
+                if all(end.get(dep, t + 1) <= t for dep in dependencies(op, topo)):
+                    choice = op
+            m = next_f[s]
+            if choice is None and m < count and alive[s] < n - s:
+                op = Action(F, s, m)
+                if all(end.get(dep, t + 1) <= t for dep in dependencies(op, topo)):
+                    choice = op
+            if choice is None and pending[s]:
+                choice = Action(W, s, pending[s][0])
+            if choice is None:
+                continue
+            lanes[s].append(choice)
+            finish = t + COST[choice.kind]
+            end[choice] = end[_key(choice)] = free[s] = finish
+            done += 1
+            if choice.kind == F:
+                next_f[s] += 1
+                alive[s] += 1
+            elif choice.kind == W:
+                pending[s].pop(0)
+                alive[s] -= 1
+            else:
+                next_b[s] += 1
+                if split:
+                    pending[s].append(choice.microbatch)
+                else:
+                    alive[s] -= 1
+        t += 1
+    return lanes
+
+
+# ------------------------------------------------------------------ per device
+def device_lanes(stage_lanes: Lanes, stage_device: Sequence[int], num_devices: int,
+                 topo: Topology) -> Lanes:
+    """Merge per-stage lists into one list per device, in the order of their
+    laid-out execution (:func:`simulate`): stages sharing a device take turns, and the
+    merged order cannot deadlock (an action only waits for earlier ones). Each action
+    names its device as its ``lane``."""
+    start = simulate(stage_lanes, topo)
+    lanes: list[list[tuple[int, int, int, Action]]] = [[] for _ in range(num_devices)]
+    for s, lane in enumerate(stage_lanes):
+        for i, op in enumerate(lane):
+            d = stage_device[s]
+            lanes[d].append((start[Action(op.kind, op.stage, op.microbatch)], s, i,
+                             op._replace(lane=d)))
+    return [[op for *_, op in sorted(lane)] for lane in lanes]
+
+
+def interleaved_one_f_one_b(stage_device: Sequence[int], num_devices: int,
+                            num_microbatches: int, topo: Topology) -> Lanes | None:
+    """Per device (module docstring); None unless several stages share each device,
+    placed round-robin (stage ``s`` on the device of stage ``s % devices``)."""
+    n = len(stage_device)
+    devices = sorted(set(stage_device))
+    d = len(devices)
+    if n == d or n % d or any(stage_device[s] != stage_device[s % d] for s in range(n)):
+        return None  # (one stage per device: that is 1F1B)
+    chunks = n // d
+    lanes: Lanes = [[] for _ in range(num_devices)]
+    for rank in range(d):
+        device = stage_device[rank]
+        local = [rank + c * d for c in range(chunks)]
+        forwards, backwards = [], []
+        for first in range(0, num_microbatches, d):
+            mbs = range(first, min(num_microbatches, first + d))
+            forwards += [Action(F, s, m, device) for s in local for m in mbs]
+            backwards += [Action(B, s, m, device) for s in reversed(local) for m in mbs]
+        warmup = min(len(forwards), (chunks - 1) * d + 2 * (d - 1 - rank))
+        ops = forwards[:warmup]
+        for f, b in zip(forwards[warmup:], backwards, strict=False):
+            ops += [f, b]
+        ops += backwards[len(forwards) - warmup:]
+        lanes[device] = ops
+    simulate(lanes, topo)  # (a placement this order cannot run raises here)
+    return lanes
+
+
+def pipeline_lanes(name: str, topo: Topology, stage_device: Sequence[int],
+                   num_devices: int, num_microbatches: int, training: bool) -> Lanes:
+    """The per-device lists of the pipeline schedule ``name`` (:data:`SCHEDULES`).
+    Inference runs forwards in order (there is no backward to interleave)."""
+    n = topo.num_stages
+    if not training:
+        return device_lanes(gpipe(n, num_microbatches, False), stage_device, num_devices,
+                            topo)
+    if name == "Interleaved1F1B":
+        lanes = interleaved_one_f_one_b(stage_device, num_devices, num_microbatches, topo)
+        if lanes is not None:
+            return lanes
+        name = "1F1B"  # one stage per device, or an irregular placement: merged 1F1B
+    if name == "ZeroBubble":
+        per_stage = zero_bubble(topo, num_microbatches)
+    elif name == "GPipe":
+        per_stage = defer_weight_halves(gpipe(n, num_microbatches, True), topo)
+    else:
+        per_stage = defer_weight_halves(one_f_one_b(n, num_microbatches), topo)
+    return device_lanes(per_stage, stage_device, num_devices, topo)
+
+
+# ------------------------------------------------------------------ one lane
+def sharded(num_stages: int, num_microbatches: int, training: bool) -> list[Action]:
+    """Each micro-batch through the stages, forward then backward, before the next."""
+    ops: list[Action] = []
+    for m in range(num_microbatches):
+        ops += [Action(F, s, m, 0) for s in range(num_stages)]
+        if training:
+            ops += [Action(B, s, m, 0) for s in reversed(range(num_stages))]
+    return ops
+
+
+def serial_phased(stage_order: Sequence[int], num_microbatches: int,
+                  training: bool) -> list[Action]:
+    """Stage after stage on one lane, all micro-batches of a stage together (forward in
+    ``stage_order``, backward in reverse): a phase's weights are loaded once a pass."""
+    ops = [Action(F, s, m, 0) for s in stage_order for m in range(num_microbatches)]
+    if training:
+        ops += [Action(B, s, m, 0) for s in reversed(stage_order)
+                for m in range(num_microbatches)]
+    return ops
+
+
+def parallel_phased(num_phases: int, num_microbatches: int, training: bool,
+                    stage_device: Sequence[int], num_devices: int) -> Lanes:
+    """Phases (one stage each) phase-major, each on its device; the even and the odd
+    phases sit on different devices, so phase ``p + 1`` of one micro-batch overlaps
+    phase ``p`` of the next."""
+    lanes: Lanes = [[] for _ in range(num_devices)]
+    order = list(range(num_phases))
+    if training:
+        order += list(reversed(order))
+    for i, p in enumerate(order):
+        kind = F if i < num_phases else B
+        d = stage_device[p]
+        lanes[d] += [Action(kind, p, m, d) for m in range(num_microbatches)]
+    return lanes
