@@ -96,6 +96,12 @@ def _resolve(name: str, domain: str) -> Any:
 
 _fake_registered: set = set()
 _fake_lock = threading.Lock()
+#: Operators whose kernel returned dtypes other than example_outputs' in an eager call
+#: (qualified name -> the dtypes returned), read by the fake kernels made here.
+_returned_dtypes: dict[str, list[torch.dtype]] = {}
+#: Operators whose fake kernel is made here: it returns the shapes of the first call's
+#: example_outputs, so a traced call's shapes are checked only against an op's own.
+_made_fakes: set = set()
 
 
 def _has_fake(qualname: str) -> bool:
@@ -121,11 +127,15 @@ def _ensure_shape_inference(operator: Any, example_outputs: list[torch.Tensor]) 
 
         def fake(*args: Any, **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
             device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+            # the dtypes the kernel was seen to return, where an eager call differed
+            # from example_outputs: a traced graph then holds the conversion too
+            dtypes = _returned_dtypes.get(qualname, [dtype for _, dtype in specs])
             outs = tuple(torch.empty(shape, dtype=dtype, device=device)
-                         for shape, dtype in specs)
+                         for (shape, _), dtype in zip(specs, dtypes, strict=True))
             return outs[0] if single else outs
 
         torch.library.register_fake(qualname, fake)
+        _made_fakes.add(qualname)
 
 
 def _record(operator: Any, attributes: dict, example_outputs: list[torch.Tensor]) -> None:
@@ -145,6 +155,38 @@ def _record(operator: Any, attributes: dict, example_outputs: list[torch.Tensor]
 _record_eagerly = disable_dynamo(_record)
 
 
+def _follow_examples(outputs: list[torch.Tensor], example_outputs: list[torch.Tensor],
+                     qualname: str, label: str) -> list[torch.Tensor]:
+    """The op's outputs as ``example_outputs`` declare them (upstream built a custom op's
+    outputs from them): a different dtype is converted (logged once at INFO), a
+    different number or shape of outputs is an error naming both."""
+    if len(outputs) != len(example_outputs):
+        raise Error(f"custom_op: {label} returned {len(outputs)} outputs but "
+                    f"example_outputs lists {len(example_outputs)}.")
+    compiling = torch.compiler.is_compiling()
+    converted: list[torch.Tensor] = []
+    for index, (out, example) in enumerate(zip(outputs, example_outputs, strict=True)):
+        if not isinstance(out, torch.Tensor):
+            raise Error(f"custom_op: output {index} of {label} is a "
+                        f"{type(out).__name__}, but example_outputs[{index}] is a tensor "
+                        f"of shape {tuple(example.shape)}.")
+        if (not compiling or qualname not in _made_fakes) and out.shape != example.shape:
+            raise Error(f"custom_op: output {index} of {label} has shape "
+                        f"{tuple(out.shape)}, but example_outputs[{index}] has shape "
+                        f"{tuple(example.shape)}: the op must return the shapes that "
+                        "example_outputs declare.")
+        if out.dtype != example.dtype:
+            if not compiling:
+                _returned_dtypes[qualname] = [o.dtype for o in outputs]
+                info_once(("custom_op.dtype", label, index),
+                          "poptorch.custom_op: output %d of %s is %s; converted to %s, the "
+                          "dtype of example_outputs[%d] (the declared type, as upstream).",
+                          index, label, out.dtype, example.dtype, index)
+            out = out.to(example.dtype)
+        converted.append(out)
+    return converted
+
+
 def custom_op(inputs: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...],
               name: str, domain: str, domain_version: int,
               example_outputs: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...],
@@ -155,9 +197,12 @@ def custom_op(inputs: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ..
     ``torch.library`` (in Python, or in C++ and loaded with ``torch.ops.load_library``).
     A domain containing dots (``"com.acme"``) is looked up with underscores
     (``torch.ops.com_acme``). The op is called with the ``inputs`` as positional
-    arguments and the ``attributes`` as keyword arguments; its outputs must match
-    ``example_outputs`` in number, shape and dtype; an operator without a fake (meta)
-    kernel gets one from ``example_outputs``, so compiled backends can trace it.
+    arguments and the ``attributes`` as keyword arguments. Its outputs follow
+    ``example_outputs``, their declared types, as upstream's did: an output of another
+    dtype is converted to the example's (logged once at INFO); a different number or
+    shape of outputs raises :class:`poptorch.Error` naming both. An operator without a
+    fake (meta) kernel gets one from ``example_outputs``, so compiled backends can
+    trace it.
     ``domain_version`` is recorded only
     (torch.library has no op versions). Returns the outputs as a list.
     """
@@ -183,17 +228,5 @@ def custom_op(inputs: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ..
         _record_eagerly(operator, attributes, list(example_outputs))
     outputs = operator(*inputs, **attributes)
     outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
-    if torch.compiler.is_compiling():
-        return outputs  # traced with the shapes of example_outputs (see above)
-    if len(outputs) != len(example_outputs):
-        raise Error(f"custom_op: {domain}::{name} returned {len(outputs)} outputs but "
-                    f"example_outputs lists {len(example_outputs)}.")
-    for index, (out, example) in enumerate(zip(outputs, example_outputs, strict=False)):
-        if not isinstance(out, torch.Tensor) or out.shape != example.shape \
-                or out.dtype != example.dtype:
-            got = (f"shape {tuple(out.shape)} and dtype {out.dtype}"
-                   if isinstance(out, torch.Tensor) else type(out).__name__)
-            raise Error(f"custom_op: output {index} of {domain}::{name} has {got}, but "
-                        f"example_outputs[{index}] has shape {tuple(example.shape)} and "
-                        f"dtype {example.dtype}.")
-    return outputs
+    return _follow_examples(outputs, list(example_outputs), operator._qualified_op_name,
+                            f"{domain}::{name}")
