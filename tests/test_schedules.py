@@ -9,6 +9,7 @@ against plain PyTorch, and every schedule's action lists checked for dependencie
   PyTorch loop on the same data within 1e-5; ``model.schedule`` shows the plan run.
 """
 import copy
+import itertools
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from poptorch._runtime.schedule.timeline import Timeline
 
 FEAT, MB = 4, 2
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
-I, W = ActionKind.INPUT_HALF, ActionKind.WEIGHT_HALF
+IH, W = ActionKind.INPUT_HALF, ActionKind.WEIGHT_HALF
 
 
 # ------------------------------------------------------------------ action lists
@@ -32,7 +33,7 @@ def _covers(lanes, stages, count, training):
         for m in range(count):
             assert (F, s, m) in ops
             if training:
-                assert ((B, s, m) in ops) != ((I, s, m) in ops and (W, s, m) in ops)
+                assert ((B, s, m) in ops) != ((IH, s, m) in ops and (W, s, m) in ops)
 
 
 PLACEMENTS = [[0, 1], [0, 1, 2], [0, 1, 0, 1], [0, 1, 2, 0, 1, 2], [0, 0, 1, 1]]
@@ -75,7 +76,7 @@ def test_the_dependency_check_refuses_bad_orders():
     with pytest.raises(ValueError, match="twice"):
         schedules.check_dependencies(twice, schedules.Topology.chain(1))
     moved = [[Action(F, 0, 0), Action(B, 0, 0)],
-             [Action(F, 1, 0), Action(I, 1, 0)], [Action(W, 1, 0)]]
+             [Action(F, 1, 0), Action(IH, 1, 0)], [Action(W, 1, 0)]]
     with pytest.raises(ValueError, match="lane of its input half"):
         schedules.check_dependencies(moved, chain)
 
@@ -94,7 +95,7 @@ def test_new_schedules_shorten_the_laid_out_step():
     topo = schedules.Topology.chain(4)
     lane = Timeline.of("zb", schedules.pipeline_lanes("ZeroBubble", topo, [0, 1, 2, 3], 4,
                                                       8, True), topo).cells()[3]
-    assert all(a[0] + a[1] == b[0] for a, b in zip(lane, lane[1:]))
+    assert all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(lane))
 
 
 def test_unknown_schedule_names_the_valid_ones():
