@@ -3,6 +3,18 @@
 ``Error`` is raised for problems the library finds in user input or configuration.
 ``RecoverableError`` and ``UnrecoverableError`` are raised for device faults (on our
 devices: CUDA errors and out-of-memory), as PopTorch raises them for IPU faults.
+
+Where upstream PopTorch 3.4 refuses something with a built-in exception (an ``assert``,
+a ``ValueError``, ...), we raise one of the classes below: each is a ``poptorch.Error``
+*and* the built-in class upstream raised, so both ``except poptorch.Error`` and code
+written against upstream (``except AssertionError``) catch it. The message stays ours
+(what was wrong and how to fix it).
+
+* ``PoptorchAssertionError``: also an ``AssertionError`` (upstream's ``assert``);
+* ``PoptorchValueError``: also a ``ValueError``;
+* ``PoptorchTypeError``: also a ``TypeError``;
+* ``PoptorchRuntimeError``: also a ``RuntimeError``;
+* ``PoptorchAttributeError``: also an ``AttributeError``.
 """
 from __future__ import annotations
 
@@ -12,6 +24,11 @@ import os
 __all__ = [
     "ConfigFileError",
     "Error",
+    "PoptorchAssertionError",
+    "PoptorchAttributeError",
+    "PoptorchRuntimeError",
+    "PoptorchTypeError",
+    "PoptorchValueError",
     "RecoverableError",
     "UnrecoverableError",
     "createPoptorchError",
@@ -60,6 +77,33 @@ class RecoverableError(Error):
 class UnrecoverableError(Error):
     """A device fault after which the device cannot be used again in this process."""
     default_type = "unrecoverable_runtime_error"
+
+
+class PoptorchAssertionError(Error, AssertionError):
+    """A refusal that upstream PopTorch makes with an ``assert``: a ``poptorch.Error``
+    that is also an ``AssertionError`` (a batch size that does not fit the options, a
+    bad ``DataLoader`` argument, an accumulation type, ...)."""
+
+
+class PoptorchValueError(Error, ValueError):
+    """A refusal that upstream PopTorch raises as ``ValueError``: a ``poptorch.Error``
+    that is also a ``ValueError``."""
+
+
+class PoptorchTypeError(Error, TypeError):
+    """A refusal that upstream PopTorch raises as ``TypeError``: a ``poptorch.Error``
+    that is also a ``TypeError``."""
+
+
+class PoptorchRuntimeError(Error, RuntimeError):
+    """A refusal that upstream PopTorch raises as ``RuntimeError`` (for example loading
+    an empty optimizer state, wrapping a model twice): a ``poptorch.Error`` that is also
+    a ``RuntimeError``."""
+
+
+class PoptorchAttributeError(Error, AttributeError):
+    """A refusal that upstream PopTorch raises as ``AttributeError`` (a change to frozen
+    options): a ``poptorch.Error`` that is also an ``AttributeError``."""
 
 
 class ConfigFileError(Exception):

@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 import torch
 
 from .._runtime.placement import markers, recompute
-from ..errors import Error
+from ..errors import Error, PoptorchAssertionError, PoptorchTypeError, PoptorchValueError
 
 __all__ = [
     "IPU",
@@ -33,18 +33,30 @@ __all__ = [
     "removeBlocks",
 ]
 
+class BlockArgumentError(PoptorchAssertionError, TypeError):
+    """``removeBlocks`` given something that is no module: upstream's ``assert``
+    (``AssertionError``), a ``poptorch.Error``, and the ``TypeError`` that earlier
+    OpenPopTorch releases raised."""
+
+
+class CheckpointArgumentError(PoptorchValueError, TypeError):
+    """``recomputationCheckpoint`` given something that is no tensor: upstream's
+    ``ValueError``, a ``poptorch.Error``, and the ``TypeError`` that earlier OpenPopTorch
+    releases raised."""
+
+
 def _check_id(name: str, value: Any, kinds: tuple) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
         allowed = " or ".join(k.__name__ for k in kinds)
-        raise TypeError(f"{name} must be None or a {allowed}, not {type(value).__name__} "
-                        f"({value!r})")
+        raise PoptorchTypeError(
+            f"{name} must be None or a {allowed}, not {type(value).__name__} ({value!r})")
 
 
 def _check_block_args(user_id: Any, ipu_id: Any) -> None:
     _check_id("user_id", user_id, (str, int))
     _check_id("ipu_id", ipu_id, (int, ))
     if ipu_id is not None and ipu_id < 0:
-        raise ValueError(f"ipu_id must be >= 0, got {ipu_id}")
+        raise PoptorchValueError(f"ipu_id must be >= 0, got {ipu_id}")
 
 
 class Block(torch.nn.Module):
@@ -138,7 +150,7 @@ class LegacyBeginBlockFn(torch.nn.Module):
         super().__init__()
         _check_block_args(user_id, ipu_id)
         if not callable(layer_to_call):
-            raise TypeError("layer_to_call must be callable, got "
+            raise PoptorchTypeError("layer_to_call must be callable, got "
                             f"{type(layer_to_call).__name__}")
         self._user_id = user_id
         self._ipu_id = ipu_id
@@ -161,7 +173,7 @@ class IPU(LegacyBeginBlockFn):
 
     def __init__(self, ipu_id: int, layer_to_call: Callable[..., Any] | None = None) -> None:
         if isinstance(ipu_id, bool) or not isinstance(ipu_id, int):
-            raise TypeError(f"ipu_id must be an int, got {type(ipu_id).__name__}")
+            raise PoptorchTypeError(f"ipu_id must be an int, got {type(ipu_id).__name__}")
         super().__init__(layer_to_call if layer_to_call is not None else _no_layer,
                          None, ipu_id)
         self._has_layer = layer_to_call is not None
@@ -200,7 +212,8 @@ def BlockFunction(user_id: str | int | None = None, ipu_id: int | None = None
 
     def decorator(func: Callable) -> Callable:
         if not callable(func):
-            raise TypeError(f"BlockFunction decorates functions, got {type(func).__name__}")
+            raise PoptorchTypeError(
+                f"BlockFunction decorates functions, got {type(func).__name__}")
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -216,7 +229,8 @@ def BlockFunction(user_id: str | int | None = None, ipu_id: int | None = None
 def removeBlocks(module: torch.nn.Module) -> None:
     """Recursively remove :py:func:`BeginBlock` annotations from ``module``."""
     if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"removeBlocks expects a torch.nn.Module, got {type(module).__name__}")
+        raise BlockArgumentError(
+            f"removeBlocks expects a torch.nn.Module, got {type(module).__name__}")
     for sub in module.modules():
         markers.detach_begin_block(sub)
 
@@ -235,7 +249,7 @@ def recomputationCheckpoint(*tensors: torch.Tensor | list | tuple
     flat: list[Any] = list(tensors[0]) if as_list else list(tensors)
     for t in flat:
         if not isinstance(t, (torch.Tensor, torch.fx.Proxy)):  # (Proxy: graph capture)
-            raise TypeError("recomputationCheckpoint expects tensors, got "
+            raise CheckpointArgumentError("recomputationCheckpoint expects tensors, got "
                             f"{type(t).__name__}")
     listener = markers.current_listener()
     if listener is not None:

@@ -38,7 +38,7 @@ import torch.multiprocessing
 
 from .._logging import info_once
 from ..enums import SharingStrategy
-from ..errors import Error
+from ..errors import Error, PoptorchTypeError, PoptorchValueError
 from .faults import WorkerDiedError, exit_code_description, rebuild_worker_exception, start_failure
 from .ring import ON_PIPE, BatchRing
 from .tree import unflatten
@@ -149,7 +149,7 @@ class AsynchronousDataAccessor:
         # (or StopIteration), as a map-style torch Dataset whose items are read one by one
         if not isinstance(dataset, Iterable) and \
                 not hasattr(type(dataset), "__getitem__"):
-            raise TypeError("AsynchronousDataAccessor needs an iterable data set (for "
+            raise PoptorchTypeError("AsynchronousDataAccessor needs an iterable data set (for "
                             "example a poptorch.DataLoader) or an indexable one; got "
                             f"{type(dataset).__name__}.")
         _check_positive_int("buffer_size", buffer_size)
@@ -159,12 +159,12 @@ class AsynchronousDataAccessor:
             sharing_strategy = (_default_strategy() if sharing_strategy is None
                                 else SharingStrategy(sharing_strategy))
         except ValueError:
-            raise ValueError(f"sharing_strategy must be a poptorch.SharingStrategy; got "
+            raise PoptorchValueError(f"sharing_strategy must be a poptorch.SharingStrategy; got "
                              f"{sharing_strategy!r}.") from None
         if isinstance(miss_sleep_time_in_ms, bool) or \
                 not isinstance(miss_sleep_time_in_ms, (int, float)) or \
                 not miss_sleep_time_in_ms >= 0:
-            raise ValueError("miss_sleep_time_in_ms must be a number >= 0; got "
+            raise PoptorchValueError("miss_sleep_time_in_ms must be a number >= 0; got "
                              f"{miss_sleep_time_in_ms!r}.")
         if miss_sleep_time_in_ms != 0.1:
             info_once("async_miss_sleep_time",
@@ -269,7 +269,7 @@ class AsynchronousDataAccessor:
     # -- iteration --------------------------------------------------------------------
     def __len__(self) -> int:
         if self._length is None:
-            raise TypeError("The data set of this AsynchronousDataAccessor has no len().")
+            raise PoptorchTypeError("The data set of this AsynchronousDataAccessor has no len().")
         return self._length
 
     def __iter__(self) -> _PassIterator:
@@ -455,5 +455,5 @@ def _preload_in_forkserver() -> None:
 
 def _check_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1; got {value!r}.")
+        raise PoptorchValueError(f"{name} must be an integer >= 1; got {value!r}.")
 

@@ -20,7 +20,12 @@ from .._logging import info_once
 from .._runtime.attributes import own_attribute
 from .._runtime.distributed.world import shared_random_seed
 from ..enums import DataLoaderMode
-from ..errors import Error
+from ..errors import (
+    Error,
+    PoptorchAssertionError,
+    PoptorchTypeError,
+    PoptorchValueError,
+)
 from .accessor import AsynchronousDataAccessor
 from .combine import MicroBatchJoiner
 from .faults import (
@@ -36,6 +41,19 @@ __all__ = ["AsynchronousDataAccessor", "DataLoader"]
 
 _ASYNC_OPTIONS = {"buffer_size", "miss_sleep_time_in_ms", "load_indefinitely",
                   "early_preload", "sharing_strategy", "rebatched_size"}
+
+
+class DataLoaderArgumentError(PoptorchAssertionError, ValueError):
+    """A ``DataLoader`` argument that upstream PopTorch refuses with an ``assert``
+    (``rebatched_worker_size``, ``rebatched_size`` in ``async_options``): an
+    ``AssertionError`` and a ``poptorch.Error``, and the ``ValueError`` that earlier
+    OpenPopTorch releases raised."""
+
+
+class DataLoaderOptionsError(PoptorchAssertionError, TypeError):
+    """A first argument that is no ``poptorch.Options``: upstream's ``assert
+    isinstance(options, Options)`` (``AssertionError``), a ``poptorch.Error``, and the
+    ``TypeError`` that earlier OpenPopTorch releases raised."""
 
 
 class _SyncView:
@@ -134,7 +152,7 @@ def _read_options(options: Any) -> tuple[int, int, int, int, int, int | None]:
                 options.Training.gradient_accumulation, options.Distributed.processId,
                 options.Distributed.numProcesses, seed)
     except AttributeError:
-        raise TypeError(
+        raise DataLoaderOptionsError(
             "poptorch.DataLoader needs a poptorch.Options as its first argument, as in "
             "poptorch.DataLoader(poptorch.Options(), dataset, batch_size=...); got "
             f"{type(options).__name__}.") from None
@@ -199,7 +217,7 @@ class DataLoader(torch.utils.data.DataLoader):
         try:
             mode = DataLoaderMode(mode)
         except ValueError:
-            raise ValueError(f"mode must be a poptorch.DataLoaderMode; got {mode!r}.") \
+            raise PoptorchValueError(f"mode must be a poptorch.DataLoaderMode; got {mode!r}.") \
                 from None
         shuffle = bool(shuffle)
         _check_arguments(num_workers, rebatched_worker_size, async_options)
@@ -239,9 +257,9 @@ class DataLoader(torch.utils.data.DataLoader):
                     if seed is not None and "generator" not in kwargs:
                         loader_args["generator"] = torch.Generator().manual_seed(seed)
             elif distributed:
-                raise Error(_ITERABLE_DISTRIBUTED)
+                raise PoptorchAssertionError(_ITERABLE_DISTRIBUTED)
             if rebatch:
-                raise ValueError("DataLoaderMode.AsyncRebatched needs an integer "
+                raise PoptorchValueError("DataLoaderMode.AsyncRebatched needs an integer "
                                  "batch_size: it cuts the data into combined batches "
                                  "of batch_size x deviceIterations x replicationFactor "
                                  "x gradientAccumulation rows.")
@@ -249,14 +267,14 @@ class DataLoader(torch.utils.data.DataLoader):
         else:
             if isinstance(batch_size, bool) or not isinstance(batch_size, int) \
                     or batch_size < 1:
-                raise ValueError("poptorch.DataLoader needs an integer batch_size >= 1 "
+                raise PoptorchValueError("poptorch.DataLoader needs an integer batch_size >= 1 "
                                  f"(the micro-batch size); got {batch_size!r}.")
             combined = batch_size * micro_batches
             self._combined_batch_size = combined
             loader_batch, loader_drop_last = combined, drop_last
             if iterable:
                 if distributed:
-                    raise Error(_ITERABLE_DISTRIBUTED)
+                    raise PoptorchAssertionError(_ITERABLE_DISTRIBUTED)
                 if rebatch:
                     loader_batch = self._worker_batch_size(rebatched_worker_size, combined)
                     loader_drop_last = False  # the accessor drops (or keeps) the tail
@@ -295,15 +313,16 @@ class DataLoader(torch.utils.data.DataLoader):
         self._accessor: AsynchronousDataAccessor | None = None
         if mode != DataLoaderMode.Sync:
             accessor_args = dict(async_options or {})
+            if "rebatched_size" in accessor_args:  # (upstream: an assert, in every mode)
+                raise DataLoaderArgumentError(
+                    "async_options must not set rebatched_size: the DataLoader chooses it "
+                    "(with DataLoaderMode.AsyncRebatched the combined batch size). Remove "
+                    "it, or wrap a loader in poptorch.AsynchronousDataAccessor yourself.")
             if rebatch:
-                if "rebatched_size" in accessor_args:
-                    raise ValueError("async_options must not set rebatched_size with "
-                                     "DataLoaderMode.AsyncRebatched: the combined batch "
-                                     "size is used.")
                 accessor_args["rebatched_size"] = self._combined_batch_size
             unknown = set(accessor_args) - _ASYNC_OPTIONS
             if unknown:
-                raise TypeError(f"Unknown async_options {sorted(unknown)}: they are "
+                raise PoptorchTypeError(f"Unknown async_options {sorted(unknown)}: they are "
                                 "AsynchronousDataAccessor's keyword arguments "
                                 f"{sorted(_ASYNC_OPTIONS)}.")
             self._accessor = AsynchronousDataAccessor(_SyncView(self), **accessor_args)
@@ -320,11 +339,11 @@ class DataLoader(torch.utils.data.DataLoader):
         # as torch's DataLoader: the defaults (batch_size=1, shuffle=False, sampler=None)
         # may be passed explicitly, as re-instantiating code such as Lightning's does
         if batch_size != 1 or shuffle or kwargs.get("sampler") is not None:
-            raise ValueError("batch_sampler is mutually exclusive with batch_size, "
+            raise PoptorchValueError("batch_sampler is mutually exclusive with batch_size, "
                              "shuffle and sampler: the batch sampler decides the "
                              "micro-batches.")
         if iterable:
-            raise ValueError("batch_sampler needs a map-style data set; an "
+            raise PoptorchValueError("batch_sampler needs a map-style data set; an "
                              "IterableDataset decides its own order.")
 
     def _worker_batch_size(self, rebatched_worker_size: int | None, combined: int) -> int:
@@ -333,9 +352,9 @@ class DataLoader(torch.utils.data.DataLoader):
         if isinstance(rebatched_worker_size, bool) or \
                 not isinstance(rebatched_worker_size, int) or \
                 not 1 <= rebatched_worker_size <= combined:
-            raise ValueError("rebatched_worker_size must be an integer between 1 and the "
-                             f"combined batch size ({combined}); got "
-                             f"{rebatched_worker_size!r}.")
+            raise DataLoaderArgumentError(
+                "rebatched_worker_size must be an integer between 1 and the "
+                f"combined batch size ({combined}); got {rebatched_worker_size!r}.")
         return rebatched_worker_size
 
     @staticmethod
@@ -345,7 +364,7 @@ class DataLoader(torch.utils.data.DataLoader):
         if not distributed:
             return None
         if "sampler" in kwargs:
-            raise ValueError("A custom sampler cannot be combined with automatic "
+            raise PoptorchValueError("A custom sampler cannot be combined with automatic "
                              "distributed partitioning: partition it yourself and pass "
                              "auto_distributed_partitioning=False.")
         if shuffle and seed is None:  # the processes must draw the same order
@@ -373,7 +392,7 @@ class DataLoader(torch.utils.data.DataLoader):
             return super().__len__()
         items = _length_or_none(self.dataset)
         if items is None:
-            raise TypeError("This IterableDataset has no len().")
+            raise PoptorchTypeError("This IterableDataset has no len().")
         assert self._combined_batch_size is not None  # (set when rebatching)
         full, rest = divmod(items, self._combined_batch_size)
         return full if self.rebatched_drop_last or rest == 0 else full + 1
@@ -566,14 +585,14 @@ def _check_arguments(num_workers: Any, rebatched_worker_size: Any,
     """Rejects argument types torch would fail on later with an unrelated message."""
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or \
             num_workers < 0:
-        raise ValueError(f"num_workers must be an integer >= 0; got {num_workers!r}.")
+        raise PoptorchValueError(f"num_workers must be an integer >= 0; got {num_workers!r}.")
     if rebatched_worker_size is not None and (
             isinstance(rebatched_worker_size, bool) or
             not isinstance(rebatched_worker_size, int) or rebatched_worker_size < 1):
-        raise ValueError("rebatched_worker_size must be None or an integer >= 1; got "
+        raise DataLoaderArgumentError("rebatched_worker_size must be None or an integer >= 1; got "
                          f"{rebatched_worker_size!r}.")
     if async_options is not None and not isinstance(async_options, dict):
-        raise TypeError("async_options must be a dict of AsynchronousDataAccessor keyword "
+        raise PoptorchTypeError("async_options must be a dict of AsynchronousDataAccessor keyword "
                         f"arguments or None; got {type(async_options).__name__}.")
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..errors import Error
+from ..errors import Error, PoptorchValueError
 
 __all__ = ["STATE_VERSION", "ResumableIndexSampler", "check_state"]
 
@@ -152,15 +152,16 @@ class ResumableIndexSampler:
 def check_state(state: Any) -> dict:
     """Validates a loader state from ``DataLoader.state_dict()``."""
     if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-        raise ValueError("DataLoader.load_state_dict needs a dict returned by "
-                         "DataLoader.state_dict() (version "
-                         f"{STATE_VERSION}); got {type(state).__name__}.")
+        raise PoptorchValueError("DataLoader.load_state_dict needs a dict returned by "
+                                 "DataLoader.state_dict() (version "
+                                 f"{STATE_VERSION}); got {type(state).__name__}.")
     consumed = state.get("consumed")
     if isinstance(consumed, bool) or not isinstance(consumed, int) or consumed < 0:
-        raise ValueError(f"state['consumed'] must be an integer >= 0; got {consumed!r}.")
+        raise PoptorchValueError(
+            f"state['consumed'] must be an integer >= 0; got {consumed!r}.")
     start = state.get("start")
     if start is not None and (not isinstance(start, dict) or
                               start.get("kind") not in (_GLOBAL, _GENERATOR)):
-        raise ValueError("state['start'] is not a loader position saved by "
-                         "DataLoader.state_dict().")
+        raise PoptorchValueError("state['start'] is not a loader position saved by "
+                                 "DataLoader.state_dict().")
     return state

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .._logging import logger
-from ..errors import Error
+from ..errors import Error, PoptorchAssertionError
 
 __all__ = [
     "OptimizerSnapshot",
@@ -88,10 +88,10 @@ class VariableAttributes:
         return tuple(self._allowed_attributes)
 
     def _check_allowed(self, attr: str) -> None:
-        if attr not in self._allowed_attributes:
-            raise Error(f"Unknown optimizer attribute {attr!r}: it cannot be marked "
-                        f"constant or variable. Attributes that can: "
-                        f"{', '.join(self._allowed_attributes)}.")
+        if attr not in self._allowed_attributes:  # upstream: an assert
+            raise PoptorchAssertionError(
+                f"Unknown optimizer attribute {attr!r}: it cannot be marked constant or "
+                f"variable. Attributes that can: {', '.join(self._allowed_attributes)}.")
 
     def __repr__(self) -> str:
         return (f"VariableAttributes(variable={sorted(self._variable_attributes)}, "

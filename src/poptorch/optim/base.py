@@ -27,7 +27,7 @@ import torch
 from .._logging import info_once
 from .._runtime.numerics.loss_scaling import PENDING_UNSCALE_ATTR
 from .._runtime.numerics.precision import stochastic_round, stochastic_rounding_active
-from ..errors import Error
+from ..errors import Error, PoptorchAssertionError, PoptorchRuntimeError
 from .attributes import VariableAttributes
 
 ACCUM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -162,9 +162,10 @@ class Optimizer:
                                f"computed per tensor in PopTorch's formulation.")
 
     def _check_structural(self, name: str, value: Any) -> None:
-        if name.endswith("_type") and value not in ACCUM_DTYPES:
-            raise Error(f"{type(self).__name__}: {name}={value!r} is not supported; "
-                        f"use one of {', '.join(str(d) for d in ACCUM_DTYPES)}.")
+        if name.endswith("_type") and value not in ACCUM_DTYPES:  # upstream: an assert
+            raise PoptorchAssertionError(
+                f"{type(self).__name__}: {name}={value!r} is not supported; use one of "
+                f"{', '.join(str(d) for d in ACCUM_DTYPES)}.")
         if name == "use_combined_accum" and not isinstance(value, bool):
             raise Error(f"{type(self).__name__}: use_combined_accum must be a bool, "
                         f"got {value!r}.")
@@ -260,8 +261,9 @@ class Optimizer:
         """Load a state dictionary from ``state_dict()``; a model using this optimizer
         receives it before its next run."""
         if not isinstance(state, dict) or "state" not in state or "param_groups" not in state:
-            raise Error("load_state_dict expects a dictionary returned by a poptorch "
-                        "optimizer's state_dict().")
+            # upstream: RuntimeError for a state it cannot load (set_state_dict)
+            raise PoptorchRuntimeError("load_state_dict expects a dictionary returned by a "
+                                       "poptorch optimizer's state_dict().")
         self.set_state_dict(state)
         ipu_state, ipu_param = state.get("ipu_state"), state.get("ipu_param")
         if ipu_state is not None or ipu_param is not None:

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..errors import Error
+from ..errors import PoptorchValueError
 from . import updates
 from .attributes import VariableAttributes
 from .base import Optimizer
@@ -112,8 +112,9 @@ class _AdamBase(Optimizer):
 
     def _check_amsgrad(self) -> None:
         if any(group.get("amsgrad") for group in self.param_groups):
-            raise Error(f"poptorch.optim.{type(self).__name__} does not support "
-                        f"amsgrad=True; use amsgrad=False (the default).")
+            # upstream: a ValueError when the model is compiled
+            raise PoptorchValueError(f"poptorch.optim.{type(self).__name__} does not "
+                                     f"support amsgrad=True; use amsgrad=False (the default).")
 
     def _initial_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each state tensor of ``p`` before the first step (see ``ipu_state``)."""
@@ -305,13 +306,13 @@ class LAMB(Optimizer, torch.optim.Optimizer):
         _check_range("eps", hp["eps"], 0.0)
         _check_range("weight_decay", hp["weight_decay"], 0.0)
         if not all(0.0 <= b < 1.0 for b in hp["betas"]):
-            raise ValueError(f"Invalid betas for LAMB: {hp['betas']} (each must be in "
-                             f"[0, 1)).")
+            raise PoptorchValueError(f"Invalid betas for LAMB: {hp['betas']} (each must be "
+                                     f"in [0, 1)).")
         for group in [hp] + [g for g in params if isinstance(g, dict)]:
             norm = group.get("max_weight_norm")
             if norm is not None and not norm >= 0:
-                raise ValueError(f"Invalid max_weight_norm for LAMB: {norm} (must be >= 0, "
-                                 f"or None to disable the cap).")
+                raise PoptorchValueError(f"Invalid max_weight_norm for LAMB: {norm} (must "
+                                         f"be >= 0, or None to disable the cap).")
         torch.optim.Optimizer.__init__(self, params, dict(hp))
         self._finish(passed)
 
@@ -340,5 +341,5 @@ class LAMB(Optimizer, torch.optim.Optimizer):
 
 def _check_range(name: str, value: float, minimum: float) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= minimum):
-        raise ValueError(f"Invalid {name} for LAMB: {value!r} (must be a finite number "
-                         f">= {minimum}).")
+        raise PoptorchValueError(f"Invalid {name} for LAMB: {value!r} (must be a finite "
+                                 f"number >= {minimum}).")

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, cast
 import torch
 
 from .. import _devices, _logging, enums
-from ..annotations.strategies import PipelinedExecution, _IExecutionStrategy
+from ..annotations.strategies import PipelinedExecution, _IExecutionStrategy, _IPhasedExecution
 from ..errors import ConfigFileError, Error
 from .config_file import SUB_OBJECTS, apply_command, resolve_setter
 from .distributed import _DistributedOptions
@@ -350,6 +350,12 @@ class Options(OptionsDict):
             raise OptionValueError(f"setExecutionStrategy: expected an instance of "
                         f"PipelinedExecution, ShardedExecution, SerialPhasedExecution or "
                         f"ParallelPhasedExecution, got {strategy!r}.")
+        if isinstance(strategy, _IPhasedExecution) and not strategy.phases:
+            # upstream: an assert in the setter (phases are never automatic)
+            raise OptionValueError(f"setExecutionStrategy: {type(strategy).__name__} needs "
+                                   "its phases: pass them explicitly, e.g. "
+                                   f"{type(strategy).__name__}(poptorch.Phase('0'), "
+                                   "poptorch.Phase('1')) for blocks '0' and '1'.")
         self.set(execution_strategy=strategy)
         return self
 

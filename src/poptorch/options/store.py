@@ -14,29 +14,35 @@ import os
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
-from ..errors import Error
+from ..errors import (
+    Error,
+    PoptorchAssertionError,
+    PoptorchAttributeError,
+    PoptorchTypeError,
+    PoptorchValueError,
+)
 
 __all__ = ["OptionChoiceError", "OptionNameError", "OptionValueError",
            "OptionsDict", "OptionsFrozenError", "check_bool", "check_enum", "check_int",
            "check_optional_path", "check_str", "check_str_list", "check_truth"]
 
-class OptionValueError(Error, AssertionError):
+class OptionValueError(PoptorchAssertionError):
     """A value an option setter refuses: a ``poptorch.Error`` that is also the
     ``AssertionError`` PopTorch's setters raise for a value of the wrong type or range
     (their ``assert isinstance(...)`` checks)."""
 
 
-class OptionChoiceError(Error, ValueError):
+class OptionChoiceError(PoptorchValueError):
     """A refused choice: a ``poptorch.Error`` that is also the ``ValueError`` PopTorch
     raises for it (reduction types, partials types, input replica groups, ...)."""
 
 
-class OptionNameError(Error, TypeError):
+class OptionNameError(PoptorchTypeError):
     """A refused argument type: a ``poptorch.Error`` that is also the ``TypeError``
     PopTorch's setter meets for it (an environment variable name that is no string)."""
 
 
-class OptionsFrozenError(Error, AttributeError):
+class OptionsFrozenError(PoptorchAttributeError):
     """A change to frozen options: a ``poptorch.Error`` that is also the
     ``AttributeError`` PopTorch raises for it."""
 

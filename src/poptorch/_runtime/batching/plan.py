@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ...enums import CommGroupType, OutputMode
-from ...errors import Error
+from ...errors import Error, PoptorchAssertionError, PoptorchValueError
 from ..torch_internals import pytree
 from .structures import register_mapping_outputs
 
@@ -37,8 +37,8 @@ class BatchPlan:
 
     def __post_init__(self) -> None:
         r, size = self.replication_factor, self.input_group_size
-        if size < 1 or r % size:
-            raise Error(
+        if size < 1 or r % size:  # upstream: the setter's ValueError
+            raise PoptorchValueError(
                 f"inputReplicaGrouping: input_group_size ({size}) must divide "
                 f"replicationFactor ({r}): choose a group size among "
                 f"{[n for n in range(1, r + 1) if r % n == 0]}.")
@@ -72,7 +72,9 @@ class BatchPlan:
         return self.device_iterations * self.per_step
 
 
-def _size_error(plan: BatchPlan, where: str, rows: int) -> Error:
+def _size_error(plan: BatchPlan, where: str, rows: int) -> PoptorchAssertionError:
+    """The refusal of a batch that does not fit the options: an ``AssertionError``, as
+    upstream's ``_narrow_tensor`` raised, that is also a ``poptorch.Error``."""
     f = plan.input_factor
     lower = (rows // f) * f
     suggestion = f"{lower} or {lower + f}" if lower else f"{f} (or a multiple of it)"
@@ -80,7 +82,7 @@ def _size_error(plan: BatchPlan, where: str, rows: int) -> Error:
     if plan.input_group_size > 1:
         replicas = (f"(replicationFactor ({plan.replication_factor}) / "
                     f"inputReplicaGrouping size ({plan.input_group_size}))")
-    return Error(
+    return PoptorchAssertionError(
         f"Input {where} has batch size {rows}, which is not a multiple of "
         f"deviceIterations ({plan.device_iterations}) x {replicas} x gradientAccumulation "
         f"({plan.gradient_accumulation}) = {f}. Each call consumes {f} micro-batches: "
