@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol, cast
 
 import torch
 
 from .._logging import logger
+from .._typing import ParamGroup, StateValue
 from ..errors import Error, PoptorchAssertionError
 
 __all__ = [
@@ -98,13 +99,33 @@ class VariableAttributes:
                 f"allowed={list(self._allowed_attributes)})")
 
 
+class PoptorchOptimizer(Protocol):
+    """What this package reads of a ``poptorch.optim`` optimizer (``base.Optimizer``,
+    which imports this module): its attribute tables, variable attributes, param groups
+    and per-parameter state."""
+
+    variable_attrs: VariableAttributes
+
+    @property
+    def param_groups(self) -> list[ParamGroup]: ...
+    @property
+    def state(self) -> Mapping[torch.Tensor, dict[str, StateValue]]: ...
+    @property
+    def _group_attrs(self) -> Mapping[str, object]: ...
+    @property
+    def _optimizer_attrs(self) -> Mapping[str, object]: ...
+    @property
+    def _structural_attrs(self) -> Mapping[str, object]: ...
+    def _initial_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]: ...
+
+
 # --- which attributes an optimizer has, and their values ---------------------------
 
 def _is_poptorch_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     return hasattr(optimizer, "variable_attrs") and hasattr(optimizer, "_group_attrs")
 
 
-def _torch_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _torch_defaults(optimizer: torch.optim.Optimizer) -> dict[str, object]:
     """Constructor defaults of a torch.optim optimizer's hyperparameters."""
     signature = inspect.signature(type(optimizer).__init__)
     return {name: p.default for name, p in signature.parameters.items()
@@ -113,11 +134,11 @@ def _torch_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
             and p.kind is not inspect.Parameter.VAR_KEYWORD}
 
 
-def _group_values(optimizer: torch.optim.Optimizer, name: str) -> tuple[Any, ...]:
+def _group_values(optimizer: torch.optim.Optimizer, name: str) -> tuple[object, ...]:
     return tuple(_plain(group.get(name)) for group in optimizer.param_groups)
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> object:
     """A comparable, copy-safe form of an attribute value (tensors become numbers)."""
     if isinstance(value, torch.Tensor):
         return value.tolist()
@@ -126,16 +147,17 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: object, b: object) -> bool:
     return _plain(a) == _plain(b)
 
 
-def attribute_values(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def attribute_values(optimizer: torch.optim.Optimizer) -> dict[str, object]:
     """Every tracked attribute of ``optimizer``: ``name -> value`` for optimizer-level
     attributes and ``name -> (value per param group)`` for group hyperparameters."""
     if _is_poptorch_optimizer(optimizer):
-        ours: Any = optimizer  # a poptorch.optim optimizer: PopTorch's attribute tables
-        values = {name: _group_values(optimizer, name) for name in ours._group_attrs}
+        ours = cast(PoptorchOptimizer, optimizer)  # PopTorch's attribute tables
+        values: dict[str, object] = {name: _group_values(optimizer, name)
+                                     for name in ours._group_attrs}
         for name in (*ours._optimizer_attrs, *ours._structural_attrs):
             values[name] = _plain(getattr(optimizer, name))
         return values
@@ -145,7 +167,7 @@ def attribute_values(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 def is_constant(optimizer: torch.optim.Optimizer, name: str) -> bool:
     """Whether ``name`` is constant for ``optimizer`` under PopTorch's rules."""
     if _is_poptorch_optimizer(optimizer):
-        ours: Any = optimizer
+        ours = cast(PoptorchOptimizer, optimizer)
         if name in ours._structural_attrs:
             return True
         return ours.variable_attrs.isConstant(name)
@@ -166,7 +188,7 @@ class OptimizerSnapshot:
     """What the compiled program fixed about the optimizer."""
     optimizer_type: type
     group_sizes: tuple[int, ...]
-    constants: dict[str, Any] = field(default_factory=dict)
+    constants: dict[str, object] = field(default_factory=dict)
     structural: frozenset = frozenset()
 
 
@@ -248,13 +270,14 @@ def restore_constants(snapshot: OptimizerSnapshot,
         if name not in values or _same(values[name], compiled):
             continue
         if group_attrs is None or name in group_attrs:
-            for group, value in zip(optimizer.param_groups, compiled, strict=False):
+            per_group = cast("tuple[object, ...]", compiled)  # (_group_values)
+            for group, value in zip(optimizer.param_groups, per_group, strict=False):
                 group[name] = _restored(group.get(name), value)
         else:
             setattr(optimizer, name, _restored(getattr(optimizer, name), compiled))
 
 
-def _restored(current: Any, value: Any) -> Any:
+def _restored(current: object, value: object) -> object:
     """``value`` (a plain snapshot value) in the form of ``current``."""
     if isinstance(current, torch.Tensor):
         return torch.as_tensor(value, dtype=current.dtype, device=current.device)
@@ -288,8 +311,8 @@ def copy_hyperparameters(src_optimizer: torch.optim.Optimizer,
                 dst[key] = copy.deepcopy(value)
     dst_optimizer.defaults = copy.deepcopy(src_optimizer.defaults)
     if _is_poptorch_optimizer(src_optimizer):
-        ours: Any = src_optimizer
-        target: Any = dst_optimizer
+        ours = cast(PoptorchOptimizer, src_optimizer)
+        target = cast(PoptorchOptimizer, dst_optimizer)
         for name in (*ours._optimizer_attrs, *ours._structural_attrs):
             setattr(dst_optimizer, name, copy.deepcopy(getattr(src_optimizer, name)))
         target.variable_attrs = copy.deepcopy(ours.variable_attrs)
@@ -299,7 +322,7 @@ def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _shown(value: Any) -> str:
+def _shown(value: object) -> str:
     if isinstance(value, tuple) and value and all(_same(v, value[0]) for v in value):
         # Group hyperparameter with the same value in every group.
         return repr(value[0])

@@ -20,25 +20,35 @@ from __future__ import annotations
 import copy
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any, ClassVar, cast
+from typing import TYPE_CHECKING, ClassVar, TypeVar, cast
 
 import torch
 
 from .._logging import info_once
 from .._runtime.numerics.loss_scaling import PENDING_UNSCALE_ATTR
 from .._runtime.numerics.precision import stochastic_round, stochastic_rounding_active
+from .._typing import ParamGroup, StateDict, StateValue
 from ..errors import Error, PoptorchAssertionError, PoptorchRuntimeError
 from .attributes import VariableAttributes
 
+if TYPE_CHECKING:
+    from torch.optim.optimizer import ParamsT
+
 ACCUM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _STATE_KEY = "poptorch"
+
+T = TypeVar("T")
+# PopTorch attribute name -> its default value (of the attribute's own type)
+AttrDefaults = dict[str, object]
+# one parameter's optimizer state: "step" and the state tensors
+ParamState = dict[str, StateValue]
 
 
 def _log_once_info(message: str) -> None:
     info_once(("poptorch.optim", message), "%s", message)
 
 
-def resolve(value: Any, default: Any) -> Any:
+def resolve(value: T | None, default: T) -> T:
     """``None`` means "use the default"."""
     return default if value is None else value
 
@@ -54,13 +64,13 @@ class Optimizer:
 
     # precision.LOW_PRECISION_AWARE_ATTR: this class unscales and rounds its own updates
     _poptorch_low_precision_aware = True
-    _group_attrs: ClassVar[dict[str, Any]] = {}
-    _optimizer_attrs: ClassVar[dict[str, Any]] = {}
-    _structural_attrs: ClassVar[dict[str, Any]] = {}
+    _group_attrs: ClassVar[AttrDefaults] = {}
+    _optimizer_attrs: ClassVar[AttrDefaults] = {}
+    _structural_attrs: ClassVar[AttrDefaults] = {}
     # Set by torch.optim.Optimizer, the other base of every concrete class.
-    defaults: dict[str, Any]
-    param_groups: list[dict[str, Any]]
-    state: defaultdict[torch.Tensor, Any]
+    defaults: ParamGroup
+    param_groups: list[ParamGroup]
+    state: defaultdict[torch.Tensor, ParamState]
     variable_attrs: VariableAttributes
     _explicit: set
     # PopTorch's attributes, set by _finish from _optimizer_attrs / _structural_attrs
@@ -74,22 +84,25 @@ class Optimizer:
     second_order_momentum_accum_type: torch.dtype
     use_tf_variant: bool
     bias_correction: bool
+    # Each state tensor of a parameter before its first step (ipu_state): every concrete
+    # class defines it.
+    _initial_state: Callable[[torch.Tensor], dict[str, torch.Tensor]]
 
     def __init__(self) -> None:
         self.host_state_is_dirty = False
         self.ipu_state_is_dirty = False
         # Set by the executor: returns the device optimizer's state dictionary.
-        self._device_state_reader: Callable[[], dict[str, Any]] | None = None
+        self._device_state_reader: Callable[[], StateDict] | None = None
         # Top-level state-dict entries added by others (e.g. the loss scaler).
-        self._extra_state: dict[str, Any] = {}
+        self._extra_state: StateDict = {}
         # Set by the executor when a model using this optimizer is compiled for a
         # device: state_dict() then shows the device view (ipu_state / ipu_param).
         self._compiled_on_device = False
         # ipu_state / ipu_param as last loaded, shown until the next step uses them.
-        self._loaded_ipu: tuple[Any, Any] | None = None
+        self._loaded_ipu: tuple[StateValue, StateValue] | None = None
 
     # --- pickling (torch.save of a model with its optimizer, poptorch.load) --------
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         """torch keeps only defaults, state and param_groups; PopTorch's attributes
         (loss_scaling, accumulator types, ...) travel too. Hooks and the device reader
         belong to this process and are left out, as torch leaves out its hooks."""
@@ -106,7 +119,7 @@ class Optimizer:
         after loading), and torch leaves it out too."""
         return callable(getattr(type(self), key, None)) and callable(self.__dict__[key])
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, object]) -> None:
         super().__setstate__(state)  # type: ignore[misc]  # (as above)
         self.__dict__.setdefault("host_state_is_dirty", False)
         self.__dict__.setdefault("ipu_state_is_dirty", False)
@@ -114,12 +127,14 @@ class Optimizer:
         self._device_state_reader = None
 
     # --- construction helpers ---------------------------------------------------
-    def _prepare(self, params: Any, passed: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    def _prepare(self, params: ParamsT, passed: dict[str, object]
+                 ) -> tuple[ParamsT, ParamGroup]:
         """Validate param groups and explicit arguments before torch's __init__.
 
         Returns the materialised params and the resolved group hyperparameters.
         """
-        params = list(params) if not isinstance(params, torch.Tensor) else [params]
+        params = cast("ParamsT", list(params) if not isinstance(params, torch.Tensor)
+                      else [params])
         group_keys = set()
         for group in params:
             if isinstance(group, dict):
@@ -142,7 +157,7 @@ class Optimizer:
         self._explicit |= group_keys & set(self._group_attrs)
         return params, resolved
 
-    def _finish(self, passed: dict[str, Any]) -> None:
+    def _finish(self, passed: dict[str, object]) -> None:
         """Set optimizer-level attributes and ``variable_attrs`` after torch's __init__."""
         Optimizer.__init__(self)
         for name, default in {**self._optimizer_attrs, **self._structural_attrs}.items():
@@ -161,7 +176,7 @@ class Optimizer:
                                f"recorded but has no effect; the update is always "
                                f"computed per tensor in PopTorch's formulation.")
 
-    def _check_structural(self, name: str, value: Any) -> None:
+    def _check_structural(self, name: str, value: object) -> None:
         if name.endswith("_type") and value not in ACCUM_DTYPES:  # upstream: an assert
             raise PoptorchAssertionError(
                 f"{type(self).__name__}: {name}={value!r} is not supported; use one of "
@@ -213,7 +228,7 @@ class Optimizer:
         return grads
 
     # --- state dictionary ---------------------------------------------------------
-    def get_state_dict(self) -> dict[str, Any]:
+    def get_state_dict(self) -> StateDict:
         """The host copy of the state dictionary (without reading from the device)."""
         state = torch.optim.Optimizer.state_dict(cast(torch.optim.Optimizer, self))
         for key, value in self._extra_state.items():
@@ -222,7 +237,7 @@ class Optimizer:
                              for name in (*self._optimizer_attrs, *self._structural_attrs)}
         return state
 
-    def set_state_dict(self, state: dict[str, Any]) -> None:
+    def set_state_dict(self, state: StateDict) -> None:
         """Replace the host copy of the state (the device copy is not marked dirty)."""
         state = dict(state)
         attrs = state.pop(_STATE_KEY, {})
@@ -241,7 +256,7 @@ class Optimizer:
         """True if the optimizer holds state (on the host or on the device)."""
         return bool(self.state) or self.host_state_is_dirty
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         """The state dictionary, read from the device first if it moved on there."""
         if self.host_state_is_dirty and self._device_state_reader is not None:
             self.set_state_dict(self._device_state_reader())
@@ -257,7 +272,7 @@ class Optimizer:
         state["ipu_state"], state["ipu_param"] = ipu_state, ipu_param
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         """Load a state dictionary from ``state_dict()``; a model using this optimizer
         receives it before its next run."""
         if not isinstance(state, dict) or "state" not in state or "param_groups" not in state:
@@ -272,7 +287,7 @@ class Optimizer:
             self._loaded_ipu = (ipu_state, ipu_param)
         self.ipu_state_is_dirty = True
 
-    def _restore_state_dtypes(self, state: dict[str, Any]) -> None:
+    def _restore_state_dtypes(self, state: StateDict) -> None:
         """torch's load_state_dict casts state to the parameter dtype; PopTorch keeps
         the accumulator dtypes, so put back the saved tensors' dtypes (and values)."""
         saved_ids = [i for g in state["param_groups"] for i in g["params"]]
@@ -284,7 +299,7 @@ class Optimizer:
 
     # --- state tensors --------------------------------------------------------------
     @staticmethod
-    def _store(state: dict[str, Any], key: str, value: torch.Tensor,
+    def _store(state: ParamState, key: str, value: torch.Tensor,
                dtype: torch.dtype) -> torch.Tensor:
         """Keep ``value`` as optimizer state ``key`` in ``dtype``; return the stored
         value in ``value``'s dtype (rounded through ``dtype``), which the update uses."""
@@ -296,7 +311,7 @@ class Optimizer:
         return value if dtype == value.dtype else state[key].to(value.dtype)
 
     @staticmethod
-    def _next_step(state: dict[str, Any]) -> float | torch.Tensor:
+    def _next_step(state: ParamState) -> float | torch.Tensor:
         """Count a step in ``state["step"]``; return the count: a float eagerly; while
         ``torch.compile`` traces the update, the tensor itself (as torch.optim's
         ``_get_value``: a graph value, no ``.item()`` graph break) in float64, so that
@@ -315,7 +330,7 @@ def compute_dtype(p: torch.Tensor) -> torch.dtype:
     return torch.promote_types(p.dtype, torch.float32)
 
 
-def apply_to_param(p: torch.Tensor, update: Callable[[torch.Tensor], Any]) -> None:
+def apply_to_param(p: torch.Tensor, update: Callable[[torch.Tensor], object]) -> None:
     """Run the in-place ``update`` on ``p`` in the compute dtype; a narrower ``p`` is
     written back rounded to nearest, or stochastically under
     ``Precision.enableStochasticRounding`` (see ``_runtime/numerics/precision.py``)."""
@@ -327,7 +342,7 @@ def apply_to_param(p: torch.Tensor, update: Callable[[torch.Tensor], Any]) -> No
         p.copy_(stochastic_round(wide, p.dtype) if stochastic_rounding_active() else wide)
 
 
-def state_view(state: dict[str, Any], key: str, like: torch.Tensor,
+def state_view(state: ParamState, key: str, like: torch.Tensor,
                fill: float = 0.0) -> torch.Tensor:
     """The state tensor ``key`` in the compute dtype (a new tensor; store it back)."""
     value = state.get(key)

@@ -17,18 +17,18 @@ A state tensor that does not exist yet shows its initial value.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+
+from .attributes import PoptorchOptimizer
 
 IpuView = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]
 
 
-def _params(optimizer: Any) -> list[torch.Tensor]:
+def _params(optimizer: PoptorchOptimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> bool:
     if isinstance(value, bool):
         return False
     if isinstance(value, (int, float)):
@@ -37,7 +37,7 @@ def _is_number(value: Any) -> bool:
         isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
 
 
-def ipu_view(optimizer: Any) -> IpuView:
+def ipu_view(optimizer: PoptorchOptimizer) -> IpuView:
     """``(ipu_state, ipu_param)`` of an optimizer whose model is compiled."""
     state: dict[str, torch.Tensor] = {}
     for index, p in enumerate(_params(optimizer)):
@@ -59,7 +59,7 @@ def ipu_view(optimizer: Any) -> IpuView:
     return state, param
 
 
-def load_ipu_view(optimizer: Any, ipu_state: dict[str, torch.Tensor] | None,
+def load_ipu_view(optimizer: PoptorchOptimizer, ipu_state: dict[str, torch.Tensor] | None,
                   ipu_param: dict[str, torch.Tensor] | None) -> None:
     """Write the entries of a loaded ``ipu_state`` / ``ipu_param`` into the optimizer
     (raises ``poptorch.Error`` naming an unknown entry)."""

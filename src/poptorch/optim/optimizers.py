@@ -21,15 +21,19 @@ Arguments default to ``None``: use the torch default and mark the attribute cons
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from .._typing import UserOutput
 from ..errors import PoptorchValueError
 from . import updates
 from .attributes import VariableAttributes
-from .base import Optimizer
+from .base import AttrDefaults, Optimizer
+
+if TYPE_CHECKING:
+    from torch.optim.optimizer import ParamsT
 
 __all__ = ["LAMB", "SGD", "Adam", "AdamW", "Optimizer", "RMSprop", "VariableAttributes"]
 
@@ -37,12 +41,13 @@ _F32 = torch.float32
 _INF = float("inf")
 
 
-def _arguments(frame_locals: dict[str, Any]) -> dict[str, Any]:
+def _arguments(frame_locals: dict[str, object]) -> dict[str, object]:
     return {k: v for k, v in frame_locals.items()
             if k not in ("self", "params", "__class__")}
 
 
-def _run_closure(closure: Callable[[], Any] | None) -> Any:
+def _run_closure(closure: Callable[[], UserOutput] | None) -> UserOutput:
+    """The closure's result: the user's loss, whatever it returns."""
     if closure is None:
         return None
     with torch.enable_grad():
@@ -60,14 +65,14 @@ class SGD(Optimizer, torch.optim.SGD):
     ``velocity_scaling`` may differ between param groups.
     """
 
-    _group_attrs: ClassVar[dict[str, Any]] = {
+    _group_attrs: ClassVar[AttrDefaults] = {
         "lr": None, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0,
         "nesterov": False, "maximize": False, "velocity_scaling": 1.0}
-    _optimizer_attrs: ClassVar[dict[str, Any]] = {"loss_scaling": 1.0, "max_grad_norm": _INF}
-    _structural_attrs: ClassVar[dict[str, Any]] = {"use_combined_accum": False, "accum_type": _F32,
+    _optimizer_attrs: ClassVar[AttrDefaults] = {"loss_scaling": 1.0, "max_grad_norm": _INF}
+    _structural_attrs: ClassVar[AttrDefaults] = {"use_combined_accum": False, "accum_type": _F32,
                          "velocity_accum_type": _F32}
 
-    def __init__(self, params: Iterable[Any], lr: float, momentum: float | None = None,
+    def __init__(self, params: ParamsT, lr: float, momentum: float | None = None,
                  dampening: float | None = None, weight_decay: float | None = None,
                  nesterov: bool | None = None, maximize: bool | None = None,
                  foreach: bool | None = None, differentiable: bool | None = None,
@@ -92,7 +97,7 @@ class SGD(Optimizer, torch.optim.SGD):
         return {"momentum_buffer": torch.zeros_like(p, dtype=dtype)}
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], UserOutput] | None = None) -> UserOutput:
         """Perform a single optimization step."""
         loss = _run_closure(closure)
         grads = self._gradients()
@@ -124,7 +129,7 @@ class _AdamBase(Optimizer):
                     p, dtype=self.second_order_momentum_accum_type)}
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], UserOutput] | None = None) -> UserOutput:
         """Perform a single optimization step."""
         self._check_amsgrad()
         loss = _run_closure(closure)
@@ -152,11 +157,11 @@ class Adam(_AdamBase, torch.optim.Adam):
     AMSGrad is not supported (must be False).
     """
 
-    _group_attrs: ClassVar[dict[str, Any]] = dict(_ADAM_GROUP)
-    _optimizer_attrs: ClassVar[dict[str, Any]] = {"loss_scaling": 1.0, "max_grad_norm": _INF}
-    _structural_attrs: ClassVar[dict[str, Any]] = dict(_MOMENT_TYPES)
+    _group_attrs: ClassVar[AttrDefaults] = dict(_ADAM_GROUP)
+    _optimizer_attrs: ClassVar[AttrDefaults] = {"loss_scaling": 1.0, "max_grad_norm": _INF}
+    _structural_attrs: ClassVar[AttrDefaults] = dict(_MOMENT_TYPES)
 
-    def __init__(self, params: Iterable[Any], lr: float | None = None,
+    def __init__(self, params: ParamsT, lr: float | None = None,
                  betas: tuple[float, float] | None = None, eps: float | None = None,
                  weight_decay: float | None = None, amsgrad: bool | None = None,
                  foreach: bool | None = None, maximize: bool | None = None,
@@ -185,12 +190,12 @@ class AdamW(_AdamBase, torch.optim.AdamW):
     """
 
     _decoupled = True
-    _group_attrs: ClassVar[dict[str, Any]] = {**_ADAM_GROUP, "weight_decay": 1e-2}
-    _optimizer_attrs: ClassVar[dict[str, Any]] = {
+    _group_attrs: ClassVar[AttrDefaults] = {**_ADAM_GROUP, "weight_decay": 1e-2}
+    _optimizer_attrs: ClassVar[AttrDefaults] = {
         "loss_scaling": 1.0, "bias_correction": True, "max_grad_norm": _INF}
-    _structural_attrs: ClassVar[dict[str, Any]] = dict(_MOMENT_TYPES)
+    _structural_attrs: ClassVar[AttrDefaults] = dict(_MOMENT_TYPES)
 
-    def __init__(self, params: Iterable[Any], lr: float | None = None,
+    def __init__(self, params: ParamsT, lr: float | None = None,
                  betas: tuple[float, float] | None = None, eps: float | None = None,
                  weight_decay: float | None = None, amsgrad: bool | None = None,
                  maximize: bool | None = None, foreach: bool | None = None,
@@ -223,13 +228,13 @@ class RMSprop(Optimizer, torch.optim.RMSprop):
     dtype of the mean square.
     """
 
-    _group_attrs: ClassVar[dict[str, Any]] = {
+    _group_attrs: ClassVar[AttrDefaults] = {
         "lr": 1e-2, "alpha": 0.99, "eps": 1e-8, "weight_decay": 0.0, "momentum": 0.0,
         "centered": False, "maximize": False}
-    _optimizer_attrs: ClassVar[dict[str, Any]] = {"loss_scaling": 1.0, "use_tf_variant": False}
-    _structural_attrs: ClassVar[dict[str, Any]] = dict(_MOMENT_TYPES)
+    _optimizer_attrs: ClassVar[AttrDefaults] = {"loss_scaling": 1.0, "use_tf_variant": False}
+    _structural_attrs: ClassVar[AttrDefaults] = dict(_MOMENT_TYPES)
 
-    def __init__(self, params: Iterable[Any], lr: float | None = None,
+    def __init__(self, params: ParamsT, lr: float | None = None,
                  alpha: float | None = None, eps: float | None = None,
                  weight_decay: float | None = None, momentum: float | None = None,
                  centered: bool | None = None, foreach: bool | None = None,
@@ -260,7 +265,7 @@ class RMSprop(Optimizer, torch.optim.RMSprop):
                    if any(g["centered"] for g in self.param_groups) else {})}
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], UserOutput] | None = None) -> UserOutput:
         """Perform a single optimization step."""
         loss = _run_closure(closure)
         grads = self._gradients()
@@ -285,13 +290,13 @@ class LAMB(Optimizer, torch.optim.Optimizer):
 
     # max_weight_norm is per param group, as upstream (optimum-graphcore gives biases
     # max_weight_norm=0.0: phi = 0, trust ratio 1, i.e. no layer-wise scaling)
-    _group_attrs: ClassVar[dict[str, Any]] = {
+    _group_attrs: ClassVar[AttrDefaults] = {
         "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2,
         "max_weight_norm": None}
-    _optimizer_attrs: ClassVar[dict[str, Any]] = {"loss_scaling": 1.0, "bias_correction": True}
-    _structural_attrs: ClassVar[dict[str, Any]] = dict(_MOMENT_TYPES)
+    _optimizer_attrs: ClassVar[AttrDefaults] = {"loss_scaling": 1.0, "bias_correction": True}
+    _structural_attrs: ClassVar[AttrDefaults] = dict(_MOMENT_TYPES)
 
-    def __init__(self, params: Iterable[Any], lr: float | None = None,
+    def __init__(self, params: ParamsT, lr: float | None = None,
                  betas: tuple[float, float] | None = None, eps: float | None = None,
                  weight_decay: float | None = None,
                  bias_correction: bool | None = None,
@@ -324,7 +329,7 @@ class LAMB(Optimizer, torch.optim.Optimizer):
                     p, dtype=self.second_order_momentum_accum_type)}
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], UserOutput] | None = None) -> UserOutput:
         """Perform a single optimization step."""
         loss = _run_closure(closure)
         grads = self._gradients()

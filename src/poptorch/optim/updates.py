@@ -8,18 +8,17 @@ float32 the results agree with torch.optim to rounding.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from .base import Optimizer, apply_to_param, state_view
+from .._typing import ParamGroup
+from .base import Optimizer, ParamState, apply_to_param, state_view
 
-State = dict[str, Any]
+State = ParamState
 _store = Optimizer._store
 _next_step = Optimizer._next_step
 
 
-def sgd(p: torch.Tensor, g: torch.Tensor, group: dict[str, Any], state: State, *,
+def sgd(p: torch.Tensor, g: torch.Tensor, group: ParamGroup, state: State, *,
         combined: bool, velocity_dtype: torch.dtype) -> None:
     """SGD with momentum, separate (velocity in ``velocity_dtype``) or combined variant
     (one tensor in the parameter dtype holding ``velocity_scaling * velocity``)."""
@@ -41,7 +40,7 @@ def sgd(p: torch.Tensor, g: torch.Tensor, group: dict[str, Any], state: State, *
     apply_to_param(p, lambda w: w.add_(g, alpha=-lr))
 
 
-def adam(p: torch.Tensor, g: torch.Tensor, group: dict[str, Any], state: State, *,
+def adam(p: torch.Tensor, g: torch.Tensor, group: ParamGroup, state: State, *,
          decoupled: bool, bias_correction: bool, first_dtype: torch.dtype,
          second_dtype: torch.dtype) -> None:
     """Adam (L2 weight decay in the gradient) or AdamW (decoupled weight decay)."""
@@ -70,7 +69,7 @@ def adam(p: torch.Tensor, g: torch.Tensor, group: dict[str, Any], state: State, 
     apply_to_param(p, lambda w: w.addcdiv_(exp_avg, denom, value=-step_size))
 
 
-def rmsprop(p: torch.Tensor, g: torch.Tensor, group: dict[str, Any], state: State, *,
+def rmsprop(p: torch.Tensor, g: torch.Tensor, group: ParamGroup, state: State, *,
             tf_variant: bool, first_dtype: torch.dtype, second_dtype: torch.dtype) -> None:
     """RMSprop as in torch.optim, or the TensorFlow variant (mean square starts at one,
     eps inside the square root, learning rate inside the momentum buffer)."""
@@ -105,7 +104,7 @@ def rmsprop(p: torch.Tensor, g: torch.Tensor, group: dict[str, Any], state: Stat
         apply_to_param(p, lambda w: w.add_(buf, alpha=-lr))
 
 
-def lamb(p: torch.Tensor, g: torch.Tensor, group: dict[str, Any], state: State, *,
+def lamb(p: torch.Tensor, g: torch.Tensor, group: ParamGroup, state: State, *,
          bias_correction: bool, max_weight_norm: float | None,
          first_dtype: torch.dtype, second_dtype: torch.dtype) -> None:
     """LAMB (You et al. 2019): an Adam direction plus decoupled weight decay, scaled
