@@ -388,13 +388,13 @@ def test_bad_arguments_raise_clear_errors():
 
 def test_signatures_match_the_reference():
     assert str(inspect.signature(poptorch.DataLoader.__init__)) == (
-        "(self, options: 'Any', dataset: 'torch.utils.data.Dataset', "
+        "(self, options: 'Options', dataset: 'torch.utils.data.Dataset', "
         "batch_size: 'int | None' = 1, "
         "shuffle: 'bool | None' = None, num_workers: 'int' = 0, drop_last: 'bool' = True, "
         "persistent_workers: 'bool | None' = None, auto_distributed_partitioning: 'bool' "
         "= True, mode: 'DataLoaderMode' = <DataLoaderMode.Sync: 0>, async_options: "
-        "'dict[str, Any] | None' = None, rebatched_worker_size: 'int | None' = None, "
-        "batch_sampler: 'Any' = None, **kwargs: 'Any') -> 'None'")
+        "'dict[str, OptionValue] | None' = None, rebatched_worker_size: 'int | None' = None, "
+        "batch_sampler: 'BatchIndices | None' = None, **kwargs: 'OptionValue') -> 'None'")
     params = inspect.signature(poptorch.AsynchronousDataAccessor.__init__).parameters
     assert [(n, p.default) for n, p in list(params.items())[1:]] == [
         ("dataset", inspect.Parameter.empty), ("buffer_size", 3),

@@ -31,17 +31,19 @@ import tempfile
 import weakref
 from collections.abc import Iterable, Sized
 from multiprocessing.connection import Connection
-from typing import Any, cast
+from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
+from typing import cast
 
 import torch
 import torch.multiprocessing
 
 from .._logging import info_once
+from .._typing import UserInput
 from ..enums import SharingStrategy
 from ..errors import Error, PoptorchTypeError, PoptorchValueError
 from .faults import WorkerDiedError, exit_code_description, rebuild_worker_exception, start_failure
 from .ring import ON_PIPE, BatchRing
-from .tree import unflatten
+from .tree import Skeleton, unflatten
 from .worker import DatasetFile, WorkerConfig, run_worker
 
 __all__ = ["AsynchronousDataAccessor"]
@@ -182,20 +184,21 @@ class AsynchronousDataAccessor:
         self._epoch = -1           # epoch being consumed
         self._in_epoch = False     # True between __iter__ and the epoch's end
         self._consumed = 0         # batches of that epoch returned to the caller
-        self._starts: dict[int, Any] = {}  # epoch -> random state its order came from
+        self._starts: dict[int, dict] = {}  # epoch -> random state its order came from
         self._resume_next: dict | None = None  # position to start the next pass at
         self._held_slot: int | None = None
         self._prestarted = False   # the worker started the first pass by itself
         self._slots: list[list[torch.Tensor] | None] = [None] * buffer_size
         self._early: tuple | None = None  # the first message, read by the constructor
-        self._skeleton: Any = None  # of the last batch received (see worker.decode)
+        self._skeleton: Skeleton = None  # of the last batch received (see worker.decode)
         self._start_worker(dataset)
         self._wait_for_first_batch()
 
     # -- worker lifetime --------------------------------------------------------------
     def _start_worker(self, dataset: Iterable) -> None:
         method = _START_METHODS[self.sharing_strategy]
-        context: Any = torch.multiprocessing.get_context(method)  # (a concrete context)
+        context = cast("ForkContext | ForkServerContext | SpawnContext",
+                       torch.multiprocessing.get_context(method))  # (_START_METHODS)
         if method == "forkserver":
             _preload_in_forkserver()
         # Two one-way pipes: no feeder thread (a multiprocessing.Queue's waits for the
@@ -204,7 +207,7 @@ class AsynchronousDataAccessor:
         self._results, results_writer = context.Pipe(duplex=False)
         self._ring = BatchRing(context, self.buffer_size)
         dataset_file = None
-        source: Any = dataset
+        source: Iterable | DatasetFile = dataset
         if self.sharing_strategy == SharingStrategy.FileSystem:
             handle, dataset_file = tempfile.mkstemp(
                 prefix=f"poptorch_dataset_{os.getpid()}_", suffix=".pkl")
@@ -278,7 +281,7 @@ class AsynchronousDataAccessor:
         self._start_pass()
         return _PassIterator(self, self._epoch)
 
-    def __next__(self) -> Any:
+    def __next__(self) -> UserInput:
         """The next batch of the current pass (upstream's accessor is its own iterator);
         starts the first pass if none was started."""
         self._check_alive()
@@ -309,7 +312,7 @@ class AsynchronousDataAccessor:
                 self._starts[self._epoch] = resume["start"]
         self._commands.send(("start", self._epoch, resume))
 
-    def _next_batch(self, epoch: int) -> Any:
+    def _next_batch(self, epoch: int) -> UserInput:
         self._check_alive()
         if epoch != self._epoch:
             raise Error("This iterator's pass over the AsynchronousDataAccessor was "
@@ -412,9 +415,9 @@ class AsynchronousDataAccessor:
             return None
         if self.rebatched_size is None:
             return length
-        inner: Any = getattr(dataset, "dataset", None)
+        inner = getattr(dataset, "dataset", None)
         try:
-            rows = len(inner)
+            rows = len(cast(Sized, inner))  # (None or no len: TypeError)
         except TypeError:
             rows = length * (getattr(dataset, "batch_size", None) or 1)
         full, rest = divmod(rows, self.rebatched_size)
@@ -431,7 +434,7 @@ class _PassIterator:
     def __iter__(self) -> _PassIterator:
         return self
 
-    def __next__(self) -> Any:
+    def __next__(self) -> UserInput:
         return self._accessor._next_batch(self._epoch)
 
     def __len__(self) -> int:
@@ -453,7 +456,7 @@ def _preload_in_forkserver() -> None:
         server.set_forkserver_preload(["__main__", "poptorch.data.worker"])
 
 
-def _check_positive_int(name: str, value: Any) -> None:
+def _check_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise PoptorchValueError(f"{name} must be an integer >= 1; got {value!r}.")
 

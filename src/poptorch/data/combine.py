@@ -11,18 +11,25 @@ concatenated, and any other value must be the same in every micro-batch.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Protocol
 
 import torch
 
 from .._runtime.torch_internals import pytree
+from .._typing import UserInput
 from ..errors import Error
 
-__all__ = ["MicroBatchJoiner", "join"]
+__all__ = ["Batches", "MicroBatchJoiner", "join"]
 
 
-def _rows(batch: Any) -> int | None:
+class Batches(Iterator[UserInput], Protocol):
+    """Batches of one pass, and how many (torch's iterator, or the joiner below)."""
+
+    def __len__(self) -> int: ...
+
+
+def _rows(batch: UserInput) -> int | None:
     """Dimension 0 of the first tensor of a collated micro-batch (None: no tensor)."""
     leaves = pytree.tree_leaves(batch)
     for leaf in leaves:
@@ -31,7 +38,7 @@ def _rows(batch: Any) -> int | None:
     return None
 
 
-def join(parts: list[Any]) -> Any:
+def join(parts: list[UserInput]) -> UserInput:
     """The micro-batches ``parts`` joined into one batch (see the module docstring)."""
     first = parts[0]
     if isinstance(first, torch.Tensor):
@@ -86,7 +93,7 @@ class MicroBatchJoiner:
     whose last batch is short, under ``drop_last=True``).
     """
 
-    def __init__(self, inner: Any, micro_batches: int, drop_last: bool,
+    def __init__(self, inner: Iterable[UserInput], micro_batches: int, drop_last: bool,
                  combined_len: int | None = None, drop_short_last: bool = False) -> None:
         self._inner = iter(inner)
         self._micro_batches = micro_batches
@@ -95,7 +102,7 @@ class MicroBatchJoiner:
         self._drop_short_last = drop_short_last
         self._full_rows: int | None = None
         self._short_seen = False  # a short micro-batch was read: it must be the last
-        self._pending: Any = None  # one micro-batch read ahead (micro_batches == 1)
+        self._pending: UserInput = None  # one micro-batch read ahead (micro_batches == 1)
         self._has_pending = False
 
     def __iter__(self) -> MicroBatchJoiner:
@@ -106,10 +113,10 @@ class MicroBatchJoiner:
             raise TypeError("The batch_sampler of this loader has no len().")
         return self._combined_len
 
-    def __next__(self) -> Any:
+    def __next__(self) -> UserInput:
         if self._micro_batches == 1:
             return self._next_single()
-        parts: list[Any] = []
+        parts: list[UserInput] = []
         for micro_batch in self._inner:
             self._check_rows(micro_batch, parts)
             parts.append(micro_batch)
@@ -122,7 +129,7 @@ class MicroBatchJoiner:
             raise StopIteration
         return join(parts)
 
-    def _next_single(self) -> Any:
+    def _next_single(self) -> UserInput:
         if not self._drop_short_last:
             return next(self._inner)
         if not self._has_pending:  # read one ahead to know which one is the last
@@ -135,7 +142,7 @@ class MicroBatchJoiner:
         current, self._pending = self._pending, following
         return current
 
-    def _check_rows(self, micro_batch: Any, parts: list[Any]) -> None:
+    def _check_rows(self, micro_batch: UserInput, parts: list[UserInput]) -> None:
         rows = _rows(micro_batch)
         if rows is None:
             return

@@ -18,7 +18,7 @@ import signal
 import time
 from collections.abc import Iterable
 from types import FrameType
-from typing import Any
+from typing import Protocol, cast
 
 from .._runtime.torch_internals import remove_worker_pids
 from ..errors import Error
@@ -68,7 +68,7 @@ def exit_code_description(code: int | None) -> str:
     return f"exited unexpectedly with exit code {code}"
 
 
-def as_worker_death(error: BaseException, iterator: Any = None) -> Error | None:
+def as_worker_death(error: BaseException, iterator: object = None) -> Error | None:
     """The ``poptorch.Error`` for torch's report of a dead ``DataLoader`` worker, or None
     when ``error`` is something else. ``iterator``: torch's iterator that raised it, whose
     worker processes tell how they ended."""
@@ -189,7 +189,12 @@ def start_failure(original: BaseException) -> Error:
         return Error(message)
 
 
-def stop_torch_workers(iterator: Any) -> None:
+class _TorchWorkersIterator(Protocol):
+    """torch's multi-process DataLoader iterator, as far as it is written here."""
+    _worker_pids_set: bool
+
+
+def stop_torch_workers(iterator: object) -> None:
     """Stops the workers of a torch iterator one of whose workers died. Their pids are
     unregistered from torch's SIGCHLD handler first: it would otherwise raise the death
     again (as a RuntimeError) at any later point of the program, even inside the
@@ -197,7 +202,7 @@ def stop_torch_workers(iterator: Any) -> None:
     try:
         if getattr(iterator, "_worker_pids_set", False):
             remove_worker_pids(id(iterator))
-            iterator._worker_pids_set = False
+            cast(_TorchWorkersIterator, iterator)._worker_pids_set = False
     except Exception:
         pass
     shutdown = getattr(iterator, "_shutdown_workers", None)
@@ -211,7 +216,7 @@ def stop_torch_workers(iterator: Any) -> None:
     release_ended_workers(iterator)
 
 
-def release_ended_workers(iterator: Any) -> None:
+def release_ended_workers(iterator: object) -> None:
     """:func:`release_shared_memory` of the ended workers of a torch iterator (or of an
     iterator wrapping one as ``_inner``), after its workers were stopped."""
     workers = getattr(getattr(iterator, "_inner", iterator), "_workers", [])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Iterator, Sized
-from typing import Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.utils.data
@@ -19,6 +19,7 @@ import torch.utils.data
 from .._logging import info_once
 from .._runtime.attributes import own_attribute
 from .._runtime.distributed.world import shared_random_seed
+from .._typing import DatasetKey, OptionValue, UserInput
 from ..enums import DataLoaderMode
 from ..errors import (
     Error,
@@ -27,7 +28,7 @@ from ..errors import (
     PoptorchValueError,
 )
 from .accessor import AsynchronousDataAccessor
-from .combine import MicroBatchJoiner
+from .combine import Batches, MicroBatchJoiner
 from .faults import (
     as_worker_death,
     install_sigchld_translation,
@@ -35,7 +36,10 @@ from .faults import (
     stop_torch_workers,
 )
 from .resume import STATE_VERSION, ResumableIndexSampler, check_state
-from .samplers import CombinedBatchSampler, DistributedPartitionSampler
+from .samplers import BatchIndices, CombinedBatchSampler, DistributedPartitionSampler
+
+if TYPE_CHECKING:
+    from ..options.options import Options
 
 __all__ = ["AsynchronousDataAccessor", "DataLoader"]
 
@@ -66,7 +70,7 @@ class _SyncView:
         self.batch_size = loader.batch_size
         self.rebatched_drop_last = loader.rebatched_drop_last
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[UserInput]:
         return self.loader._combined(torch.utils.data.DataLoader.__iter__(self.loader))
 
     def __len__(self) -> int:
@@ -96,9 +100,10 @@ class _PassIterator:
     of an iterable data set must skip. (No reference to the loader: a cycle through
     torch's iterator would leave its workers to the garbage collector.)"""
 
-    def __init__(self, inner: Iterator[Any], skip: int, consumed: int, batches: Any = None) -> None:
+    def __init__(self, inner: Batches, skip: int, consumed: int,
+                 batches: Batches | None = None) -> None:
         self._inner = inner  # torch's iterator (its workers tell how they ended)
-        self._batches: Any = inner if batches is None else batches  # (sized, as torch's)
+        self._batches = inner if batches is None else batches
         self._skip = skip
         self.consumed = consumed
         self.finished = False
@@ -109,7 +114,7 @@ class _PassIterator:
     def __len__(self) -> int:
         return len(self._batches)
 
-    def __next__(self) -> Any:
+    def __next__(self) -> UserInput:
         try:
             while self._skip:
                 next(self._batches)
@@ -140,7 +145,7 @@ class _PassIterator:
         return as_worker_death(error, self._inner)
 
 
-def _read_options(options: Any) -> tuple[int, int, int, int, int, int | None]:
+def _read_options(options: Options) -> tuple[int, int, int, int, int, int | None]:
     """``(deviceIterations, replicationFactor, gradientAccumulation, process id,
     process count, random seed or None)`` from a ``poptorch.Options``."""
     try:
@@ -204,14 +209,14 @@ class DataLoader(torch.utils.data.DataLoader):
         kwargs: Other options to pass to PyTorch's ``DataLoader`` constructor.
     """
 
-    def __init__(self, options: Any, dataset: torch.utils.data.Dataset,
+    def __init__(self, options: Options, dataset: torch.utils.data.Dataset,
                  batch_size: int | None = 1, shuffle: bool | None = None, num_workers: int = 0,
                  drop_last: bool = True, persistent_workers: bool | None = None,
                  auto_distributed_partitioning: bool = True,
                  mode: DataLoaderMode = DataLoaderMode.Sync,
-                 async_options: dict[str, Any] | None = None,
-                 rebatched_worker_size: int | None = None, batch_sampler: Any = None,
-                 **kwargs: Any) -> None:
+                 async_options: dict[str, OptionValue] | None = None,
+                 rebatched_worker_size: int | None = None,
+                 batch_sampler: BatchIndices | None = None, **kwargs: OptionValue) -> None:
         (device_iterations, replication_factor, gradient_accumulation, process_id,
          num_processes, seed) = _read_options(options)
         try:
@@ -232,7 +237,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self.rebatched_drop_last = drop_last
         self._micro_batches = micro_batches
         self._batch_sampler_groups: CombinedBatchSampler | None = None
-        loader_args: dict[str, Any] = {}
+        loader_args: dict[str, OptionValue] = {}
 
         if batch_sampler is not None:
             self._check_batch_sampler_args(batch_size, shuffle, iterable, kwargs)
@@ -335,7 +340,7 @@ class DataLoader(torch.utils.data.DataLoader):
     # -- construction helpers -----------------------------------------------------------
     @staticmethod
     def _check_batch_sampler_args(batch_size: int | None, shuffle: bool, iterable: bool,
-                                  kwargs: dict[str, Any]) -> None:
+                                  kwargs: dict[str, object]) -> None:
         # as torch's DataLoader: the defaults (batch_size=1, shuffle=False, sampler=None)
         # may be passed explicitly, as re-instantiating code such as Lightning's does
         if batch_size != 1 or shuffle or kwargs.get("sampler") is not None:
@@ -360,7 +365,7 @@ class DataLoader(torch.utils.data.DataLoader):
     @staticmethod
     def _make_sampler(items: int, shuffle: bool, seed: int | None, drop_last: bool,
                       process_id: int, num_processes: int, distributed: bool,
-                      kwargs: dict[str, Any], step: int) -> DistributedPartitionSampler | None:
+                      kwargs: dict[str, object], step: int) -> DistributedPartitionSampler | None:
         if not distributed:
             return None
         if "sampler" in kwargs:
@@ -381,7 +386,7 @@ class DataLoader(torch.utils.data.DataLoader):
         return self._combined_batch_size
 
     @property
-    def options(self) -> Any:
+    def options(self) -> Options:
         """A reference to the options that were used to initialise this instance."""
         return self._options
 
@@ -397,7 +402,7 @@ class DataLoader(torch.utils.data.DataLoader):
         full, rest = divmod(items, self._combined_batch_size)
         return full if self.rebatched_drop_last or rest == 0 else full + 1
 
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # (a counting pass iterator or the accessor's, not torch's iterator class)
+    def __iter__(self) -> Iterator[UserInput]:  # type: ignore[override]  # (a counting pass iterator or the accessor's, not torch's iterator class)
         if self._accessor is not None:
             return iter(self._accessor)
         if getattr(self._iterator, "_shutdown", False):
@@ -421,7 +426,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self._previous_position = previous
         return self._pass
 
-    def _combined(self, inner: Any) -> Any:
+    def _combined(self, inner: Batches) -> Batches:
         """Torch's iterator, or with a ``batch_sampler`` its collated micro-batches joined
         into combined batches (see ``combine``)."""
         groups = self._batch_sampler_groups
@@ -437,7 +442,7 @@ class DataLoader(torch.utils.data.DataLoader):
                                 length, drop_short_last)
 
     @property
-    def _index_sampler(self) -> Iterable[Any]:
+    def _index_sampler(self) -> Iterable[DatasetKey]:
         # torch's iterators read the batches of indices from here: a wrapper that can
         # record and restore the loader's position (map-style data sets only).
         inner = super()._index_sampler
@@ -456,7 +461,7 @@ class DataLoader(torch.utils.data.DataLoader):
         return sampler if isinstance(sampler, ResumableIndexSampler) else None
 
     # -- checkpointing --------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """The loader's position in its stream of batches, to resume from in a new
         process with :meth:`load_state_dict` (see docs/data.md, "Checkpoint and resume"):
         the random state the current epoch's order was drawn from (so the shuffle order
@@ -469,7 +474,7 @@ class DataLoader(torch.utils.data.DataLoader):
             position = self._sync_position()
         return {"version": STATE_VERSION, **position}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, object]) -> None:
         """The next ``iter()`` continues where the loader that saved ``state`` was: it
         skips the batches already handed out without loading them (a map-style data
         set: only their indices are drawn) or, for an iterable data set, by reading and
@@ -481,7 +486,7 @@ class DataLoader(torch.utils.data.DataLoader):
         else:
             self._resume_next = position
 
-    def _sync_position(self) -> dict[str, Any]:
+    def _sync_position(self) -> dict:
         if self._pass is None:
             return {"start": None, "consumed": 0, "finished": False}
         sampler = self._resumable_sampler()
@@ -546,7 +551,7 @@ def _rebuild_generator(device: str, state: bytes) -> torch.Generator:
 _HOLDERS = ("generator", "sampler", "inner", "loader_generator")
 
 
-def _portable_generators(obj: Any, portable: dict, depth: int = 0) -> Any:
+def _portable_generators(obj: object, portable: dict[int, object], depth: int = 0) -> object:
     """``obj`` (a generator, a sampler holding one, a batch sampler or the resumable
     wrapper around those) with each ``torch.Generator`` replaced by its
     :py:class:`_GeneratorState`. ``portable`` maps ids to replacements, so objects that
@@ -580,8 +585,8 @@ _ITERABLE_DISTRIBUTED = (
     "auto_distributed_partitioning=False.")
 
 
-def _check_arguments(num_workers: Any, rebatched_worker_size: Any,
-                     async_options: Any) -> None:
+def _check_arguments(num_workers: object, rebatched_worker_size: object,
+                     async_options: object) -> None:
     """Rejects argument types torch would fail on later with an unrelated message."""
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or \
             num_workers < 0:
@@ -596,9 +601,9 @@ def _check_arguments(num_workers: Any, rebatched_worker_size: Any,
                         f"arguments or None; got {type(async_options).__name__}.")
 
 
-def _length_or_none(dataset: Any) -> int | None:
+def _length_or_none(dataset: object) -> int | None:
     try:
-        return len(dataset)
+        return len(cast(Sized, dataset))  # (no len: TypeError)
     except TypeError:
         return None
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from typing import Any
+from typing import Protocol, cast
 
 import torch
 
+from .._typing import DatasetKey
 from ..errors import Error, PoptorchValueError
 
 __all__ = ["STATE_VERSION", "ResumableIndexSampler", "check_state"]
@@ -31,15 +32,29 @@ _GLOBAL = "global"
 _GENERATOR = "generator"
 
 
-def _random_source(index_sampler: Any) -> tuple[Any, Any]:
+class IndexSampler(Protocol):
+    """A loader's (batch) sampler: keys into its data set, and how many."""
+
+    def __iter__(self) -> Iterator[DatasetKey]: ...
+    def __len__(self) -> int: ...
+
+
+class _EpochCounter(Protocol):
+    epoch: int
+
+
+def _random_source(index_sampler: object
+                   ) -> tuple[torch.Generator | None, _EpochCounter | None]:
     """``(generator or None for the global RNG, sampler with an epoch counter or None)``
     of the sampler behind ``index_sampler`` (a batch sampler wrapping a sampler)."""
-    node, generator, epoch_owner = index_sampler, None, None
+    node: object = index_sampler
+    generator: torch.Generator | None = None
+    epoch_owner: _EpochCounter | None = None
     for _ in range(4):  # CombinedBatchSampler -> batch_sampler -> sampler
         if node is None:
             break
         if epoch_owner is None and isinstance(getattr(node, "epoch", None), int):
-            epoch_owner = node
+            epoch_owner = cast(_EpochCounter, node)
         candidate = getattr(node, "generator", None)
         if isinstance(candidate, torch.Generator) and generator is None:
             generator = candidate
@@ -56,7 +71,7 @@ class ResumableIndexSampler:
     a restore there puts it back as it was after drawing the epoch's order.
     """
 
-    def __init__(self, inner: Any, loader: Any) -> None:
+    def __init__(self, inner: IndexSampler, loader: torch.utils.data.DataLoader) -> None:
         self.inner = inner
         # What decides whether the loader's next iterator draws a base seed (not the
         # loader itself: a reference to it would make a cycle that only gc breaks).
@@ -76,7 +91,7 @@ class ResumableIndexSampler:
     def __len__(self) -> int:
         return len(self.inner)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[DatasetKey]:
         return self._epoch()
 
     # -- capture and restore ------------------------------------------------------------
@@ -87,7 +102,7 @@ class ResumableIndexSampler:
                         else torch.get_rng_state()),
                 "sampler_epoch": epoch_owner.epoch if epoch_owner is not None else None}
 
-    def _apply(self, start: dict) -> Any:
+    def _apply(self, start: dict) -> torch.Tensor | None:
         """Puts the random source at ``start``; returns what to put back afterwards."""
         generator, epoch_owner = _random_source(self.inner)
         kind = _GENERATOR if generator is not None else _GLOBAL
@@ -111,7 +126,7 @@ class ResumableIndexSampler:
         return self.loader_generator is generator and not self.reuses_iterator
 
     # -- one epoch ------------------------------------------------------------------------
-    def _epoch(self) -> Iterator[Any]:
+    def _epoch(self) -> Iterator[DatasetKey]:
         resume, self.resume = self.resume, None
         if resume is not None and resume["finished"]:
             # The saved epoch ended: draw its order again (and the base seed the next
@@ -149,7 +164,7 @@ class ResumableIndexSampler:
                                     None)
 
 
-def check_state(state: Any) -> dict:
+def check_state(state: object) -> dict:
     """Validates a loader state from ``DataLoader.state_dict()``."""
     if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
         raise PoptorchValueError("DataLoader.load_state_dict needs a dict returned by "

@@ -31,7 +31,11 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from multiprocessing.context import BaseContext
+    from multiprocessing.synchronize import Semaphore
 
 __all__ = ["ON_PIPE", "BatchRing"]
 
@@ -46,7 +50,7 @@ class BatchRing:
     Made by the accessor and passed to the worker process; each side keeps its own
     cursors (a fresh copy in the worker)."""
 
-    def __init__(self, context: Any, slots: int) -> None:
+    def __init__(self, context: BaseContext, slots: int) -> None:
         self.slots = slots
         # [0, slots): freed slot numbers; then ``slots`` batch entries of _ENTRY numbers
         self._shared = context.RawArray("q", slots * (1 + _ENTRY))
@@ -128,7 +132,7 @@ class BatchRing:
         self._log_read += 1
         return shared[base + 1], shared[base + 2]
 
-    def _spin(self, ready: Any) -> bool:
+    def _spin(self, ready: Semaphore) -> bool:
         """Spins (yielding the core) for up to ``_SPIN_S`` while that has been paying
         off; True if a message came meanwhile (its token taken)."""
         if not self._spin_pays:

@@ -4,8 +4,8 @@ batches."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Protocol, TypeVar
 
 import torch
 from torch.utils.data import Sampler
@@ -17,8 +17,18 @@ def _share(total: int, num_processes: int, step: int) -> int:
     return step * (total // (step * num_processes))
 
 
-def partition(items: Sequence[Any], process_id: int, num_processes: int,
-              pad: bool, step: int = 1) -> list[Any]:
+T = TypeVar("T")
+
+
+class BatchIndices(Protocol):
+    """A batch sampler: micro-batches of data-set indices, and how many."""
+
+    def __iter__(self) -> Iterator[list[int]]: ...
+    def __len__(self) -> int: ...
+
+
+def partition(items: Sequence[T], process_id: int, num_processes: int,
+              pad: bool, step: int = 1) -> list[T]:
     """The contiguous share of ``items`` that process ``process_id`` reads.
 
     Every process gets the same number of items: the largest multiple of ``step`` (the
@@ -82,7 +92,7 @@ class CombinedBatchSampler(Sampler[list[int]]):
     may have made it whole.)
     """
 
-    def __init__(self, batch_sampler: Any, micro_batches: int, drop_last: bool,
+    def __init__(self, batch_sampler: BatchIndices, micro_batches: int, drop_last: bool,
                  process_id: int = 0, num_processes: int = 1) -> None:
         self.batch_sampler = batch_sampler
         self.micro_batches = micro_batches
@@ -101,7 +111,7 @@ class CombinedBatchSampler(Sampler[list[int]]):
             yield group
 
     def __iter__(self) -> Iterator[list[int]]:
-        groups: Any = self._groups()
+        groups: Iterable[list[list[int]]] = self._groups()
         if self.num_processes > 1:
             groups = partition(list(groups), self.process_id, self.num_processes,
                                pad=not self.drop_last)
@@ -143,6 +153,6 @@ class CombinedBatchSampler(Sampler[list[int]]):
         if getattr(sampler, "drop_last", True) or not isinstance(size, int):
             return False
         try:
-            return len(sampler.sampler) % size != 0
+            return len(getattr(sampler, "sampler", None)) % size != 0  # type: ignore[arg-type]  # (no len: TypeError)
         except (AttributeError, TypeError):
             return False

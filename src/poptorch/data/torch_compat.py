@@ -11,8 +11,6 @@ are unchanged, and so is every torch that still has its own.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch.utils.data
 
 from .._runtime.attributes import defines
@@ -20,8 +18,8 @@ from .._runtime.attributes import defines
 __all__ = ["restore_sampler_data_source_argument"]
 
 
-def _sampler_init(self: torch.utils.data.Sampler, data_source: Any = None, *args: Any,
-                  **kwargs: Any) -> None:
+def _sampler_init(self: torch.utils.data.Sampler, data_source: object = None, *args: object,
+                  **kwargs: object) -> None:
     """Accepts torch 2.0's unused ``data_source`` argument; passes anything else on
     (cooperative multiple inheritance keeps working)."""
     super(torch.utils.data.Sampler, self).__init__(*args, **kwargs)

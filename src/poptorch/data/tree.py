@@ -7,15 +7,19 @@ values) travels as a small pickled *skeleton* in which every tensor is replaced 
 """
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Hashable
 
 import torch
 
 from .._runtime.batching.structures import register_mapping_outputs
 from .._runtime.torch_internals import pytree
+from .._typing import UserInput
 from ..errors import Error
 
-__all__ = ["Rebatcher", "TensorRef", "flatten", "flatten_keyed", "unflatten"]
+__all__ = ["Rebatcher", "Skeleton", "TensorRef", "flatten", "flatten_keyed", "unflatten"]
+
+# A user's batch with each tensor replaced by a TensorRef: of the batch's own structure.
+Skeleton = UserInput
 
 
 class TensorRef(int):
@@ -28,7 +32,7 @@ class TensorRef(int):
         return (TensorRef, (int(self),))
 
 
-def flatten(batch: Any) -> tuple[Any, list[torch.Tensor]]:
+def flatten(batch: UserInput) -> tuple[Skeleton, list[torch.Tensor]]:
     """Returns ``(skeleton, tensors)``: ``batch`` with each tensor replaced by a
     :class:`TensorRef`, and the tensors in depth-first order (``torch.utils._pytree``'s
     order; dict-like classes it does not know are registered first, see
@@ -46,20 +50,20 @@ def flatten(batch: Any) -> tuple[Any, list[torch.Tensor]]:
     return pytree.tree_unflatten(skeleton_leaves, spec), tensors
 
 
-_SHAPES: dict[Any, Any] = {}  # key -> skeleton of the common batch structures
+_SHAPES: dict[Hashable, Skeleton] = {}  # key -> skeleton of the common batch structures
 
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach() if tensor.requires_grad else tensor
 
 
-def flatten_keyed(batch: Any) -> tuple[Any, list[torch.Tensor], Any]:
+def flatten_keyed(batch: UserInput) -> tuple[Skeleton, list[torch.Tensor], Hashable | None]:
     """:func:`flatten`, plus a hashable *key* equal for two batches exactly when their
     skeletons are equal (None when that is not cheap to know: then the skeleton must be
     sent). Fast paths for a tensor, and a tuple, list or dict of tensors (what
     ``default_collate`` makes of most data sets): no tree walk, a cached skeleton."""
     kind = type(batch)
-    key: Any
+    key: Hashable
     if kind is torch.Tensor:
         return TensorRef(0), [_plain(batch)], kind
     if kind is tuple or kind is list:
@@ -82,7 +86,7 @@ def flatten_keyed(batch: Any) -> tuple[Any, list[torch.Tensor], Any]:
     return skeleton, tensors, None
 
 
-def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+def unflatten(skeleton: Skeleton, tensors: list[torch.Tensor]) -> UserInput:
     """Inverse of :func:`flatten`."""
     kind = type(skeleton)
     if kind is tuple and all(type(ref) is TensorRef for ref in skeleton):
@@ -104,11 +108,11 @@ class Rebatcher:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._skeleton: Any = None
+        self._skeleton: Skeleton = None
         self._pending: list[list[torch.Tensor]] = []
         self._rows = 0
 
-    def push(self, batch: Any) -> list[Any]:
+    def push(self, batch: UserInput) -> list[UserInput]:
         """Adds ``batch``; returns the complete batches it made available."""
         skeleton, tensors = flatten(batch)
         self._check(skeleton, tensors)
@@ -121,14 +125,14 @@ class Rebatcher:
             ready.append(self._take(self.size))
         return ready
 
-    def flush(self, drop_last: bool) -> list[Any]:
+    def flush(self, drop_last: bool) -> list[UserInput]:
         """Ends an epoch: returns the leftover rows as one smaller batch unless
         ``drop_last``, and forgets them either way."""
         leftover = [] if drop_last or self._rows == 0 else [self._take(self._rows)]
         self._pending, self._rows, self._skeleton = [], 0, None
         return leftover
 
-    def _take(self, rows: int) -> Any:
+    def _take(self, rows: int) -> UserInput:
         columns = [torch.cat(parts) for parts in zip(*self._pending, strict=False)]
         taken = [column[:rows] for column in columns]
         rest = [column[rows:] for column in columns]
@@ -136,7 +140,7 @@ class Rebatcher:
         self._pending = [rest] if self._rows else []
         return unflatten(self._skeleton, taken)
 
-    def _check(self, skeleton: Any, tensors: list[torch.Tensor]) -> None:
+    def _check(self, skeleton: Skeleton, tensors: list[torch.Tensor]) -> None:
         if not tensors or _has_non_tensor_leaf(skeleton):
             raise Error(
                 "Rebatching (DataLoaderMode.AsyncRebatched or rebatched_size) needs every "
@@ -156,5 +160,5 @@ class Rebatcher:
                 f"{skeleton!r} after {self._skeleton!r}.")
 
 
-def _has_non_tensor_leaf(skeleton: Any) -> bool:
+def _has_non_tensor_leaf(skeleton: Skeleton) -> bool:
     return any(not isinstance(leaf, TensorRef) for leaf in pytree.tree_leaves(skeleton))

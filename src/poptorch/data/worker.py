@@ -34,13 +34,14 @@ import os
 import pickle
 import signal
 import traceback
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from multiprocessing.connection import Connection
 from types import FrameType
-from typing import Any, NoReturn
+from typing import Literal, NoReturn, overload
 
 import torch
 
+from .._typing import UserInput
 from .faults import as_worker_death, install_sigchld_translation, pickled_type, stop_torch_workers
 from .ring import BatchRing
 from .tree import Rebatcher, flatten_keyed
@@ -69,7 +70,7 @@ class DatasetFile:
     it and deletes the file."""
     path: str
 
-    def load(self) -> Any:
+    def load(self) -> UserInput:  # the user's data set
         try:
             with open(self.path, "rb") as handle:
                 return pickle.load(handle)
@@ -85,7 +86,8 @@ def _exit_on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
     raise SystemExit(0)
 
 
-def run_worker(source: Any, commands: Connection, results: Connection, ring: BatchRing,
+def run_worker(source: Iterable[UserInput] | DatasetFile, commands: Connection,
+               results: Connection, ring: BatchRing,
                config: WorkerConfig, callers_ends: tuple[Connection, ...] = ()) -> None:
     """Entry point of the worker process (``callers_ends``: the caller's ends of the
     pipes, which a forked worker inherits and closes)."""
@@ -109,7 +111,7 @@ def run_worker(source: Any, commands: Connection, results: Connection, ring: Bat
 
 class _Worker:
 
-    def __init__(self, dataset: Iterable[Any], commands: Connection, results: Connection,
+    def __init__(self, dataset: Iterable[UserInput], commands: Connection, results: Connection,
                  ring: BatchRing, config: WorkerConfig) -> None:
         self.dataset = dataset
         self.commands = commands
@@ -120,11 +122,11 @@ class _Worker:
         self.slots: list[list[torch.Tensor] | None] = [None] * config.buffer_size
         self.layouts: list[list[tuple] | None] = [None] * config.buffer_size
         self.latest_start = -1  # newest epoch the main process asked for
-        self.resume_at: dict[int, Any] = {}  # epoch -> position to start it at
+        self.resume_at: dict[int, dict] = {}  # epoch -> position to start it at
         self.send_start = False  # the next batch is the first of its pass
         self.emitted_before_start = False
         self.started: set[int] = set()  # passes run (or running)
-        self.sent_key: Any = None  # key of the last skeleton sent (see flatten_keyed)
+        self.sent_key: Hashable | None = None  # key of the last skeleton sent (see flatten_keyed)
         self.unpolled = 0  # batches since the commands were last read
         self.parent = multiprocessing.parent_process()
 
@@ -138,7 +140,12 @@ class _Worker:
             epoch = self._run_epoch(epoch)
 
     # -- commands -------------------------------------------------------------------
-    def _next_command(self, block: bool) -> Any:
+    @overload
+    def _next_command(self, block: Literal[True]) -> tuple: ...
+    @overload
+    def _next_command(self, block: bool) -> tuple | None: ...
+
+    def _next_command(self, block: bool) -> tuple | None:
         """The next command (a tuple, unpickled), waiting for it with ``block``; else
         None when none is waiting."""
         while True:
@@ -270,7 +277,7 @@ class _Worker:
                 return switch
         return None
 
-    def _emit(self, epoch: int, batch: Any) -> int | None:
+    def _emit(self, epoch: int, batch: UserInput) -> int | None:
         skeleton, tensors, key = flatten_keyed(batch)
         switch = self._wait_for_slot(epoch)
         if switch is not None:
@@ -314,7 +321,7 @@ class _Worker:
                 raise _Stop()
         return None
 
-    def _report(self, epoch: int, error: BaseException, iterator: Any) -> None:
+    def _report(self, epoch: int, error: BaseException, iterator: object) -> None:
         description = (f"the AsynchronousDataAccessor worker process "
                        f"(pid {os.getpid()})")
         # one of the data set's torch workers died
