@@ -26,11 +26,11 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
 
 import torch
 
 from . import _logging
+from ._typing import OptionsView
 from .errors import Error
 
 __all__ = [
@@ -91,7 +91,7 @@ def ipuHardwareVersion() -> int:
     return IPU_HARDWARE_VERSION
 
 
-def uses_ipu_model(options: Any = None) -> bool:
+def uses_ipu_model(options: OptionsView | None = None) -> bool:
     """True if IPUs are virtual CPU devices for ``options``.
 
     Precedence: ``useIpuModel`` if called, then ``POPTORCH_IPU_MODEL``, then "no GPU".
@@ -105,7 +105,7 @@ def uses_ipu_model(options: Any = None) -> bool:
     return _gpu_count() == 0
 
 
-def _model_requested(options: Any) -> bool:
+def _model_requested(options: OptionsView | None) -> bool:
     """True if the IPU Model was asked for (``useIpuModel(True)`` or the env var)."""
     if options is not None and options.exists("use_model"):
         return bool(options.use_model)
@@ -149,7 +149,7 @@ def _gpu_share() -> tuple[int, int]:
     return local_rank * per_process, per_process
 
 
-def _gpu_range(options: Any) -> tuple[int, int]:
+def _gpu_range(options: OptionsView | None) -> tuple[int, int]:
     """(first GPU, number of usable GPUs from it) for IPU 0, 1, ...: from
     ``useIpuId`` (a machine-wide GPU index) or this process's share."""
     count = _gpu_count()
@@ -163,7 +163,7 @@ def _gpu_range(options: Any) -> tuple[int, int]:
     return _gpu_share()
 
 
-def ipu_device(ipu_id: int, options: Any = None) -> torch.device:
+def ipu_device(ipu_id: int, options: OptionsView | None = None) -> torch.device:
     """The torch device that plays IPU ``ipu_id`` under ``options``."""
     if isinstance(ipu_id, bool) or not isinstance(ipu_id, int) or ipu_id < 0:
         raise Error(f"IPU ids are integers >= 0, got {ipu_id!r}.")
@@ -171,7 +171,7 @@ def ipu_device(ipu_id: int, options: Any = None) -> torch.device:
         explicit_id = options is not None and options.exists("ipu_id")
         if explicit_id and _gpu_count() == 0 and not _model_requested(options):
             _gpu_range(options)  # raises: useIpuId demands a GPU that is not there
-        if explicit_id:
+        if explicit_id and options is not None:  # (explicit_id: options is not None)
             _logging.info_once(("ipu id ignored", options.ipu_id),
                                "useIpuId(%d) is ignored: the IPU Model (virtual CPU IPUs) "
                                "was requested.", options.ipu_id)
@@ -245,7 +245,7 @@ def _wait_until_free(indices: list[int]) -> None:
                                  ", ".join(f"cuda:{i}" for i in busy), now - start)
 
 
-def acquire_devices(options: Any, num_ipus: int) -> list[torch.device]:
+def acquire_devices(options: OptionsView | None, num_ipus: int) -> list[torch.device]:
     """The devices playing IPUs ``0 .. n-1`` for a model needing ``num_ipus`` IPUs.
 
     ``n`` is ``num_ipus`` after the power-of-two rule, which applies to ``num_ipus``

@@ -18,7 +18,11 @@ import logging
 import os
 import sys
 import threading
-from typing import Any, TextIO
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from ._typing import OptionsView
 
 __all__ = [
     "LOG_FILE_NAME",
@@ -137,7 +141,7 @@ _once_keys: set = set()
 _once_lock = threading.Lock()
 
 
-def _parse_level(level: Any, source: str) -> int:
+def _parse_level(level: object, source: str) -> int:
     if isinstance(level, bool):
         raise ValueError(f"{source}: invalid log level {level!r}; use one of "
                          f"{_DOCUMENTED_LEVELS} or a logging level number.")
@@ -171,7 +175,7 @@ def setLogLevel(level: str | int) -> None:
     logger.setLevel(_parse_level(level, "setLogLevel"))
 
 
-def log_once(level: int, key: Any, msg: str, *args: Any) -> bool:
+def log_once(level: int, key: Hashable, msg: str, *args: object) -> bool:
     """Log ``msg`` at ``level`` only the first time ``key`` is seen in this process.
 
     Returns True if the message was logged (or would have been, given the level).
@@ -184,7 +188,7 @@ def log_once(level: int, key: Any, msg: str, *args: Any) -> bool:
     return True
 
 
-def info_once(key: Any, msg: str, *args: Any) -> bool:
+def info_once(key: Hashable, msg: str, *args: object) -> bool:
     """Log ``msg`` at INFO only the first time ``key`` is seen in this process."""
     return log_once(logging.INFO, key, msg, *args)
 
@@ -215,7 +219,7 @@ def set_log_dir(log_dir: str | None) -> str | None:
     return path
 
 
-def apply_options(options: Any) -> None:
+def apply_options(options: OptionsView) -> None:
     """Apply the logging options of ``options`` (``maxRepeatLogs``, ``logDir``).
 
     Called when a model is compiled with ``options``. The log file is only opened when

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, TypeGuard, cast
 
 import torch
 
@@ -35,7 +35,19 @@ from ._runtime.numerics.autocast import (
 )
 from ._runtime.numerics.casting import DefaultCasting
 from ._runtime.weights.modelcopy import iter_module_pairs
+from ._typing import UserInput, UserOutput
 from .errors import Error
+
+if TYPE_CHECKING:
+    from ._runtime.config import PrecisionConfig
+
+# A policy entry: a torch operator (torch.relu, torch.Tensor.mul, F.relu, or its name)
+# or a torch.nn.Module class.
+PolicyEntry = Callable[..., object] | str
+
+
+class _Switchable(Protocol):
+    _poptorch_autocast: bool
 
 __all__ = [
     "Policy",
@@ -71,7 +83,7 @@ class autocast:
         enter_region(self.enabled)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         exit_region()
 
     def __call__(self, func: Callable) -> Callable:
@@ -81,7 +93,7 @@ class autocast:
         enabled = self.enabled
 
         @functools.wraps(func)
-        def autocast_wrapper(*args: Any, **kwargs: Any) -> Any:
+        def autocast_wrapper(*args: UserInput, **kwargs: UserInput) -> UserOutput:
             enter_region(enabled)
             try:
                 return func(*args, **kwargs)
@@ -91,11 +103,11 @@ class autocast:
         return autocast_wrapper
 
 
-def _is_module_class(entry: Any) -> bool:
+def _is_module_class(entry: object) -> TypeGuard[type[torch.nn.Module]]:
     return isinstance(entry, type) and issubclass(entry, torch.nn.Module)
 
 
-def _entry_key(entry: Any, list_name: str) -> Any:
+def _entry_key(entry: object, list_name: str) -> type | str:
     """A module class, or the operator name of a torch function / Tensor method /
     functional (``torch.relu``, ``torch.Tensor.mul``, ``F.relu``) or of a string."""
     if _is_module_class(entry):
@@ -109,7 +121,7 @@ def _entry_key(entry: Any, list_name: str) -> Any:
                 f"torch.nn.Conv2d); got {entry!r}.")
 
 
-def _keys(entries: Iterable[Any] | None, list_name: str) -> list:
+def _keys(entries: Iterable[PolicyEntry] | None, list_name: str) -> list:
     if entries is None:
         return []
     if isinstance(entries, (str, bytes)) or not isinstance(entries, (list, tuple, set,
@@ -141,9 +153,10 @@ class Policy:
     where float16 would be chosen.
     """
 
-    def __init__(self, fp16: Iterable[Any] | None = None, fp32: Iterable[Any] | None = None,
-                 promote: Iterable[Any] | None = None,
-                 demote: Iterable[Any] | None = None) -> None:
+    def __init__(self, fp16: Iterable[PolicyEntry] | None = None,
+                 fp32: Iterable[PolicyEntry] | None = None,
+                 promote: Iterable[PolicyEntry] | None = None,
+                 demote: Iterable[PolicyEntry] | None = None) -> None:
         given = dict(zip(_LISTS, (fp16, fp32, promote, demote), strict=False))
         explicit = {name: _keys(value, name) for name, value in given.items()
                     if value is not None}
@@ -185,7 +198,7 @@ class Policy:
         return f"poptorch.autocasting.Policy({parts})"
 
 
-def _describe(key: Any) -> str:
+def _describe(key: object) -> str:
     return key.__name__ if isinstance(key, type) else f"'{key}'"
 
 
@@ -196,7 +209,7 @@ def _module_autocast(self: torch.nn.Module, enabled: bool = True) -> torch.nn.Mo
     if not isinstance(enabled, bool):
         raise Error(f"{type(self).__name__}.autocast: enabled must be True or False, got "
                     f"{enabled!r}.")
-    module: Any = self  # (a plain attribute the casting engine reads)
+    module = cast(_Switchable, self)  # (a plain attribute the casting engine reads)
     module._poptorch_autocast = enabled
     return self
 
@@ -233,7 +246,7 @@ default = Policy()
 
 
 def prepare_model(model: torch.nn.Module, user_model: torch.nn.Module,
-                  precision: Any) -> tuple[AutocastRun, list]:
+                  precision: PrecisionConfig) -> tuple[AutocastRun, list]:
     """The context the executor enters around each call of the compiled copy ``model``:
     autocast regions and policy, and (``half_float_casting`` is ``Default``) the
     float16 rules of ``_runtime/numerics/casting.py``. Module switches are read from
@@ -248,7 +261,7 @@ def prepare_model(model: torch.nn.Module, user_model: torch.nn.Module,
                                                            model.buffers())):
         default_casting = DefaultCasting(model)
     enabled = precision.autocast_enabled
-    policy = precision.autocast_policy if precision.autocast_policy is not None \
+    policy = cast(Policy, precision.autocast_policy) if precision.autocast_policy is not None \
         else default
     rules = policy.rules()
     handles: list = []

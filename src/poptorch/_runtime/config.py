@@ -12,8 +12,10 @@ from __future__ import annotations
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
+import torch
+
+from .._typing import OptionsView, OptionValue
 from ..enums import (
     CommGroupType,
     HalfFloatCastingBehavior,
@@ -21,13 +23,13 @@ from ..enums import (
     OutputMode,
     ReductionType,
 )
-from .placement.strategy import is_phased
+from .placement.strategy import ExecutionStrategy, is_phased
 
 __all__ = ["DistributedConfig", "LocationsConfig", "PlacementConfig", "PrecisionConfig",
            "RuntimeConfig", "TrainingConfig"]
 
 
-def _frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
+def _frozen(mapping: Mapping[str, OptionValue]) -> Mapping[str, OptionValue]:
     return types.MappingProxyType(dict(mapping or {}))
 
 
@@ -44,15 +46,15 @@ class TrainingConfig:
 class PrecisionConfig:
     """``Options.Precision`` as the precision policy and the casting rules read it."""
     half_float_casting: HalfFloatCastingBehavior
-    partials_type: Any  # torch.float32 or torch.float16
+    partials_type: torch.dtype  # torch.float32 or torch.float16
     stochastic_rounding: bool
     floating_point_exceptions: bool
     running_statistics_always_float: bool
     autocast_enabled: bool
-    autocast_policy: Any  # a poptorch.autocasting.Policy, or None for the default
+    autocast_policy: object  # a poptorch.autocasting.Policy, or None for the default
 
     @classmethod
-    def of(cls, precision: Any) -> PrecisionConfig:
+    def of(cls, precision: OptionsView) -> PrecisionConfig:
         """The configuration of ``Options.Precision``."""
         return cls(
             half_float_casting=HalfFloatCastingBehavior(precision.half_float_casting),
@@ -69,15 +71,15 @@ class PrecisionConfig:
 class LocationsConfig:
     """``Options.TensorLocations`` (``TensorLocationSettings.toDict()`` per kind of
     tensor) as ``_runtime/memory/locations.py`` reads it."""
-    activation: Mapping[str, Any]
-    weight: Mapping[str, Any]
-    optimizer: Mapping[str, Any]
-    accumulator: Mapping[str, Any]
+    activation: Mapping[str, OptionValue]
+    weight: Mapping[str, OptionValue]
+    optimizer: Mapping[str, OptionValue]
+    accumulator: Mapping[str, OptionValue]
     num_io_tiles: int
     phased: bool  # the execution strategy is phased (which places tensors itself)
 
     @classmethod
-    def of(cls, options: Any) -> LocationsConfig:
+    def of(cls, options: OptionsView) -> LocationsConfig:
         """The configuration of ``options.TensorLocations``."""
         locations = options.TensorLocations
         return cls(**{kind: _frozen(getattr(locations, f"location_{kind}", {}))
@@ -99,7 +101,7 @@ class DistributedConfig:
     stages_on_processes: bool  # Distributed.stagesOnProcesses: one process per stage
 
     @classmethod
-    def of(cls, options: Any) -> DistributedConfig:
+    def of(cls, options: OptionsView) -> DistributedConfig:
         """The configuration of ``options`` (a ``poptorch.Options``) for processes."""
         strategy = options.execution_strategy
         return cls(
@@ -120,7 +122,7 @@ class RuntimeConfig:
     output_mode: OutputMode | int
     output_return_period: int
     random_seed: int | None
-    anchored_tensors: Mapping[str, Mapping[str, Any]]
+    anchored_tensors: Mapping[str, Mapping[str, OptionValue]]
     profile_dir: str | None
     training: TrainingConfig
     precision: PrecisionConfig
@@ -129,7 +131,7 @@ class RuntimeConfig:
     placement: PlacementConfig
 
     @classmethod
-    def of(cls, options: Any) -> RuntimeConfig:
+    def of(cls, options: OptionsView) -> RuntimeConfig:
         """The configuration of ``options`` (a ``poptorch.Options``) as it is now."""
         training = options.Training
         return cls(
@@ -163,14 +165,14 @@ class PlacementConfig:
     publishes the schedule it ran on it (``last_schedule``). ``device_options`` is a
     copy of the options taken now, handed only to ``poptorch._devices`` to pick the
     devices that play the IPUs (IPU model, ids, rounding, replicas)."""
-    strategy: Any
+    strategy: ExecutionStrategy
     strategy_given: bool
-    weight_locations: Mapping[str, Any]
-    activation_locations: Mapping[str, Any]
-    device_options: Any
+    weight_locations: Mapping[str, OptionValue]
+    activation_locations: Mapping[str, OptionValue]
+    device_options: OptionsView
 
     @classmethod
-    def of(cls, options: Any) -> PlacementConfig:
+    def of(cls, options: OptionsView) -> PlacementConfig:
         """The placement configuration of ``options`` as it is now."""
         locations = getattr(options, "TensorLocations", None)
         return cls(

@@ -11,7 +11,9 @@ so. The supported range of torch releases is stated in ``pyproject.toml``
 """
 from __future__ import annotations
 
+import collections
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,6 +24,10 @@ from torch.optim import optimizer as _torch_optimizer
 # rebuilt with the pytree utilities torch.compile, torch.export and DTensor use; torch
 # has no public module for them yet.
 from torch.utils import _pytree as pytree
+
+TorchPrivate = Any
+"""An object of torch's private API found by name (:func:`resolve`): torch does not type
+it for its users, so it is anything here; the callers use it as torch does."""
 
 __all__ = [
     "FALLBACKS",
@@ -131,7 +137,7 @@ MODULE_CALL_CODE = torch.nn.Module._call_impl.__code__
 NormBase = torch.nn.modules.batchnorm._NormBase
 
 
-def forward_pre_hooks(module: torch.nn.Module) -> dict[int, Any]:
+def forward_pre_hooks(module: torch.nn.Module) -> dict[int, Callable[..., object]]:
     """``module``'s forward pre-hooks by handle id. A ``BeginBlock`` annotation is one of
     them (placement/markers.py): found there again, also on copies of the module (which
     copy their hooks), and removed there; ``nn.Module`` has no public listing."""
@@ -144,7 +150,7 @@ dispatch_get_all_op_names = torch._C._dispatch_get_all_op_names
 dispatch_has_kernel_for_dispatch_key = torch._C._dispatch_has_kernel_for_dispatch_key
 
 
-def fake_impl_entry(qualname: str) -> Any:
+def fake_impl_entry(qualname: str) -> TorchPrivate:
     """torch.library's registry entry of operator ``qualname`` (its fake kernel)."""
     return resolve("torch._library.simple_registry.singleton").find(qualname)
 
@@ -154,38 +160,38 @@ def inductor_cache_dir() -> str:
     return resolve("torch._inductor.runtime.cache_dir_utils.cache_dir")()
 
 
-def inductor_cpp_compiler() -> Any:
+def inductor_cpp_compiler() -> TorchPrivate:
     """The C++ compiler inductor would build with (raises when there is none): the
     automatic backend skips compiling on a machine without one."""
     return resolve("torch._inductor.cpp_builder.get_cpp_compiler")()
 
 
-def inductor_codecache() -> Any:
+def inductor_codecache() -> TorchPrivate:
     """``torch._inductor.codecache``: its header precompilation is replaced while
     precompiled kernels are installed."""
     return importlib.import_module("torch._inductor.codecache")
 
 
-def dynamo() -> Any:
+def dynamo() -> TorchPrivate:
     """``torch._dynamo``, imported on first use (a large import): its exception types
     tell a failed capture from the model's own errors."""
     return importlib.import_module("torch._dynamo")
 
 
-def dynamo_counters() -> Any:
+def dynamo_counters() -> dict[str, collections.Counter[str]]:
     """torch._dynamo's event counters (``["frames"]["total"]``: frames compiled,
     ``["stats"]["unique_graphs"]``: graphs compiled): how tests and benchmarks count
     (re)compilations; torch has no public counter."""
     return resolve("torch._dynamo.utils.counters")
 
 
-def dynamo_config_patch(**settings: Any) -> Any:
+def dynamo_config_patch(**settings: object) -> TorchPrivate:
     """``torch._dynamo.config.patch(**settings)``: dynamo settings scoped to our own
     compiles, never changed for the process."""
     return dynamo().config.patch(**settings)
 
 
-def dynamo_eager_numerics() -> dict[str, Any]:
+def dynamo_eager_numerics() -> dict[str, bool]:
     """Dynamo settings under which a traced step rounds as the eager kernels do, for
     ``dynamo_config_patch(**dynamo_eager_numerics())``; empty where none is needed.
 
@@ -208,7 +214,7 @@ TORCH_RELEASE = tuple(int(part) for part in torch.__version__.split(".")[:2])
 """(major, minor) of the torch in use."""
 
 
-def tensor_inputs_check(tensors: tuple) -> Any:
+def tensor_inputs_check(tensors: tuple) -> Callable[..., bool] | None:
     """A check, in C++, that later inputs are plain tensors like ``tensors``: called as
     ``check(*args)`` with as many arguments, True when each is of the same Python
     type, dtype, device, sizes, strides and ``requires_grad`` (dynamo's own guard on
@@ -234,13 +240,13 @@ def remove_worker_pids(iterator_id: int) -> None:
     resolve("torch.utils.data._utils.signal_handling._remove_worker_pids")(iterator_id)
 
 
-def resolve(dotted: str) -> Any:
+def resolve(dotted: str) -> TorchPrivate:
     """The object named ``dotted`` (``"module.attr.attr"``): imports the longest
     importable module prefix, then reads attributes."""
     parts = dotted.split(".")
     for cut in range(len(parts), 0, -1):
         try:
-            obj: Any = importlib.import_module(".".join(parts[:cut]))
+            obj: object = importlib.import_module(".".join(parts[:cut]))
         except ImportError:
             continue
         for name in parts[cut:]:

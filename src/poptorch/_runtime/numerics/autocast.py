@@ -25,14 +25,16 @@ import functools
 import threading
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any
+from types import TracebackType
+from typing import TypeVar, cast
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from ... import _logging
+from ..._typing import UserInput, UserOutput
 from ..attributes import own_attribute
-from .casting import LOW_PRECISION, cast_floating, floating_args
+from .casting import LOW_PRECISION, DefaultCasting, cast_floating, floating_args
 from .precision import _NEVER_CAST, _writes_in_place
 
 __all__ = [
@@ -60,7 +62,7 @@ _ALIASES = {"multiply": "mul", "divide": "div", "true_divide": "div", "subtract"
             "negative": "neg", "clip": "clamp", "greater": "gt", "less": "lt"}
 
 
-def op_name(func: Any) -> str:
+def op_name(func: Callable[..., object]) -> str:
     """The operator a torch function, Tensor method or Python operator stands for:
     ``torch.mul``, ``Tensor.mul``, ``Tensor.__mul__`` and ``Tensor.__rmul__`` all give
     ``"mul"``; ``torch.nn.functional.relu`` gives ``"relu"``."""
@@ -104,7 +106,8 @@ class CastRules:
             return _low_dtype(tensors)
         return None
 
-    def module_dtype(self, module: torch.nn.Module, tensors: list) -> tuple[bool, Any]:
+    def module_dtype(self, module: torch.nn.Module, tensors: list
+                     ) -> tuple[bool, torch.dtype | None]:
         """(listed, dtype) for a module: whether its class is in a list, and the dtype
         it computes in (None: listed in promote/demote but not given mixed precision)."""
         if isinstance(module, self.promote_modules) and _mixed(tensors):
@@ -142,9 +145,9 @@ def _low_dtype(tensors: list) -> torch.dtype:
 _REGION, _SCOPE = 0, 1
 class _ThreadState(threading.local):
     stack: list | None = None   # open regions, innermost last
-    mode: Any = None            # the AutocastMode pushed in this thread, if any
-    owner: Any = None           # who pushed it: a stack depth or an AutocastRun
-    run: Any = None             # the AutocastRun of the call running in this thread
+    mode: AutocastMode | None = None  # the AutocastMode pushed in this thread, if any
+    owner: int | AutocastRun | None = None  # who pushed it: a stack depth or an AutocastRun
+    run: AutocastRun | None = None  # the AutocastRun of the call running in this thread
 
 
 _tls = _ThreadState()
@@ -193,14 +196,14 @@ def _pop() -> None:
         _stop_mode()
 
 
-def _start_mode(run: AutocastRun, owner: Any) -> None:
+def _start_mode(run: AutocastRun, owner: int | AutocastRun) -> None:
     mode = AutocastMode(run.rules)
     mode.__enter__()
     _tls.mode, _tls.owner = mode, owner
 
 
 def _stop_mode() -> None:
-    mode = _tls.mode
+    mode = cast(AutocastMode, _tls.mode)  # (called while a mode is pushed)
     _tls.mode, _tls.owner = None, None
     mode.__exit__(None, None, None)
 
@@ -220,7 +223,8 @@ class AutocastRun:
     ``enabled`` / ``rules``, and enters ``default_casting`` (the float16 rules of
     ``_runtime/numerics/casting.py``, or None) too, so that one wrapper does both."""
 
-    def __init__(self, enabled: bool, rules: CastRules, default_casting: Any = None) -> None:
+    def __init__(self, enabled: bool, rules: CastRules,
+                 default_casting: DefaultCasting | None = None) -> None:
         self.enabled = bool(enabled)
         self.rules = rules
         self.default_casting = default_casting
@@ -239,12 +243,13 @@ class AutocastRun:
             self.default_casting.__enter__()
         self.enter_run()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         try:
             self.exit_run()
         finally:
             if self.default_casting is not None:
-                self.default_casting.__exit__(*exc)
+                self.default_casting.__exit__(exc_type, exc, tb)
 
     def enter_run(self) -> None:
         """:py:meth:`__enter__` without the float16 rules (for calls known to need no
@@ -273,9 +278,9 @@ class AutocastMode(TorchFunctionMode):
         super().__init__()
         self.rules = rules
 
-    def __torch_function__(self, func: Callable[..., Any], types: Collection[type],
-                           args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(self, func: Callable[..., object], types: Collection[type],
+                           args: tuple[object, ...] = (),
+                           kwargs: dict[str, object] | None = None) -> object:
         kwargs = kwargs or {}
         stack = region_stack()
         if not stack or func in _NEVER_CAST or _writes_in_place(func, kwargs):
@@ -305,7 +310,7 @@ class _ForwardPatch:
 
     def __init__(self, module: torch.nn.Module, wrapper: Callable) -> None:
         self.module = module
-        self.previous: Any = own_attribute(module, "forward")
+        self.previous: Callable[..., UserOutput] | None = own_attribute(module, "forward")
         self.had_own = self.previous is not None
         self.wrapper = wrapper
         module.forward = wrapper
@@ -313,7 +318,7 @@ class _ForwardPatch:
     def remove(self) -> None:
         if own_attribute(self.module, "forward") is not self.wrapper:
             return  # replaced since: leave the newer forward alone
-        if self.had_own:
+        if self.had_own and self.previous is not None:  # (had_own: previous is not None)
             self.module.forward = self.previous
         else:
             del self.module.forward
@@ -329,12 +334,12 @@ class _AutocastForward:
     """
 
     def __init__(self, module: torch.nn.Module, setting: bool | None,
-                 rules: CastRules | None, previous: Any) -> None:
+                 rules: CastRules | None, previous: Callable[..., UserOutput] | None) -> None:
         self.module, self.setting, self.rules = module, setting, rules
         self.previous = previous  # the instance-level forward it shadows, or None
         self.inner = module.forward  # bound method, or an instance-level function
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: UserInput, **kwargs: UserInput) -> UserOutput:
         pushed = 0
         try:
             if self.setting is not None:
@@ -353,13 +358,16 @@ class _AutocastForward:
             for _ in range(pushed):
                 _pop()
 
-    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    def __reduce__(self) -> tuple[Callable[..., object], tuple[object, ...]]:
         if self.previous is not None:
             return _same, (self.previous,)
         return functools.partial, (type(self.module).forward, self.module)
 
 
-def _same(value: Any) -> Any:
+T = TypeVar("T")
+
+
+def _same(value: T) -> T:
     return value
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Collection, Iterable
 from types import TracebackType
-from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -45,7 +44,7 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 _CASTABLE = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def floating_args(values: Iterable[Any], out: list) -> list:
+def floating_args(values: Iterable[object], out: list) -> list:
     """Append every floating-point tensor of ``values`` (one level of lists/tuples)."""
     for v in values:
         if isinstance(v, torch.Tensor):
@@ -58,8 +57,8 @@ def floating_args(values: Iterable[Any], out: list) -> list:
     return out
 
 
-def cast_floating(value: Any, dtype: torch.dtype,
-                  which: Callable[[torch.Tensor], bool] | None = None) -> Any:
+def cast_floating(value: object, dtype: torch.dtype,
+                  which: Callable[[torch.Tensor], bool] | None = None) -> object:
     """``value`` with its float16/bfloat16/float32 tensors (those for which
     ``which(t)`` holds, if given) cast to ``dtype``; lists/tuples one level deep."""
     if isinstance(value, torch.Tensor):
@@ -67,7 +66,7 @@ def cast_floating(value: Any, dtype: torch.dtype,
                                                                   or which(value)):
             return value.to(dtype)
         return value
-    if type(value) in (list, tuple):
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
         return type(value)(cast_floating(v, dtype, which) for v in value)
     return value
 
@@ -100,9 +99,9 @@ class WeightsFollowActivations(TorchFunctionMode):
         (dtype,) = act
         return dtype
 
-    def __torch_function__(self, func: Callable[..., Any], types: Collection[type],
-                           args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(self, func: Callable[..., object], types: Collection[type],
+                           args: tuple[object, ...] = (),
+                           kwargs: dict[str, object] | None = None) -> object:
         kwargs = kwargs or {}
         if func in _NEVER_CAST or _writes_in_place(func, kwargs):
             return func(*args, **kwargs)
@@ -186,7 +185,7 @@ class _WorkerCasting(WeightsFollowActivations):
         super().__init__(buffer_ids)
         self.parent = parent
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
         if self.parent is not None:
             self.parent.casts += self.casts

@@ -24,10 +24,11 @@ checked, as in PopTorch: an overflow shows up as inf/NaN weights and losses.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Protocol, cast
 
 import torch
 
+from ..._typing import StateDict
 from ...errors import Error
 from .precision import is_low_precision_aware
 
@@ -37,6 +38,11 @@ __all__ = ["PENDING_UNSCALE_ATTR", "LossScaler"]
 # accumulator dtype) before using it. Read by poptorch.optim optimizers.
 PENDING_UNSCALE_ATTR = "_poptorch_pending_unscale"
 _STATE_KEY = "poptorch_loss_scaler"
+
+
+class _ScaledOptimizer(Protocol):
+    """The user's optimizer with the scaler's state-dict hooks noted on it."""
+    _poptorch_scaler_hooks: tuple[object, object]
 
 
 class LossScaler:
@@ -127,12 +133,12 @@ class LossScaler:
                 g.div_(scale)
 
     # --- checkpointing ----------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, float | int]:
         """The scaler's progress (saved in the optimizer's state_dict too)."""
         return {"scale": self._scale, "configured": self._configured,
                 "good_steps": self._good_steps, "skipped_steps": self.skipped_steps}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         """Restore the progress saved by :meth:`state_dict`."""
         self._scale = float(state["scale"])
         self._configured = float(state["configured"])
@@ -148,18 +154,18 @@ class LossScaler:
             handle.remove()
         save = self.optimizer.register_state_dict_post_hook(self._save_hook)
         load = self.optimizer.register_load_state_dict_pre_hook(self._load_hook)
-        optimizer: Any = self.optimizer  # (our attribute on the user's optimizer)
+        optimizer = cast(_ScaledOptimizer, self.optimizer)  # (our attribute on it)
         optimizer._poptorch_scaler_hooks = (save, load)  # removed above when set again
         extra: dict | None = getattr(self.optimizer, "_extra_state", None)
         if extra and _STATE_KEY in extra:
             # The optimizer was loaded from a checkpoint before this scaler existed.
             self.load_state_dict(extra[_STATE_KEY])
 
-    def _save_hook(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
+    def _save_hook(self, optimizer: torch.optim.Optimizer, state: StateDict) -> StateDict:
         state[_STATE_KEY] = self.state_dict()
         return state
 
-    def _load_hook(self, optimizer: Any, state: dict[str, Any]) -> dict[str, Any] | None:
+    def _load_hook(self, optimizer: torch.optim.Optimizer, state: StateDict) -> StateDict | None:
         if _STATE_KEY in state:
             self.load_state_dict(state[_STATE_KEY])
         return None

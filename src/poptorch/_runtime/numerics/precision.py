@@ -26,13 +26,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Collection, Iterable, Mapping
-from typing import Any
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ... import _logging
+from ..._typing import UserOutput
 from ...enums import HalfFloatCastingBehavior
 from ...errors import Error
 from ..config import PrecisionConfig
@@ -79,9 +80,11 @@ _SR_FLAG = "_poptorch_stochastic_rounding"   # attribute set on the optimizer
 # Class attribute of optimizers (poptorch.optim) that do their own low-precision
 # arithmetic: they divide deferred loss scales in float32 and round their own writes.
 LOW_PRECISION_AWARE_ATTR = "_poptorch_low_precision_aware"
+# check_step's parameters: name -> tensor, (name, tensor) pairs, or tensors
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor] | torch.Tensor]
 
 
-def is_low_precision_aware(optimizer: Any) -> bool:
+def is_low_precision_aware(optimizer: object) -> bool:
     """Whether ``optimizer`` handles low-precision updates itself (poptorch.optim)."""
     return getattr(type(optimizer), LOW_PRECISION_AWARE_ATTR, False)
 _SR_SAVED = "_poptorch_sr_saved"             # (param, low data, low grad) during a step
@@ -93,7 +96,7 @@ def stochastic_rounding_active() -> bool:
     return _SR_ACTIVE.get()
 
 
-def _restore_swapped(optimizer: Any, round_values: bool) -> None:
+def _restore_swapped(optimizer: torch.optim.Optimizer, round_values: bool) -> None:
     saved = getattr(optimizer, _SR_SAVED, None)
     if not saved:
         return
@@ -105,7 +108,8 @@ def _restore_swapped(optimizer: Any, round_values: bool) -> None:
         p.grad = low_grad
 
 
-def _sr_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+def _sr_pre_hook(optimizer: torch.optim.Optimizer, args: tuple[object, ...],
+                 kwargs: dict[str, object]) -> None:
     """Before a step: poptorch.optim rounds its own writes (flag); for other optimizers
     low-precision parameters, their gradients and state are widened to float32."""
     if not getattr(optimizer, _SR_FLAG, False):
@@ -132,7 +136,8 @@ def _sr_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
     return None
 
 
-def _sr_post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+def _sr_post_hook(optimizer: torch.optim.Optimizer, args: tuple[object, ...],
+                  kwargs: dict[str, object]) -> None:
     """After a step: stochastically round the float32 results back into the
     low-precision parameters (torch.optim), or clear the flag (poptorch.optim)."""
     _SR_ACTIVE.set(False)
@@ -163,13 +168,13 @@ _INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloo
                     "__ilshift__", "__irshift__", "__imatmul__"}
 
 
-def _writes_in_place(func: Any, kwargs: Mapping[str, Any]) -> bool:
+def _writes_in_place(func: Callable[..., object], kwargs: Mapping[str, object]) -> bool:
     name = getattr(func, "__name__", "")
     return ("out" in kwargs or name in _INPLACE_DUNDERS
             or (name.endswith("_") and not name.endswith("__")))
 
 
-def _float_dtypes(values: Iterable[Any], found: set) -> None:
+def _float_dtypes(values: Iterable[object], found: set) -> None:
     for v in values:
         if isinstance(v, torch.Tensor):
             found.add(v.dtype)
@@ -185,7 +190,7 @@ class _MixedPrecisionCasting(TorchFunctionMode):
         super().__init__()
         self.source, self.target = source, target
 
-    def _cast(self, value: Any) -> Any:
+    def _cast(self, value: object) -> object:
         if isinstance(value, torch.Tensor):
             return value.to(self.target) if value.dtype == self.source else value
         if isinstance(value, (list, tuple)):
@@ -193,9 +198,9 @@ class _MixedPrecisionCasting(TorchFunctionMode):
             return type(value)(cast) if type(value) in (list, tuple) else value
         return value
 
-    def __torch_function__(self, func: Callable[..., Any], types: Collection[type],
-                           args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(self, func: Callable[..., object], types: Collection[type],
+                           args: tuple[object, ...] = (),
+                           kwargs: dict[str, object] | None = None) -> object:
         kwargs = kwargs or {}
         if func not in _NEVER_CAST and not _writes_in_place(func, kwargs):
             found: set = set()
@@ -225,7 +230,7 @@ class _FloatAffine:
 
     def __init__(self, module: torch.nn.Module) -> None:
         # the module's own parameter table: a float32 copy is swapped in for the call
-        self.params: dict[str, Any] = module._parameters
+        self.params = cast("dict[str, torch.Tensor | None]", module._parameters)
         self.saved: dict = {}
 
     def __enter__(self) -> None:
@@ -243,7 +248,7 @@ class _FloatAffine:
 def _float_statistics_forward(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
     cls_forward = type(module).forward
 
-    def forward(input: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(input: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         if input.dtype == torch.float32 and not any(
                 p is not None and p.dtype != torch.float32
                 for p in (module.weight, module.bias)):
@@ -363,7 +368,7 @@ class PrecisionPolicy:
             raise
         self._entered.append(entered)
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if not self.active or not self._entered:
             return
         for ctx in reversed(self._entered.pop()):
@@ -377,7 +382,7 @@ class PrecisionPolicy:
         return mode if mode is not None else contextlib.nullcontext()
 
     # --- floating point exceptions --------------------------------------------------
-    def check_step(self, outputs: Any, params: Any) -> None:
+    def check_step(self, outputs: UserOutput, params: NamedTensors | None) -> None:
         """Raise :class:`poptorch.Error` if an output or a parameter holds inf or NaN.
 
         ``params`` is a mapping or iterable of ``(name, tensor)`` pairs, or an
@@ -415,7 +420,7 @@ class PrecisionPolicy:
                     "is set): " + "; ".join(bad) + ". Check the learning rate and loss "
                     "scaling, or compute the failing operation in float32.")
 
-    def _named(self, params: Any) -> list[tuple[str, torch.Tensor]]:
+    def _named(self, params: NamedTensors | None) -> list[tuple[str, torch.Tensor]]:
         if params is None:
             return []
         items = params.items() if isinstance(params, Mapping) else params
@@ -431,7 +436,7 @@ class PrecisionPolicy:
         return named
 
     # --- stochastic rounding ------------------------------------------------------
-    def prepare_optimizer(self, optimizer: Any) -> None:
+    def prepare_optimizer(self, optimizer: object) -> None:
         """Make ``optimizer`` round the update of float16/bfloat16 parameters
         stochastically when ``enableStochasticRounding`` is set (and not otherwise)."""
         if optimizer is None:
@@ -447,7 +452,7 @@ class PrecisionPolicy:
         _install_sr_hooks(optimizer)
 
 
-def _output_paths(outputs: Any, count: int) -> list[str]:
+def _output_paths(outputs: UserOutput, count: int) -> list[str]:
     """Readable positions of the flattened outputs: ``0``, ``1``, ``['loss']``..."""
     if isinstance(outputs, torch.Tensor):
         return ["0"]
