@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 from types import TracebackType
-from typing import Any
 
 from .. import _logging
 
-_attribute_stack: list[dict[str, Any]] = []
+# (recorded only: the values are the user's, never read)
+_attribute_stack: list[dict[str, object]] = []
 
 
 class Attribute:
@@ -19,7 +19,7 @@ class Attribute:
     :py:func:`current_attributes`) and reported once at INFO.
     """
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, **kwargs: object) -> None:
         self.attributes = kwargs
 
     def __enter__(self) -> Attribute:
@@ -35,9 +35,9 @@ class Attribute:
         _attribute_stack.pop()
 
 
-def current_attributes() -> dict[str, Any]:
+def current_attributes() -> dict[str, object]:
     """The attributes of the enclosing ``poptorch.Attribute`` blocks (inner wins)."""
-    merged: dict[str, Any] = {}
+    merged: dict[str, object] = {}
     for attributes in _attribute_stack:
         merged.update(attributes)
     return merged

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from .. import enums
+from .._typing import OptionValue
 from ..annotations import strategies
 from ..errors import Error
 from .jit import _JitOptions
@@ -25,10 +25,10 @@ _NOT_SETTERS = frozenset({"loadFromFile", "from_json", "clone", "toDict", "exist
                           "deleteIfExists"})
 
 
-def resolve_setter(options: Any, path: list[str]) -> Callable:
+def resolve_setter(options: object, path: list[str]) -> Callable:
     """The setter method of ``options`` at ``path`` (e.g. ``["Training",
     "gradientAccumulation"]``); anything that is not a setter is an error."""
-    target: Any = options
+    target = options
     for part in path[:-1]:
         if part not in SUB_OBJECTS:
             raise Error(f"'{part}' is not an options category; use one of "
@@ -46,7 +46,7 @@ def resolve_setter(options: Any, path: list[str]) -> Callable:
     return getattr(target, name)
 
 
-def apply_command(options: Any, text: str) -> None:
+def apply_command(options: object, text: str) -> None:
     """Apply one config file line, a setter call such as ``deviceIterations(4)``."""
     try:
         tree = ast.parse(text, mode="eval")
@@ -81,7 +81,7 @@ def dotted_name(node: ast.AST) -> list[str] | None:
     return parts[::-1]
 
 
-def _resolve_constant(path: list[str]) -> Any:
+def _resolve_constant(path: list[str]) -> OptionValue:
     """An enum member, enum class, torch dtype or TensorLocationSettings named by path."""
     if path[0] == "poptorch":
         path = path[1:]
@@ -113,7 +113,7 @@ _CONSTRUCTORS = {name: getattr(strategies, name) for name in (
     "ParallelPhasedExecution", "Stage", "Phase")}
 
 
-def safe_value(node: ast.AST) -> Any:
+def safe_value(node: ast.AST) -> OptionValue:
     """Evaluate a config-file argument without ``eval``."""
     try:
         return ast.literal_eval(node)

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import os
-from typing import Any
 
+from .._typing import OptionValue
 from ..errors import Error
 from .store import OptionsDict, OptionValueError, check_truth
 
@@ -73,7 +73,7 @@ class _JitOptions(OptionsDict):
         self.set(backend=name)
         return self
 
-    def _ignored(self) -> dict[str, Any]:
+    def _ignored(self) -> dict[str, OptionValue]:
         return {"Jit.trace_model": True} if self._values["trace_model"] else {}
 
 

@@ -14,11 +14,12 @@ import copy
 import json
 import numbers
 import os
-from typing import Any, ClassVar, cast
+from typing import ClassVar, cast
 
 import torch
 
 from .. import _devices, _logging, enums
+from .._typing import OptionValue
 from ..annotations.strategies import PipelinedExecution, _IExecutionStrategy, _IPhasedExecution
 from ..errors import ConfigFileError, Error
 from .config_file import SUB_OBJECTS, apply_command, resolve_setter
@@ -171,7 +172,7 @@ class Options(OptionsDict):
         """Upstream PopART session options (recorded only)."""
         return self._popart
 
-    def _sub_objects(self) -> dict[str, Any]:
+    def _sub_objects(self) -> dict[str, OptionsDict]:
         return {name: getattr(self, name) for name in SUB_OBJECTS}
 
     # -- batching and replication --------------------------------------------------
@@ -485,7 +486,7 @@ class Options(OptionsDict):
         return self
 
     # -- whole-object operations ---------------------------------------------------------
-    def toDict(self) -> dict[str, Any]:
+    def toDict(self) -> dict[str, OptionValue]:
         """All option values, with the sub-objects' values nested under their names.
 
         Our own options (names upstream's ``toDict`` does not have, such as
@@ -536,7 +537,7 @@ class Options(OptionsDict):
                                "effect and is ignored (see docs/options.md).", name, value,
                                ipu_meaning(name))
 
-    def _ignored_options(self) -> dict[str, Any]:
+    def _ignored_options(self) -> dict[str, OptionValue]:
         """``{name: value}`` of the options set that have no meaning on our devices."""
         ignored = {name: self._values[name] for name in _IGNORED_TOP_LEVEL
                    if self._changed_from_default(name)}

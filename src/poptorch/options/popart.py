@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import copy
-from typing import Any
 
+from .._typing import OptionValue
 from .store import OptionsFrozenError, OptionValueError, check_bool, check_int, check_str
 
 # PopART options that change results and act here too (the rest are recorded only):
@@ -16,7 +16,7 @@ _ACTING = frozenset({"groupNormStridedChannelGrouping", "syntheticDataMode"})
 _PASSABLE = (bool, int, float, str, list, tuple, set, frozenset, dict)
 
 
-def _check_value(key: str, value: Any) -> Any:
+def _check_value(key: str, value: OptionValue) -> OptionValue:
     """``value`` if PopART could take it for ``key``, else a clear error."""
     if not isinstance(value, _PASSABLE):
         raise OptionValueError(
@@ -38,7 +38,7 @@ class _PopartOptions:
     """
 
     def __init__(self) -> None:
-        self.options: dict[str, Any] = {}
+        self.options: dict[str, OptionValue] = {}
         self._frozen = False
 
     def checkIsFrozen(self, option: str | None = None) -> None:
@@ -50,7 +50,7 @@ class _PopartOptions:
                 f"changing {what} would not take effect. Use opts.clone() to get an "
                 f"unfrozen copy.")
 
-    def set(self, key: str, value: Any) -> _PopartOptions:
+    def set(self, key: str, value: OptionValue) -> _PopartOptions:
         """Record the PopART session option ``key``."""
         check_str("_Popart.set", key)
         self.checkIsFrozen(key)
@@ -73,7 +73,7 @@ class _PopartOptions:
         self.set("patterns", dict(patterns))
         return self.set("patternsLevel", level)
 
-    def toDict(self) -> dict[str, Any]:
+    def toDict(self) -> dict[str, OptionValue]:
         return copy.deepcopy(self.options)
 
     def _freeze(self) -> None:
@@ -82,7 +82,7 @@ class _PopartOptions:
     def _unfreeze(self) -> None:
         self._frozen = False
 
-    def _ignored(self) -> dict[str, Any]:
+    def _ignored(self) -> dict[str, OptionValue]:
         return {f"_Popart.{key}": value for key, value in self.options.items()
                 if key not in _ACTING}
 

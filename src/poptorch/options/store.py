@@ -12,8 +12,9 @@ import copy
 import enum
 import os
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import ClassVar
 
+from .._typing import OptionValue
 from ..errors import (
     Error,
     PoptorchAssertionError,
@@ -59,20 +60,20 @@ class OptionsDict:
         default_values: the options this object starts with and their initial values.
     """
 
-    def __init__(self, **default_values: Any) -> None:
+    def __init__(self, **default_values: OptionValue) -> None:
         object.__setattr__(self, "_values", dict(default_values))
         object.__setattr__(self, "_defaults", copy.deepcopy(default_values))
         object.__setattr__(self, "_frozen", False)
 
     # -- reading -------------------------------------------------------------------
-    def __call__(self, option: str) -> Any:
+    def __call__(self, option: str) -> OptionValue:
         """Value of ``option`` (``opts("device_iterations")``)."""
         if not self.exists(option):
             raise AttributeError(f"{type(self).__name__} has no option '{option}'; "
                                  f"options: {sorted(self._values)}")
         return self._values[option]
 
-    def __getattr__(self, option: str) -> Any:
+    def __getattr__(self, option: str) -> OptionValue:
         # Only reached when normal lookup fails: methods and properties win.
         values = self.__dict__.get("_values")
         if values is not None and option in values:
@@ -84,7 +85,7 @@ class OptionsDict:
     # allows): option name -> the setter that validates and stores the value.
     _ASSIGNMENT_SETTERS: ClassVar[dict[str, str]] = {}
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         # ``opts.device_iterations = 4`` must not bypass validation by shadowing the value:
         # it goes through the option's setter, or is refused when there is no such setter.
         if not name.startswith("_"):
@@ -102,7 +103,7 @@ class OptionsDict:
         """True if ``option`` has a value (some options only exist once set)."""
         return option in self._values
 
-    def toDict(self) -> dict[str, Any]:
+    def toDict(self) -> dict[str, OptionValue]:
         """A copy of all the option values of this object."""
         return copy.deepcopy(self._values)
 
@@ -113,7 +114,7 @@ class OptionsDict:
             what = f"option '{option}'" if option else "them"
             raise OptionsFrozenError(_FROZEN_MESSAGE.format(what=what))
 
-    def set(self, **kwargs: Any) -> OptionsDict:
+    def set(self, **kwargs: OptionValue) -> OptionsDict:
         """Change existing options (an unknown name is an error)."""
         for option, value in kwargs.items():
             self.checkIsFrozen(option)
@@ -124,7 +125,7 @@ class OptionsDict:
             self._values[option] = value
         return self
 
-    def createOrSet(self, **kwargs: Any) -> OptionsDict:
+    def createOrSet(self, **kwargs: OptionValue) -> OptionsDict:
         """Change options, creating those that do not exist yet."""
         for option, value in kwargs.items():
             self.checkIsFrozen(option)
@@ -137,7 +138,7 @@ class OptionsDict:
         self._values.pop(option, None)
         return self
 
-    def update(self, other: OptionsDict | dict[str, Any]) -> OptionsDict:
+    def update(self, other: OptionsDict | dict[str, OptionValue]) -> OptionsDict:
         """Set (or create) every option of ``other`` (a dict or another OptionsDict)."""
         items = other.toDict() if isinstance(other, OptionsDict) else dict(other)
         return self.createOrSet(**items)
@@ -150,7 +151,7 @@ class OptionsDict:
     def _is_frozen(self) -> bool:
         return self._frozen
 
-    def _ignored(self) -> dict[str, Any]:
+    def _ignored(self) -> dict[str, OptionValue]:
         """Options set here that have no meaning on our devices (none by default)."""
         return {}
 
@@ -181,7 +182,7 @@ class OptionsDict:
         return f"{type(self).__name__}({body})"
 
 
-def _short_repr(value: Any) -> str:
+def _short_repr(value: object) -> str:
     if isinstance(value, enum.Enum):
         return f"{type(value).__name__}.{value.name}"
     return repr(value)
@@ -193,7 +194,7 @@ def _short_repr(value: Any) -> str:
 ErrorType = type[Error]
 
 
-def check_bool(option: str, value: Any, error: ErrorType = OptionValueError) -> bool:
+def check_bool(option: str, value: object, error: ErrorType = OptionValueError) -> bool:
     """``value`` if it is a bool, else a clear error naming ``option``."""
     if not isinstance(value, bool):
         raise error(f"{option}: expected True or False, got {value!r} "
@@ -201,7 +202,7 @@ def check_bool(option: str, value: Any, error: ErrorType = OptionValueError) -> 
     return value
 
 
-def check_truth(option: str, value: Any) -> bool:
+def check_truth(option: str, value: object) -> bool:
     """The truth value of ``value``, for the setters PopTorch reads that way (any
     object: ``enableSyntheticData(2)`` is True, ``showCompilationProgressBar(None)``
     is False). An object without a single truth value (a tensor or array of several
@@ -213,7 +214,7 @@ def check_truth(option: str, value: Any) -> bool:
                                f"({exc}); pass True or False.") from None
 
 
-def check_int(option: str, value: Any, minimum: int | None = None,
+def check_int(option: str, value: object, minimum: int | None = None,
               maximum: int | None = None, error: ErrorType = OptionValueError) -> int:
     """``value`` if it is an int (not a bool) in [minimum, maximum]."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -226,14 +227,14 @@ def check_int(option: str, value: Any, minimum: int | None = None,
     return value
 
 
-def check_str(option: str, value: Any, error: ErrorType = OptionValueError) -> str:
+def check_str(option: str, value: object, error: ErrorType = OptionValueError) -> str:
     """``value`` if it is a str."""
     if not isinstance(value, str):
         raise error(f"{option}: expected a string, got {value!r} ({type(value).__name__}).")
     return value
 
 
-def check_enum(option: str, value: Any, enum_type: type[enum.Enum],
+def check_enum(option: str, value: object, enum_type: type[enum.Enum],
                accepted: Iterable[enum.Enum] | None = None,
                error: ErrorType = OptionValueError) -> enum.Enum:
     """Convert ``value`` to a member of ``enum_type``.
@@ -262,7 +263,7 @@ def check_enum(option: str, value: Any, enum_type: type[enum.Enum],
     return member
 
 
-def check_optional_path(option: str, value: Any) -> str | None:
+def check_optional_path(option: str, value: object) -> str | None:
     """``value`` as a path string (None stays None)."""
     if value is None:
         return None
@@ -271,7 +272,7 @@ def check_optional_path(option: str, value: Any) -> str | None:
     return check_str(option, value)
 
 
-def check_str_list(option: str, value: Any) -> list[str]:
+def check_str_list(option: str, value: object) -> list[str]:
     """``value`` as a list of strings: a list, a tuple or a set (sorted) of them."""
     if isinstance(value, (set, frozenset)):
         value = sorted(value, key=str)

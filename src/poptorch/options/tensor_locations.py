@@ -1,8 +1,7 @@
 """``Options.TensorLocations`` and ``TensorLocationSettings``: where tensors live."""
 from __future__ import annotations
 
-from typing import Any
-
+from .._typing import OptionValue
 from .store import OptionsDict, OptionValueError, check_bool, check_int
 
 _IGNORED_LOCATION_KEYS = ("useReplicatedTensorSharding",
@@ -129,7 +128,7 @@ class _TensorLocationOptions(OptionsDict):
         """Where gradient accumulators are stored."""
         return self._set_location("accumulator", location)
 
-    def _ignored(self) -> dict[str, Any]:
+    def _ignored(self) -> dict[str, OptionValue]:
         ignored = {}
         if self._values["num_io_tiles"]:
             ignored["TensorLocations.num_io_tiles"] = self._values["num_io_tiles"]

@@ -1,9 +1,10 @@
 """``Options.Training``: gradient accumulation, reductions, loss scaling."""
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from .. import enums
+from .._typing import OptionValue
 from .popart import _PopartOptions
 from .store import OptionChoiceError, OptionsDict, check_bool, check_enum, check_int
 
@@ -76,7 +77,7 @@ class _TrainingOptions(OptionsDict):
                                                   enabled))
         return self
 
-    def _ignored(self) -> dict[str, Any]:
+    def _ignored(self) -> dict[str, OptionValue]:
         if self._values["convolution_dithering"]:
             return {"Training.convolution_dithering": True}
         return {}
