@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 import torch
 
 from .._runtime.placement import markers, recompute
+from .._typing import UserInput, UserOutput
 from ..errors import Error, PoptorchAssertionError, PoptorchTypeError, PoptorchValueError
 
 __all__ = [
@@ -45,14 +46,14 @@ class CheckpointArgumentError(PoptorchValueError, TypeError):
     releases raised."""
 
 
-def _check_id(name: str, value: Any, kinds: tuple) -> None:
+def _check_id(name: str, value: object, kinds: tuple) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
         allowed = " or ".join(k.__name__ for k in kinds)
         raise PoptorchTypeError(
             f"{name} must be None or a {allowed}, not {type(value).__name__} ({value!r})")
 
 
-def _check_block_args(user_id: Any, ipu_id: Any) -> None:
+def _check_block_args(user_id: str | int | None, ipu_id: int | None) -> None:
     _check_id("user_id", user_id, (str, int))
     _check_id("ipu_id", ipu_id, (int, ))
     if ipu_id is not None and ipu_id < 0:
@@ -111,7 +112,7 @@ class Block(torch.nn.Module):
         return f"user_id={self._user_id!r}, ipu_id={self._ipu_id!r}"
 
 
-def BeginBlock(layer_to_call: torch.nn.Module | Callable[..., Any],
+def BeginBlock(layer_to_call: torch.nn.Module | Callable[..., UserOutput],
                user_id: str | int | None = None, ipu_id: int | None = None
                ) -> torch.nn.Module:
     """Start a block at an existing layer: the layer and everything called after it
@@ -145,7 +146,7 @@ class LegacyBeginBlockFn(torch.nn.Module):
     """
     _poptorch_starts_block = True  # markers.STARTS_BLOCK_ATTR
 
-    def __init__(self, layer_to_call: Callable[..., Any], user_id: str | int | None = None,
+    def __init__(self, layer_to_call: Callable[..., UserOutput], user_id: str | int | None = None,
                  ipu_id: int | None = None) -> None:
         super().__init__()
         _check_block_args(user_id, ipu_id)
@@ -156,7 +157,7 @@ class LegacyBeginBlockFn(torch.nn.Module):
         self._ipu_id = ipu_id
         self._layer_to_call = layer_to_call
 
-    def __call__(self, *input: Any, **kwargs: Any) -> Any:
+    def __call__(self, *input: UserInput, **kwargs: UserInput) -> UserOutput:
         Block.start(self._user_id, self._ipu_id)
         return self._layer_to_call(*input, **kwargs)
 
@@ -171,14 +172,15 @@ class IPU(LegacyBeginBlockFn):
     :py:class:`Block` ``(ipu_id=ipu_id)``.
     """
 
-    def __init__(self, ipu_id: int, layer_to_call: Callable[..., Any] | None = None) -> None:
+    def __init__(self, ipu_id: int, layer_to_call: Callable[..., UserOutput] | None = None
+                 ) -> None:
         if isinstance(ipu_id, bool) or not isinstance(ipu_id, int):
             raise PoptorchTypeError(f"ipu_id must be an int, got {type(ipu_id).__name__}")
         super().__init__(layer_to_call if layer_to_call is not None else _no_layer,
                          None, ipu_id)
         self._has_layer = layer_to_call is not None
 
-    def __call__(self, *input: Any, **kwargs: Any) -> Any:
+    def __call__(self, *input: UserInput, **kwargs: UserInput) -> UserOutput:
         if not self._has_layer:
             raise Error("poptorch.IPU(ipu_id) without a layer is a context manager: use "
                         "'with poptorch.IPU(1): ...' or pass the layer to wrap.")
@@ -195,7 +197,7 @@ class IPU(LegacyBeginBlockFn):
         return None
 
 
-def _no_layer(*args: Any, **kwargs: Any) -> NoReturn:
+def _no_layer(*args: object, **kwargs: object) -> NoReturn:
     """The layer of an IPU used as a context manager (never called)."""
     raise Error("poptorch.IPU has no layer to call")
 
@@ -216,7 +218,7 @@ def BlockFunction(user_id: str | int | None = None, ipu_id: int | None = None
                 f"BlockFunction decorates functions, got {type(func).__name__}")
 
         @functools.wraps(func)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
+        def wrapper(*args: UserInput, **kwargs: UserInput) -> UserOutput:
             Block.start(user_id, ipu_id)
             return func(*args, **kwargs)
 

@@ -6,7 +6,6 @@ model, ``cond`` becomes ``torch.cond`` so the branch is chosen on the device.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -15,7 +14,7 @@ from ..errors import Error
 __all__ = ["cond", "for_loop"]
 
 
-def _as_list(outputs: Any, op: str) -> list[torch.Tensor]:
+def _as_list(outputs: object, op: str) -> list[torch.Tensor]:
     if isinstance(outputs, torch.Tensor):
         return [outputs]
     if isinstance(outputs, (list, tuple)) and all(isinstance(o, torch.Tensor)
@@ -30,7 +29,7 @@ class ControlFlowArgumentError(Error, ValueError):
     as in PopTorch, a ``ValueError``)."""
 
 
-def _check_inputs(inputs: Any, op: str, name: str) -> list[torch.Tensor]:
+def _check_inputs(inputs: object, op: str, name: str) -> list[torch.Tensor]:
     """PopTorch's rule: the inputs are a list (or tuple) of tensors."""
     if not isinstance(inputs, (list, tuple)):
         raise ControlFlowArgumentError(
@@ -44,7 +43,7 @@ def _check_inputs(inputs: Any, op: str, name: str) -> list[torch.Tensor]:
     return list(inputs)
 
 
-def for_loop(count: int, body: Callable[..., Any],
+def for_loop(count: int, body: Callable[..., object],
              inputs: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     """Run ``body`` ``count`` times, feeding each iteration's outputs to the next.
 
@@ -72,9 +71,9 @@ def for_loop(count: int, body: Callable[..., Any],
     return state
 
 
-def cond(condition: torch.Tensor, then_body: Callable[..., Any],
+def cond(condition: torch.Tensor, then_body: Callable[..., object],
          then_inps: list[torch.Tensor] | tuple[torch.Tensor, ...],
-         else_body: Callable[..., Any],
+         else_body: Callable[..., object],
          else_inps: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     """Run ``then_body(*then_inps)`` if ``condition`` is true, else ``else_body(*else_inps)``.
 

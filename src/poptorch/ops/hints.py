@@ -16,7 +16,7 @@ tensor from a use of the raw one.
 from __future__ import annotations
 
 import threading
-from typing import Any, TypeVar
+from typing import TypedDict, TypeVar
 
 import torch
 import torch.fx
@@ -43,10 +43,15 @@ _IPU_EFFECT = {
     "set_overlap_for_output": "overlaps the IPU-to-host transfer of these outputs with "
                               "compute, using the IO tiles (TensorLocations.numIOTiles)",
 }
-_hints: dict[str, dict[str, Any]] = {}
+class _Hint(TypedDict):
+    calls: int
+    last: object  # the value the user gave
 
 
-def _record(op: str, value: Any) -> None:
+_hints: dict[str, _Hint] = {}
+
+
+def _record(op: str, value: object) -> None:
     if torch.compiler.is_compiling():
         # traced by torch.compile (the compiled device program): recorded when the
         # model ran eagerly (its first call); a lock would split the graph
@@ -59,7 +64,7 @@ def _record(op: str, value: Any) -> None:
                   "CPU/GPU devices it has no effect (recorded only).")
 
 
-def recorded_hints() -> dict[str, dict[str, Any]]:
+def recorded_hints() -> dict[str, dict[str, object]]:
     """``{op name: {"calls": n, "last": last value}}`` for every hint op used so far."""
     with _lock:
         return {op: dict(entry) for op, entry in _hints.items()}
@@ -86,7 +91,7 @@ class OverlapTypeError(Error, TypeError):
     PopTorch raises, also a ``TypeError``."""
 
 
-def _check_tensors(structure: Any, op: str, what: str) -> None:
+def _check_tensors(structure: object, op: str, what: str) -> None:
     if isinstance(structure, (torch.Tensor, torch.fx.Proxy)):  # (Proxy: graph capture)
         return
     if isinstance(structure, (list, tuple)):

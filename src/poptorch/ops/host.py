@@ -5,12 +5,12 @@ import itertools
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from .._runtime import context
 from .._runtime.torch_internals import disable_dynamo
+from .._typing import UserInput, UserOutput
 from ..errors import Error
 
 __all__ = ["CPU", "getIpuTensorId"]
@@ -90,7 +90,7 @@ class CPU:
 
     @disable_dynamo  # host work: a compiled model breaks its graph here (lazy: no
     # torch._dynamo import until the first call)
-    def __call__(self, *input: Any, **kwargs: Any) -> Any:
+    def __call__(self, *input: torch.Tensor, **kwargs: UserInput) -> UserOutput:
         tensors = [t for t in input if isinstance(t, torch.Tensor)]
         if len(tensors) != len(input):
             raise Error(f"CPU op {self._ID!r}: positional arguments must be tensors; pass "

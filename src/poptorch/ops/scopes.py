@@ -5,7 +5,6 @@ import threading
 from collections.abc import Callable, Collection
 from numbers import Real
 from types import TracebackType
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -73,9 +72,9 @@ class _ConvCounter(TorchFunctionMode):
         super().__init__()
         self.count = 0
 
-    def __torch_function__(self, func: Callable[..., Any], types: Collection[type],
-                           args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(self, func: Callable[..., object], types: Collection[type],
+                           args: tuple[object, ...] = (),
+                           kwargs: dict[str, object] | None = None) -> object:
         if func in _CONVOLUTIONS:
             self.count += 1
         return func(*args, **(kwargs or {}))
@@ -108,7 +107,7 @@ class MultiConv:
         self.num_convolutions: int | None = None
         self._counter: _ConvCounter | None = None
 
-    def _per_conv(self, name: str, value: Any, check: Callable[[Any], bool],
+    def _per_conv(self, name: str, value: object, check: Callable[[object], bool],
                   what: str) -> MultiConv:
         values = list(value) if isinstance(value, (list, tuple)) else [value]
         if not values:

@@ -14,10 +14,11 @@ the same micro-batch, so an input holds ``d * g * (r/G) * m`` rows read as
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import cast
 
 import torch
 
+from ..._typing import UserOutput
 from ...enums import CommGroupType, OutputMode
 from ...errors import Error, PoptorchAssertionError, PoptorchValueError
 from ..torch_internals import pytree
@@ -114,7 +115,7 @@ def _split_tree(plan: BatchPlan, args: tuple, kwargs: dict) -> list[Microbatch]:
     """The ``input_factor`` micro-batches of any input structure, in input order."""
     f = plan.input_factor
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    chunks: list[Any] = []
+    chunks: list[tuple[torch.Tensor, ...] | None] = []
     for index, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             rows = leaf.shape[0]
@@ -160,7 +161,7 @@ def _describe_leaf(spec: pytree.TreeSpec, index: int) -> str:
     paths = [p for p, _ in pytree.tree_flatten_with_path(
         pytree.tree_unflatten([0] * spec.num_leaves, spec))[0]]
     path = paths[index]
-    first: Any = path[0]  # the SequenceKey of (args, kwargs)
+    first = cast(pytree.SequenceKey, path[0])  # the key of args / kwargs in (args, kwargs)
     head = "args" if first.idx == 0 else "kwargs"
     return head + "".join(str(k) for k in path[1:])
 
@@ -190,8 +191,8 @@ class OutputCollector:
                 f"OutputMode.EveryN with output_return_period={period} needs "
                 f"deviceIterations ({d}) to be a multiple of the period: choose a period "
                 f"that divides {d}.")
-        self._kept: list[Any] = []
-        self._sums: list[Any] | None = None
+        self._kept: list[UserOutput] = []
+        self._sums: list[UserOutput] | None = None
         r = plan.replication_factor
         self._last_acc_start = plan.per_step - r  # first micro-batch of the last acc step
 
@@ -215,7 +216,7 @@ class OutputCollector:
         """Record the (detached) outputs of a whole iteration (``keeps_all`` only)."""
         self._kept.extend(outputs)
 
-    def add(self, n: int, output: Any) -> None:
+    def add(self, n: int, output: UserOutput) -> None:
         """Record a wanted micro-batch output (already detached)."""
         if self.mode != OutputMode.Sum:
             self._kept.append(output)
@@ -227,10 +228,10 @@ class OutputCollector:
         self._sums[replica] = output if prev is None else pytree.tree_map(
             _add_leaf, prev, output)
 
-    def result(self) -> Any:
+    def result(self) -> UserOutput:
         """The combined outputs: one micro-batch's output is returned unchanged;
         several are concatenated along dimension 0 (scalars are stacked)."""
-        parts: list[Any] = self._kept if self.mode != OutputMode.Sum else (self._sums or [])
+        parts: list[UserOutput] = self._kept if self.mode != OutputMode.Sum else (self._sums or [])
         if len(parts) == 1:
             return parts[0]
         first = parts[0]
@@ -249,11 +250,11 @@ class OutputCollector:
         return pytree.tree_unflatten(combined, spec)
 
 
-def _add_leaf(a: Any, b: Any) -> Any:
+def _add_leaf(a: UserOutput, b: UserOutput) -> UserOutput:
     return a + b if isinstance(a, torch.Tensor) else b
 
 
-def _combine(values: list) -> Any:
+def _combine(values: list) -> object:
     first = values[0]
     if not isinstance(first, torch.Tensor):
         return values[-1]

@@ -14,7 +14,7 @@ arguments only); other calls bind the arguments to ``forward``'s signature first
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -62,7 +62,7 @@ def _kind_name(desc: Any) -> str:
     return kind
 
 
-def _same_value(a: Any, b: Any) -> bool:
+def _same_value(a: object, b: object) -> bool:
     if a is b:
         return True
     try:
@@ -229,7 +229,7 @@ class InputSignature:
             "the new inputs, or wrap the model again.")
 
 
-def detach_inputs(args: tuple, kwargs: dict, warn_key: Any = None) -> tuple[tuple, dict]:
+def detach_inputs(args: tuple, kwargs: dict, warn_key: Hashable = None) -> tuple[tuple, dict]:
     """Inputs that require grad are detached, as in PopTorch: the device program does
     not back-propagate into its inputs (a graph attached to an input, e.g. a hidden state
     computed by an earlier step, would otherwise be walked again). Logged once per

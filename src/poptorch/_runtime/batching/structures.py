@@ -11,8 +11,9 @@ values, rebuilt with ``cls(**items)`` (dataclass-style constructors, ``ModelOutp
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import cast
 
+from ..._typing import UserOutput
 from ..torch_internals import pytree
 
 __all__ = ["register_mapping_outputs"]
@@ -20,7 +21,7 @@ __all__ = ["register_mapping_outputs"]
 _checked: set = set()
 
 
-def register_mapping_outputs(output: Any) -> None:
+def register_mapping_outputs(output: object) -> None:
     """Register every ``Mapping`` subclass found in ``output`` that pytree does not know."""
     if isinstance(output, Mapping):
         cls = type(output)
@@ -28,7 +29,7 @@ def register_mapping_outputs(output: Any) -> None:
             _checked.add(cls)
             if cls not in pytree.SUPPORTED_NODES:
                 _register(cls)
-        values: Any = output.values()
+        values: Iterable[object] = output.values()
     elif isinstance(output, (tuple, list)):
         values = output
     else:
@@ -38,13 +39,13 @@ def register_mapping_outputs(output: Any) -> None:
 
 
 def _register(cls: type) -> None:
-    def flatten(mapping: Mapping[Any, Any]) -> tuple[list[Any], list[Any]]:
+    def flatten(mapping: Mapping[object, UserOutput]) -> tuple[list[UserOutput], list[object]]:
         return list(mapping.values()), list(mapping.keys())
 
-    def unflatten(values: Iterable[Any], keys: list[Any]) -> Any:
+    def unflatten(values: Iterable[UserOutput], keys: list[object]) -> Mapping[object, UserOutput]:
         items = dict(zip(keys, values, strict=False))
         try:
-            return cls(**items)
+            return cls(**cast("dict[str, UserOutput]", items))  # (other keys: TypeError)
         except TypeError:
             return cls(items)
 
