@@ -14,10 +14,10 @@ import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from ._typing import UserInput, UserOutput
 from .errors import Error
 
 __all__ = ["Channel", "TraceRecord"]
@@ -72,9 +72,10 @@ class Channel:
                             f"{method!r}.")
             setattr(obj, method, self._traced(original, method))
 
-    def _traced(self, function: Callable[..., Any], name: str) -> Callable[..., Any]:
+    def _traced(self, function: Callable[..., UserOutput], name: str
+                ) -> Callable[..., UserOutput]:
         @functools.wraps(function)
-        def traced(*args: Any, **kwargs: Any) -> Any:
+        def traced(*args: UserInput, **kwargs: UserInput) -> UserOutput:
             with self.tracepoint(name):
                 return function(*args, **kwargs)
         return traced

@@ -16,7 +16,7 @@ __all__ = ["attribute_table", "defines", "own_attribute", "own_attribute_names"]
 _MISSING = object()
 
 
-def own_attribute(obj: Any, name: str, default: Any = None) -> Any:
+def own_attribute(obj: object, name: str, default: object = None) -> Any:  # (whatever is stored)
     """``obj``'s attribute ``name`` when it is stored on ``obj`` itself (not found
     through its class), else ``default``."""
     value = inspect.getattr_static(obj, name, _MISSING)
@@ -25,14 +25,14 @@ def own_attribute(obj: Any, name: str, default: Any = None) -> Any:
     return value
 
 
-def attribute_table(obj: Any) -> dict[str, Any]:
+def attribute_table(obj: object) -> dict[str, Any]:  # (whatever is stored)
     """A copy of the attributes stored on ``obj`` itself, by name: what copying an
     object or scanning its plain attributes reads. The one place that reads an
     instance's attribute table (``tests/test_call_path_structure.py``)."""
     return dict(vars(obj))
 
 
-def own_attribute_names(obj: Any) -> set[str]:
+def own_attribute_names(obj: object) -> set[str]:
     """The names of the attributes stored on ``obj`` itself."""
     return {name for name in dir(obj) if own_attribute(obj, name, _MISSING) is not _MISSING}
 

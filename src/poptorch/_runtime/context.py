@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .._typing import UserInput, UserOutput
 from ..enums import OverlapMode
 
 
@@ -22,9 +23,9 @@ class OverlapChecker(Protocol):
     """What the overlap markers report to while a model is captured or its first
     forward runs: each returns what the marker returns in place of ``structure``."""
 
-    def mark_input(self, structure: Any, mode: OverlapMode) -> Any: ...
+    def mark_input(self, structure: UserInput, mode: OverlapMode) -> UserInput: ...
 
-    def mark_output(self, structure: Any, mode: OverlapMode) -> Any: ...
+    def mark_output(self, structure: UserOutput, mode: OverlapMode) -> UserOutput: ...
 
 
 class _ThreadState(threading.local):

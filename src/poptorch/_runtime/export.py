@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import IO
 
 import torch
 
 from .._logging import logger
+from .._typing import OptionsView
 from ..errors import Error
 from .compilation import Compilation
 from .program.undo import RandomState, StateUndo
@@ -31,7 +32,7 @@ FORMAT = "openpoptorch-executable"
 
 
 def compile_by_running(compiled: Compilation, model: torch.nn.Module,
-                       run: Callable[[], Any]) -> None:
+                       run: Callable[[], object]) -> None:
     """Make a compiling backend compile (``torch.compile`` compiles on first use) by
     calling ``run()`` (one call of the model on the example inputs) until the program's
     first calls are over, then undo everything the calls changed in ``model`` (the
@@ -61,7 +62,7 @@ def compile_by_running(compiled: Compilation, model: torch.nn.Module,
 DEFAULT_FILE_NAME = "model.poptorch"
 
 
-def save_target(filename: Any) -> Any:
+def save_target(filename: str | os.PathLike[str] | IO[bytes]) -> str | IO[bytes]:
     """Where ``save`` / ``compileAndExport`` write, as PopTorch: a path naming an existing
     directory means ``<directory>/model.poptorch`` (with a warning), and a missing parent
     directory is created. File objects are used as they are."""
@@ -78,8 +79,9 @@ def save_target(filename: Any) -> Any:
     return filename
 
 
-def save_compiled(filename: Any, compiled: Compilation, *, user_model: torch.nn.Module,
-                  options: Any, training: bool, optimizer: Any, version: str,
+def save_compiled(filename: str | os.PathLike[str] | IO[bytes], compiled: Compilation, *,
+                  user_model: torch.nn.Module, options: OptionsView, training: bool,
+                  optimizer: torch.optim.Optimizer | None, version: str,
                   rng_state: list | None, export_model: bool) -> None:
     """Write a compiled model to ``filename`` (see module docstring and
     :func:`save_target`): ``compiled`` and what the user sees of the model (the

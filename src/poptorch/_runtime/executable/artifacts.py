@@ -21,7 +21,6 @@ import hashlib
 import os
 import tempfile
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
@@ -100,7 +99,7 @@ def collect() -> dict | None:
                          for rel, data in binaries.items()}}
 
 
-def check(artifacts: Any) -> str | None:
+def check(artifacts: object) -> str | None:
     """Why ``artifacts`` cannot be used here (None when they can)."""
     if not isinstance(artifacts, dict) or artifacts.get("format") != FORMAT:
         return "not compiled artefacts of this OpenPopTorch version"
@@ -157,7 +156,7 @@ def prebuilt_kernels() -> Iterator[None]:
         return
     folder = os.path.join(tempfile.gettempdir(), f"poptorch-headers-{os.getuid()}")
 
-    def plain_header(header: str, *args: Any, **kwargs: Any) -> str:
+    def plain_header(header: str, *args: object, **kwargs: object) -> str:
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, hashlib.sha256(header.encode()).hexdigest()[:24] + ".h")
         if not os.path.exists(path):

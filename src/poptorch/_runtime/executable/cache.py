@@ -24,12 +24,16 @@ import pickle
 import re
 import tempfile
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
 from ..._logging import info_once, logger
+from ..._typing import OptionValue
 from . import artifacts
+
+if TYPE_CHECKING:
+    from .signature import InputSignature
 
 SUFFIX = ".popcache"
 MAGIC = b"OPENPOPTORCH-EXECUTABLE-CACHE\n"
@@ -54,7 +58,7 @@ def _model_description(model: torch.nn.Module) -> list:
     return [sorted(set(classes)), tensors]
 
 
-def _optimizer_description(optimizer: Any) -> list:
+def _optimizer_description(optimizer: object) -> list:
     if optimizer is None:
         return []
     groups = [{k: v for k, v in g.items() if k != "params"}
@@ -62,8 +66,9 @@ def _optimizer_description(optimizer: Any) -> list:
     return [type(optimizer).__qualname__, groups]
 
 
-def cache_key(*, backend: str, training: bool, options: Mapping[str, Any],
-              model: torch.nn.Module, optimizer: Any, signature: Any, version: str) -> str:
+def cache_key(*, backend: str, training: bool, options: Mapping[str, OptionValue],
+              model: torch.nn.Module, optimizer: object, signature: InputSignature,
+              version: str) -> str:
     """The key of a compiled program (module docstring); ``options`` are the model's
     options as ``Options.toDict()`` gives them."""
     parts = {
@@ -86,7 +91,7 @@ class _PlainUnpickler(pickle.Unpickler):
     """Entries hold only plain data (dicts, bytes, str, ...): refuse any class, so that
     a foreign file can never run code while being read."""
 
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> NoReturn:
         raise pickle.UnpicklingError(f"unexpected object {module}.{name}")
 
 

@@ -9,7 +9,7 @@ also part of the executable-cache key.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -17,7 +17,7 @@ from ...errors import Error
 from ..torch_internals import pytree
 
 
-def _describe(leaf: Any) -> tuple:
+def _describe(leaf: object) -> tuple:
     if isinstance(leaf, torch.Tensor):
         return ("tensor", tuple(leaf.shape), str(leaf.dtype).replace("torch.", ""))
     if leaf is None or isinstance(leaf, (bool, int, float, str)):
@@ -36,8 +36,8 @@ def _paths(spec: pytree.TreeSpec) -> list[str]:
         if not head:
             names.append("input")
             continue
-        key: Any = head[0]  # a SequenceKey (.idx) or MappingKey (.key)
-        first: Any = keys[0]
+        key: Any = head[0]  # a SequenceKey (.idx) or MappingKey (.key): read as either
+        first = cast(pytree.SequenceKey, keys[0])
         base = (f"input {key.idx}" if first.idx == 0 else f"input {key.key!r}") \
             if hasattr(key, "idx") or hasattr(key, "key") else f"input {key}"
         names.append(base + "".join(str(k) for k in rest))

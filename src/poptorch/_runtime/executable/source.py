@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 from ..._logging import logger
 from . import artifacts
@@ -57,7 +56,7 @@ class ProgramSource:
                 self.cache_key = None  # nothing to write back
 
     @staticmethod
-    def _install(compiled: Any, where: str) -> bool:
+    def _install(compiled: dict | None, where: str) -> bool:
         if compiled is None:
             return False
         why = artifacts.check(compiled)

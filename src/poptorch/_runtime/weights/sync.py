@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Collection, Iterator
-from typing import Any
 
 import torch
+
+from ..._typing import UserInput, UserOutput
 
 
 class WeightSync:
@@ -101,12 +102,12 @@ def _install_access_hook(host: torch.nn.Module, sync: WeightSync) -> None:
             if s is not None:
                 s.to_host_if_needed()
 
-    namespace: dict[str, Any] = {"_poptorch_hooked": True}
+    namespace: dict[str, object] = {"_poptorch_hooked": True}
 
-    def make(name: str) -> Callable[..., Any]:
+    def make(name: str) -> Callable[..., UserOutput]:
         original = getattr(base, name)
 
-        def method(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        def method(self: torch.nn.Module, *args: UserInput, **kwargs: UserInput) -> UserOutput:
             refresh(self)
             return original(self, *args, **kwargs)
         method.__name__ = name
@@ -116,7 +117,7 @@ def _install_access_hook(host: torch.nn.Module, sync: WeightSync) -> None:
     for name in _HOOKED_METHODS:
         namespace[name] = make(name)
 
-    def __getattr__(self: torch.nn.Module, name: str) -> Any:
+    def __getattr__(self: torch.nn.Module, name: str) -> torch.Tensor | torch.nn.Module:
         refresh(self)
         return base.__getattr__(self, name)
     namespace["__getattr__"] = __getattr__
