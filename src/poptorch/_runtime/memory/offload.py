@@ -18,9 +18,10 @@ anyway, to test the logic of the moves on the CPU.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import torch
+
+from ..._typing import StateDict
 
 HOST = torch.device("cpu")
 
@@ -42,14 +43,14 @@ class StateStorage:
             return False
         return param.device.type != "cpu" or self.force_stream
 
-    def fetch(self, state: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    def fetch(self, state: StateDict, device: torch.device) -> StateDict:
         """The state tensors of one parameter on ``device`` (copies; asynchronous from
         pinned memory)."""
         return {k: v.to(device, non_blocking=True, copy=True)
                 if isinstance(v, torch.Tensor) and v.dim() > 0 else v
                 for k, v in state.items()}
 
-    def store(self, host: dict[str, Any], used: dict[str, Any]) -> None:
+    def store(self, host: StateDict, used: StateDict) -> None:
         """Write the state ``used`` by an update back into ``host`` (allocating pinned
         host tensors for entries the update created)."""
         for key, value in used.items():
@@ -95,10 +96,10 @@ class ActivationsOffChip:
     per thread."""
 
     def __init__(self) -> None:
-        self._active: list[Any] = []
+        self._active: list[torch.autograd.graph.save_on_cpu] = []
 
     @staticmethod
-    def thread_context() -> Any:
+    def thread_context() -> torch.autograd.graph.save_on_cpu:
         return torch.autograd.graph.save_on_cpu(pin_memory=True)
 
     def __enter__(self) -> None:
@@ -106,5 +107,5 @@ class ActivationsOffChip:
         hooks.__enter__()
         self._active.append(hooks)
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._active.pop().__exit__(*exc)
