@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import importlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.autograd import profiler as _profiler
@@ -224,8 +224,8 @@ def tensor_inputs_check(tensors: tuple) -> Callable[..., bool] | None:
     try:
         from torch._C._dynamo.guards import TensorGuards
         # (one list of static sizes / strides per tensor; the stub's type is narrower)
-        sizes: Any = [list(t.shape) for t in tensors]
-        strides: Any = [list(t.stride()) for t in tensors]
+        sizes = cast("list[torch.SymInt | None]", [list(t.shape) for t in tensors])
+        strides = cast("list[torch.SymInt | None]", [list(t.stride()) for t in tensors])
         guard = TensorGuards(*tensors, dynamic_dims_sizes=sizes,
                              dynamic_dims_strides=strides)
     except Exception:
