@@ -16,7 +16,6 @@ runs; it is installed only when the option is on, so other models pay nothing.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +53,8 @@ def _torch_group_norm(input: torch.Tensor, num_groups: int,
     return strided_group_norm(input, num_groups, weight, bias, eps)
 
 
-_REPLACEMENTS = {F.group_norm: strided_group_norm, torch.group_norm: _torch_group_norm}
+_REPLACEMENTS: dict[Callable[..., object], Callable[..., torch.Tensor]] = {
+    F.group_norm: strided_group_norm, torch.group_norm: _torch_group_norm}
 
 
 class StridedGroupNorm(TorchFunctionMode):
@@ -62,9 +62,9 @@ class StridedGroupNorm(TorchFunctionMode):
     norms use strided channel groups. Modes do not follow a call into other threads, so
     pipeline stages' threads get their own through :py:meth:`thread_context`."""
 
-    def __torch_function__(self, func: Callable[..., Any], types: Collection[type],
-                           args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(self, func: Callable[..., object], types: Collection[type],
+                           args: tuple[object, ...] = (),
+                           kwargs: dict[str, object] | None = None) -> object:
         replacement = _REPLACEMENTS.get(func)
         if replacement is not None:
             return replacement(*args, **(kwargs or {}))
