@@ -212,3 +212,90 @@ def test_genuinely_non_finite_results_keep_the_compiled_backend(monkeypatch, cap
             torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
     assert pop._program.selector.compiled is not None
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+class RejectsBadSamples(nn.Module):
+    """A model that raises its own error on a bad input (as data validation does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        if bool((x.abs() > 1e3).any()):
+            raise ValueError("c19: bad sample in this micro-batch")
+        out = self.fc2(self.bn(F.relu(self.fc1(x))))
+        return out, F.cross_entropy(out, y)
+
+
+@pytest.mark.parametrize("when", ["probation", "trial", "compiled"])
+def test_an_error_the_eager_rerun_raises_too_is_the_users(monkeypatch, tmp_path, caplog,
+                                                          when):
+    """The model's forward raises a ValueError on one input at a compiled call (the
+    first, guarded one; one timed by the trial; one once the compiled backend is
+    kept): the caller gets plain PyTorch's exception (class and message), the model
+    keeps its backend, no decision is stored, and the next calls match plain PyTorch
+    trained on the good inputs only."""
+    from _backend_trial import settle_trial
+
+    from poptorch._runtime.program.backend_trial import TrialState
+
+    monkeypatch.delenv("POPTORCH_BACKEND", raising=False)  # the automatic backend
+    monkeypatch.setenv("POPTORCH_TORCH_COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setenv("POPTORCH_BACKEND_DECISIONS", str(tmp_path))
+    torch.manual_seed(0)
+    model = RejectsBadSamples()
+    ref = copy.deepcopy(model)
+    opts = poptorch.Options()
+    opts.showCompilationProgressBar(False)
+    pop = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(7)
+
+    def batch():
+        return torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+    def good_call():
+        x, y = batch()
+        out, loss = pop(x, y)
+        ref_opt.zero_grad()
+        ref_out, ref_loss = ref(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        torch.testing.assert_close(out, ref_out.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-5)
+
+    good_call()  # eager, timed: the compiled backend's probation comes next
+    selector = pop._program.selector
+    if when == "trial":
+        while selector.state is not TrialState.TRIAL:
+            good_call()
+        good_call()  # the trial's first call is an eager one
+        assert selector.trial._next is True  # the coming call: a compiled one
+    elif when == "compiled":
+        settle_trial(pop, compiled_faster=True)
+        good_call()
+    stored = sorted(p.read_text() for p in tmp_path.iterdir())
+    state = selector.state
+    assert state is {"probation": TrialState.COMPILING, "trial": TrialState.TRIAL,
+                     "compiled": TrialState.COMPILED}[when]
+    x, y = batch()
+    x[2, 1] = 1e4
+    with pytest.raises(ValueError) as plain:
+        ref(x, y)
+    with caplog.at_level(logging.WARNING, logger="poptorch"), \
+            pytest.raises(ValueError) as raised:
+        pop(x, y)
+    assert type(raised.value) is type(plain.value)
+    assert str(raised.value) == str(plain.value)
+    assert selector.state is state and selector.compiled is not None
+    assert sorted(p.read_text() for p in tmp_path.iterdir()) == stored
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING
+                and r.name.startswith("poptorch")]  # (no fallback warning)
+    for _ in range(3):
+        good_call()
+    for (name, p), r in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-5, msg=name)
+    torch.testing.assert_close(model.bn.running_mean, ref.bn.running_mean)

@@ -1,13 +1,15 @@
-"""The backend a model's trial chose, kept for the next run on the same machine.
+"""The backend a model's trial chose, kept as the starting point of the next run.
 
 The automatic backend measures the compiled backend against the eager one over a
-model's first calls (``program/backend_trial.py``). Timings on a shared machine vary,
-so two runs of one program could choose differently and give different numbers (the
-compiled kernels round differently). The choice is therefore written down, keyed like
-an executable-cache entry (versions, options, model, optimizer, inputs: ``cache.py``)
-plus this machine, and a later run of the same program on the same machine takes the
-same backend without measuring again. A model saved with ``save`` /
-``compileAndExport`` carries its choice in the file as well.
+model's first calls (``program/backend_trial.py``). Measuring again costs calls at
+the slower path's speed, so the choice is written down, keyed like an
+executable-cache entry (versions, options, model, optimizer, inputs: ``cache.py``),
+and a later run of the same program starts on the same backend. It is a starting
+point, not a verdict: the run confirms it with the steady-state check of
+``backend_trial.py`` and writes the choice again when the check changes it. A
+decision records the machine and the torch release it was measured on
+(:py:func:`machine_record`); one made elsewhere is ignored. A model saved with
+``save`` / ``compileAndExport`` carries its choice in the file as well.
 
 Where: the folder of ``Options.enableExecutableCaching`` when set, else
 ``POPTORCH_BACKEND_DECISIONS`` (a folder, or ``off``), else
@@ -16,19 +18,31 @@ that cannot be read or written is ignored (logged at DEBUG): the trial runs agai
 """
 from __future__ import annotations
 
+import functools
 import getpass
 import hashlib
 import json
 import os
 import platform
 import tempfile
+from typing import NamedTuple
+
+import torch
 
 from ..._logging import logger
 
-__all__ = ["DecisionStore", "decisions_folder", "machine_key"]
+__all__ = ["Decision", "DecisionStore", "decisions_folder", "machine_record"]
 
 ENV = "POPTORCH_BACKEND_DECISIONS"
 CHOICES = ("compiled", "eager")
+
+
+class Decision(NamedTuple):
+    """A stored choice: the backend, and the trial's compiled / eager time ratio (None
+    when no trial measured it, e.g. a forced or failed compiled backend)."""
+
+    backend: str
+    ratio: float | None
 
 
 def decisions_folder(cache_dir: str | None) -> str | None:
@@ -47,41 +61,70 @@ def decisions_folder(cache_dir: str | None) -> str | None:
     return os.path.join(tempfile.gettempdir(), f"poptorch_{user}", "decisions")
 
 
-def machine_key() -> str:
-    """What makes timings comparable: the host and its processor."""
-    return "|".join((platform.node(), platform.machine(), platform.processor(),
-                     str(os.cpu_count())))
+@functools.cache
+def _cpu_model() -> str:
+    """The processor's model name (Linux: /proc/cpuinfo), else platform's word for it."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.lower().startswith(("model name", "hardware", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def machine_record(device: torch.device | None = None) -> dict[str, str]:
+    """What makes timings comparable: the processor, how many cores, the GPU the
+    program runs on (``device``, when a CUDA device) and the torch release."""
+    gpu = ""
+    if device is not None and device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device)
+    return {"machine": platform.machine(), "cpu": _cpu_model(),
+            "cpus": str(os.cpu_count()), "gpu": gpu, "torch": torch.__version__}
 
 
 class DecisionStore:
     """The stored decision of one program (``key``) in ``folder``."""
 
     def __init__(self, folder: str | None, key: str) -> None:
-        digest = hashlib.sha256(f"{key}|{machine_key()}".encode()).hexdigest()[:40]
+        digest = hashlib.sha256(key.encode()).hexdigest()[:40]
         self.path = None if folder is None else os.path.join(folder, f"{digest}.json")
 
-    def read(self) -> str | None:
-        """The stored choice ("compiled" or "eager"), or None."""
+    def read(self, device: torch.device | None = None) -> Decision | None:
+        """The stored decision, or None (none, unreadable, or made on another machine
+        or torch release than ``machine_record(device)``)."""
         if self.path is None or not os.path.exists(self.path):
             return None
         try:
             with open(self.path, encoding="utf-8") as f:
-                choice = json.load(f).get("backend")
-        except (OSError, ValueError, AttributeError) as error:
+                stored = json.load(f)
+            choice, ratio, machine = stored["backend"], stored.get("ratio"), \
+                stored["machine"]
+        except (OSError, ValueError, KeyError, TypeError) as error:
             logger.debug("Backend decision %s unreadable (%s): measuring again.",
                          self.path, error)
             return None
-        return choice if choice in CHOICES else None
+        here = machine_record(device)
+        if machine != here:
+            logger.debug("Backend decision %s was made on %s, not here (%s): measuring "
+                         "again.", self.path, machine, here)
+            return None
+        if choice not in CHOICES or not (ratio is None or isinstance(ratio, float)):
+            return None
+        return Decision(choice, ratio)
 
-    def write(self, choice: str, reason: str) -> None:
-        """Keep ``choice`` (written atomically; failures are logged at DEBUG)."""
+    def write(self, decision: Decision, reason: str,
+              device: torch.device | None = None) -> None:
+        """Keep ``decision`` (written atomically; failures are logged at DEBUG)."""
         if self.path is None:
             return
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             fd, temporary = tempfile.mkstemp(dir=os.path.dirname(self.path), suffix=".tmp")
             with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump({"backend": choice, "reason": reason}, f)
+                json.dump({"backend": decision.backend, "ratio": decision.ratio,
+                           "reason": reason, "machine": machine_record(device)}, f)
             os.replace(temporary, self.path)
         except OSError as error:
             logger.debug("Backend decision not kept in %s: %s", self.path, error)

@@ -4,11 +4,17 @@ A PopTorch program accepts a compile at its first call in order to be fast after
 so with neither ``Options.Jit.backend`` nor ``POPTORCH_BACKEND`` set the model is run the
 way its own first calls show to be fastest. That is the ``fastest`` backend
 (``backend_trial.BackendTrial``): the whole call is compiled as one program, and once it
-is traced the next calls alternate between it and the eager device loop, each timed
-whole; the faster path stays for good, with one INFO line giving both times. An
-inference model and a training model are measured alike. Each call of the trial runs
-entirely on one path (a training step is never half compiled), so every call gives the
-results of that path.
+has passed its probation the next calls alternate between it and the eager device loop,
+each timed whole; the compiled path stays only when it is faster by more than the
+measurement's spread, with one INFO line giving both times, and a close choice is
+checked again in steady state. An inference model and a training model are measured
+alike. Each call of the trial runs entirely on one path (a training step is never half
+compiled), so every call gives the results of that path.
+
+An earlier run's choice (``executable/decisions.py``) is where a run starts: a stored
+"compiled" skips the trial and is checked in steady state; a stored "eager" skips the
+compile when the trial found the compiled backend clearly slower (or failing), and is
+measured again when it was a close call.
 
 Compiling needs code generation: inductor builds C++ on the CPU (and a C launcher for
 its Triton kernels on GPUs). Where no compiler is found the model runs the eager
@@ -23,9 +29,9 @@ from typing import Any
 import torch
 
 from ..._logging import info_once
-from ..executable.decisions import DecisionStore
+from ..executable.decisions import Decision, DecisionStore
 from ..torch_internals import inductor_cpp_compiler
-from .backend_trial import BackendSelector
+from .backend_trial import RECHECK_WITHIN, BackendSelector
 from .backends import EagerBackend, compile_blocker
 from .compiled_step import CompiledBackend, update_blocker
 from .optimizer import OptimizerBinding
@@ -77,24 +83,38 @@ def make_selector(*, backend: str, runner: Any, eager: EagerBackend, model: torc
     ``decided``: the choice a precompiled file carries; else ``decisions`` holds an
     earlier run's choice, and is told this run's."""
     compiled = None
+    earlier: Decision | None = None if decided is None else Decision(decided, None)
     if backend in ("inductor", "fastest"):
         reason = compile_blocker(runner, wraps_calls)
         if reason is not None:
             info_once(("compiled-blocked", label, reason), "%s: the eager backend runs "
                       "every call (%s).", label, reason)
         else:
-            if decided is None and backend == "fastest" and decisions is not None:
-                decided = decisions.read()
-            if decided is not None:
-                info_once(("decided", label, decided), "%s: backend %s, as an earlier "
-                          "run's trial decided.", label, decided)
-            if decided != "eager":
+            if earlier is None and backend == "fastest" and decisions is not None:
+                earlier = _starting_point(decisions.read(device))
+            if earlier is not None:
+                info_once(("decided", label, earlier.backend), "%s: backend %s, as an "
+                          "earlier run's trial decided%s.", label, earlier.backend,
+                          " (checked again after its first calls)"
+                          if earlier.backend == "compiled" else "")
+            if earlier is None or earlier.backend != "eager":
                 update_reason = None if not training else update_blocker(
                     binding.device if binding else None, managed_step)
                 compiled = CompiledBackend(model, training, device, label, binding,
                                            eager.update if training else None,
                                            update_reason)
-    write = None if decisions is None or backend != "fastest" else decisions.write
+    write = None
+    if decisions is not None and backend == "fastest":
+        def write(decision: Decision, reason: str) -> None:
+            decisions.write(decision, reason, device)
     return BackendSelector(eager, compiled, label=label, measure=backend == "fastest",
                            params=params, buffers=buffers, device=device, cross=cross,
-                           decided=decided, on_decision=write, progress=progress)
+                           decided=earlier, on_decision=write, progress=progress)
+
+
+def _starting_point(stored: Decision | None) -> Decision | None:
+    """Where a run starts from an earlier run's ``stored`` decision: a close "eager"
+    is measured again (None); "compiled", a clear "eager" or a failure's are kept."""
+    if stored is None or stored.backend == "compiled" or stored.ratio is None:
+        return stored
+    return stored if stored.ratio >= 1.0 + RECHECK_WITHIN else None

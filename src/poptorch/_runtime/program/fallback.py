@@ -1,10 +1,11 @@
 """Every failure of the compiled backend falls back to eager, once, atomically.
 
-During its first calls (until the backend trial has decided, or ``PROBATION_CALLS``
-compiled calls when the compiled backend is forced) the compiled backend runs inside a
-:py:class:`Probation`: each piece of each step is guarded by a :py:class:`StateUndo` of
-what it may change. The piece is undone and run again eagerly, and the model runs the
-eager backend for good (one WARNING naming the stage and the reason), when:
+During its first calls (``TRIAL_PROBATION_CALLS`` compiled calls before the backend
+trial measures, ``PROBATION_CALLS`` when the compiled backend is forced) the compiled
+backend runs inside a :py:class:`Probation`: each piece of each step is guarded by a
+:py:class:`StateUndo` of what it may change. The piece is undone and run again eagerly,
+and the model runs the eager backend for good (one WARNING naming the stage and the
+reason), when:
 
 * **capture**: dynamo cannot trace it (``torch._dynamo`` exceptions, ``Uncapturable``);
 * **code generation**: the compiler backend fails (``BackendCompilerFailed``);
@@ -16,10 +17,15 @@ eager backend for good (one WARNING naming the stage and the reason), when:
   (measured at the first call), at least 60 s and at most 30 min. A compile that costs
   more than a thousand eager calls will not pay for itself soon.
 
+An exception that the eager rerun raises as well is the user's (bad data, an assert in
+the model): it is raised as it is, the piece undone, and the model keeps its backend.
+
 A step is undone at the level of its pieces, before the step's reduction between
 processes: every process calls the same collectives whichever path it took, and the
 processes leave the compiled backend together at the next reduction
-(``backend_trial.CrossProcessAgreement``).
+(``backend_trial.CrossProcessAgreement``). The pieces' undo copies only what a compiled
+attempt can change before it fails: the buffers and random state of the micro-batches
+(gradients are cleared, not copied), the weights and optimizer state of the update.
 """
 from __future__ import annotations
 
@@ -37,10 +43,13 @@ from .compiled_step import CompiledBackend, Uncapturable
 from .runner import LossOf
 from .undo import RandomState, StateUndo
 
-__all__ = ["PROBATION_CALLS", "Probation", "compile_budget"]
+__all__ = ["PROBATION_CALLS", "TRIAL_PROBATION_CALLS", "Probation", "compile_budget"]
 
 PROBATION_CALLS = 3
 """Compiled calls guarded after the compile when no trial runs (a forced backend)."""
+TRIAL_PROBATION_CALLS = 2
+"""Compiled calls guarded before the trial times them unguarded (the compile, and the
+update's second call)."""
 UPDATE_PROBATION = 2
 """Compiled updates guarded (their first compile and one more)."""
 _MIN_BUDGET_S, _MAX_BUDGET_S, _BUDGET_FACTOR = 60.0, 1800.0, 1000.0
@@ -102,8 +111,8 @@ class _RecordingLoss:
 class Probation:
     """The compiled backend during its first calls (module docstring): a ``Backend``
     whose pieces fall back to ``eager``'s. ``leave(stage, reason)`` is called once when
-    one fails; after that (or once the selector has dropped the compiled backend) the
-    pieces are the eager ones."""
+    one fails; after that (or once the selector has moved on) the pieces are the eager
+    ones."""
 
     name = "compiled"
 
@@ -121,29 +130,32 @@ class Probation:
         self.compile_seconds = 0.0
         self.updates_left = UPDATE_PROBATION
         self._compiled_once = False
-        self.overhead = 0.0  # seconds of guarding since the last take_overhead()
         self._progress = progress  # PopTorch's progress bar over the first compile
         self._leave = leave
-        self._active = active  # False once the selector dropped the compiled backend
+        self._active = active  # False once the selector left the probation
         self.runner = self._run_microbatches
 
     # ------------------------------------------------------------------ pieces
     def _run_microbatches(self, microbatches: list, loss_of: LossOf | None) -> list:
         if not self._active():
             return self.eager.runner(microbatches, loss_of)
-        t_guard = time.perf_counter()
         undo = StateUndo(self.buffers, rng=RandomState(self.device))
         recording = None if loss_of is None else _RecordingLoss(loss_of)
-        t0 = time.perf_counter()
-        self.overhead += t0 - t_guard
         bar = None if self._compiled_once else self._progress_bar()
+        failure: BaseException | None = None
+        t0 = time.perf_counter()
         try:
             outputs = self.compiled.runner(microbatches, recording)
         except Exception as error:
-            return self._redo(undo, microbatches, loss_of, stage_of(error), error)
+            failure = error
         finally:
             if bar is not None:
                 bar.close()
+        if failure is not None:  # (rerun outside the handler: the user's error is raised
+            stage = stage_of(failure)  # without the compiled one as its context)
+            reason = _reason(failure)
+            failure = None
+            return self._redo(undo, microbatches, loss_of, stage, reason)
         took = time.perf_counter() - t0
         self.compile_seconds += max(
             0.0, took - self.eager_microbatch_seconds * len(microbatches))
@@ -157,12 +169,9 @@ class Probation:
             return self._redo(undo, microbatches, loss_of, "compile budget",
                               f"the compiles took {self.compile_seconds:.1f} s, over the "
                               f"budget of {self.budget:.0f} s")
-        t_check = time.perf_counter()
         produced = _tensors(outputs) + (recording.losses if recording else [])
         produced += [p.grad for p in self.params if p.grad is not None]
-        finite = _finite(produced)
-        self.overhead += time.perf_counter() - t_check
-        if not finite:
+        if not _finite(produced):
             undo.restore()
             self._clear_grads()
             again = self.eager.runner(microbatches, loss_of)
@@ -173,12 +182,6 @@ class Probation:
             return again
         return outputs
 
-    def take_overhead(self) -> float:
-        """The seconds spent guarding the pieces since the last call of this (not the
-        compiled backend's own time: the trial leaves it out)."""
-        overhead, self.overhead = self.overhead, 0.0
-        return overhead
-
     def _progress_bar(self) -> Any:
         """The bar shown while the first compiled call compiles (its step's pieces)."""
         from tqdm import tqdm
@@ -186,11 +189,19 @@ class Probation:
                     leave=False, unit="program", disable=not self._progress)
 
     def _redo(self, undo: StateUndo, microbatches: list, loss_of: LossOf | None,
-              stage: str, error: BaseException | str) -> list:
+              stage: str, reason: str) -> list:
+        """The micro-batches again, eagerly: the compiled backend is left when they
+        run; an exception they raise as well is the user's, raised as it is."""
         undo.restore()
         self._clear_grads()
-        self._leave(stage, _reason(error))
-        return self.eager.runner(microbatches, loss_of)
+        try:
+            again = self.eager.runner(microbatches, loss_of)
+        except BaseException:
+            undo.restore()
+            self._clear_grads()
+            raise
+        self._leave(stage, reason)
+        return again
 
     def _clear_grads(self) -> None:
         for p in self.params:
@@ -203,20 +214,24 @@ class Probation:
         self.updates_left -= 1
         binding = self.compiled.binding
         optimizer = None if binding is None else binding.device
-        t_guard = time.perf_counter()
         undo = StateUndo(self.params, optimizer=optimizer)
-        self.overhead += time.perf_counter() - t_guard
+        failure: BaseException | None = None
         try:
             self.compiled.update()
         except Exception as error:
+            failure = error
+        if failure is not None:
+            stage, reason = f"update {stage_of(failure)}", _reason(failure)
+            failure = None
             undo.restore()
-            self._leave(f"update {stage_of(error)}", _reason(error))
-            self.eager.update()
+            try:
+                self.eager.update()
+            except BaseException:  # the user's (an optimizer hook's) error
+                undo.restore()
+                raise
+            self._leave(stage, reason)
             return
-        t_check = time.perf_counter()
-        finite = _finite(list(self.params))
-        self.overhead += time.perf_counter() - t_check
-        if not finite:
+        if not _finite(list(self.params)):
             undo.restore()
             self.eager.update()
             if _finite(list(self.params)):
