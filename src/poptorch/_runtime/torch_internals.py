@@ -38,6 +38,7 @@ __all__ = [
     "DisableTorchFunction",
     "NormBase",
     "TorchDispatchMode",
+    "call_hooks",
     "current_graph_task_id",
     "disable_current_modes",
     "disable_dynamo",
@@ -142,6 +143,14 @@ def forward_pre_hooks(module: torch.nn.Module) -> dict[int, Callable[..., object
     them (placement/markers.py): found there again, also on copies of the module (which
     copy their hooks), and removed there; ``nn.Module`` has no public listing."""
     return module._forward_pre_hooks
+
+
+def call_hooks(module: torch.nn.Module) -> list[Callable[..., object]]:
+    """``module``'s forward and backward hooks (not its pre-hooks): the stage-graph
+    capture keeps the calls of a model with such hooks as module calls, so that they
+    run on every call; ``nn.Module`` has no public listing."""
+    return [*module._forward_hooks.values(), *module._backward_hooks.values(),
+            *module._backward_pre_hooks.values()]
 
 
 # custom_op: the operators of a namespace, whether one has a shape function (Meta

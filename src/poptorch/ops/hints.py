@@ -117,7 +117,9 @@ def _set_overlap(structure: _Structure, mode: OverlapMode, op: str, what: str) -
         raise Error(f"{op}: mode must be a poptorch.OverlapMode, got {mode!r}.")
     _check_tensors(structure, op, what)
     _record(op, mode)
-    checker = None if torch.compiler.is_compiling() else context.overlap_checker()
+    # (a capture with torch.export checks the markers on its graph; dynamo does not)
+    checker = None if torch.compiler.is_compiling() and not torch.compiler.is_exporting() \
+        else context.overlap_checker()
     if checker is None:
         return structure
     if op == "set_overlap_for_input":

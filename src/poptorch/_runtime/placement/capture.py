@@ -1,28 +1,41 @@
-"""Graph capture of an annotated model: the model's forward pass as a ``torch.fx`` graph
-whose nodes carry the block they belong to.
+"""Graph capture of an annotated model: the model's forward pass as a graph whose nodes
+carry the block they belong to, split into stages by ``stages.py``.
 
-``torch.fx`` symbolic tracing runs ``forward`` once with proxies, so the block
-annotations that only show while the model runs (``poptorch.Block``,
-``BlockFunction``, ``IPU`` as a context manager, ``BeginBlock`` hooks on non-leaf
-modules) report to a listener that tags every node created afterwards with the current
-block, the way ``torch.distributed.pipelining.pipe_split`` marks split points. A
-``BeginBlock`` on a leaf module (``torch.nn.Linear``: traced as one ``call_module``
-node, its hooks do not run) is reported by the tracer itself.
+:func:`capture` tries two tracers, as the compiled backend captures a step:
+
+1. ``torch.export`` (``export_capture.py``; second for a model with forward or
+   backward hooks of its own, which an exported graph runs at capture only): the
+   model's Python runs once on fake tensors of the call's real shapes, so ordinary
+   code such as ``torch.zeros(x.shape[0], 1, x.shape[-1], device=x.device)``
+   captures. The graph is checked against the shapes of every later call
+   (``CapturedModel.inputs_of``).
+2. ``torch.fx`` symbolic tracing (this module), where export fails (an output export
+   cannot return, for one): ``forward`` runs once with proxies, for any shape.
+
+A ``torch.autograd.Function`` whose backward reaches the outputs is kept by neither
+(both record its forward only): such a model is not captured.
+
+In both, the block annotations that only show while the model runs
+(``poptorch.Block``, ``BlockFunction``, ``IPU`` as a context manager, ``BeginBlock``
+hooks on non-leaf modules) report to a listener that tags every node created
+afterwards with the current block, the way ``torch.distributed.pipelining.pipe_split``
+marks split points. For fx, a ``BeginBlock`` on a leaf module (``torch.nn.Linear``:
+traced as one ``call_module`` node, its hooks do not run) is reported by the tracer
+itself.
 
 The same pass yields the :class:`~.partition.BlockTrace` the partition rules need (the
 blocks in order, their IPUs, which block uses which weight) without running a single
 kernel. The overlap markers (``set_overlap_for_input`` / ``set_overlap_for_output``)
 become nodes too, checked against PopTorch's rules on the graph and then removed
-(:mod:`.io_markers`). Capture is impossible for some models (data-dependent control
-flow, ``*args`` signatures, non-tensor arguments holding tensors): :func:`capture` then
-raises :class:`CaptureUnsupported` saying why, and the runtime runs the model's stages
-one after another (``sequential.py``).
+(:mod:`.io_markers`). When neither tracer captures the model (data-dependent control
+flow, for one), :func:`capture` raises :class:`CaptureUnsupported` saying what
+stopped each and what to change, and the runtime runs the model's stages one after
+another (``sequential.py``).
 """
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,40 +44,28 @@ from torch.fx.node import Argument, Target
 
 from .. import context
 from ..program.overlapped_io import OverlapSettings
-from ..torch_internals import pytree
+from ..torch_internals import call_hooks, forward_pre_hooks, pytree
 from . import io_markers, markers, recompute
-from .partition import IMPLICIT_BLOCK, BlockTrace, _Tracer
+from .captured import (
+    BLOCK_META,
+    CapturedModel,
+    CaptureUnsupported,
+    CustomBackward,
+    ShapeGuard,
+    is_traced_input,
+    record_weight_users,
+)
+from .export_capture import export_model
+from .partition import _Tracer
 
-BLOCK_META = "poptorch_block"
+__all__ = ["BLOCK_META", "CaptureUnsupported", "CapturedModel", "CustomBackward",
+           "ShapeGuard", "capture", "check_markers", "trace_model"]
 
-
-class CaptureUnsupported(Exception):
-    """The model cannot be captured (the message says why)."""
-
-
-@dataclass
-class CapturedModel:
-    """A model's forward pass as a block-tagged graph."""
-    graph_module: torch.fx.GraphModule
-    trace: BlockTrace
-    signature: inspect.Signature
-    placeholders: list[str]  # forward parameter name of each placeholder, in order
-    concrete: dict[str, Any]  # non-tensor arguments baked into the graph
-    loss_nodes: list[torch.fx.Node] = field(default_factory=list)  # identity_loss marks
-    checkpoints: int = 0  # recomputation checkpoints in the graph
-    # the overlap markers, nodes of the graph until io_markers.finish removes them
-    markers: io_markers.GraphMarkers | None = None
-
-    def inputs_of(self, args: tuple, kwargs: dict) -> dict[str, Any] | None:
-        """The placeholder values of one micro-batch, or None when the micro-batch's
-        non-tensor arguments differ from those the graph was captured with."""
-        bound = self.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        values = bound.arguments
-        for name, value in self.concrete.items():
-            if not _same_constant(values.get(name), value):
-                return None
-        return {name: values[name] for name in self.placeholders}
+#: what to change, said when neither tracer captures a model
+_ADVICE = ("to pipeline it, make its forward traceable by torch.export: no Python "
+           "branch or loop on tensor values (torch.where / torch.cond instead), no "
+           ".item() / .tolist() / print of tensors, and tensor-only arguments (or "
+           "plain Python values)")
 
 
 class _BlockTracer(torch.fx.Tracer):
@@ -138,12 +139,44 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, strategy: Any,
     tensor, and the non-tensor values, matter). Raises :class:`CaptureUnsupported`
     (why) when it cannot be captured, and ``poptorch.Error`` when its overlap markers
     break PopTorch's rules (checked with the options' ``overlap`` settings given)."""
-    try:
-        captured = trace_model(model, args, kwargs, strategy)
-    except Exception as exc:  # pylint: disable=broad-except
-        raise CaptureUnsupported(f"graph capture failed: {type(exc).__name__}: "
-                                 f"{exc}") from None
-    return check_markers(captured, overlap)
+    tracers = [("torch.export", export_model), ("torch.fx", trace_model)]
+    if _has_call_hooks(model):  # fx keeps the hooked calls as calls: hooks run each time
+        tracers.reverse()
+    failures = []
+    for name, tracer in tracers:
+        try:
+            captured = tracer(model, args, kwargs, strategy)
+        except CustomBackward as exc:  # (fx would drop that backward silently)
+            raise CaptureUnsupported(f"graph capture failed: {exc}") from None
+        except Exception as exc:  # pylint: disable=broad-except
+            failures.append(f"{name}: {_why(exc)}")
+            continue
+        return check_markers(captured, overlap)
+    raise CaptureUnsupported(f"graph capture failed: {'; '.join(failures)}; {_ADVICE}")
+
+
+def _has_call_hooks(model: torch.nn.Module) -> bool:
+    """Whether a module of ``model`` has a user's forward / backward hook (or forward
+    pre-hook other than PopTorch's own): an exported graph would run it once, on fake
+    tensors, where the fx graph calls the hooked leaf module on every call."""
+    own = (recompute.start_forward_hook, recompute.end_forward_hook)
+    for module in model.modules():
+        if any(h not in own for h in call_hooks(module)):
+            return True
+        if any(h not in own and not isinstance(h, markers.BeginBlockHook)
+               for h in forward_pre_hooks(module).values()):
+            return True
+    return False
+
+
+def _why(exc: BaseException) -> str:
+    """The first line of ``exc``'s message, with its class (the INFO line's reason)."""
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    if len(first) > 300:
+        first = first[:300] + "..."
+    return f"{type(exc).__name__}: {first}" if not isinstance(
+        exc, CaptureUnsupported) else first
 
 
 def check_markers(captured: CapturedModel, overlap: OverlapSettings | None) -> CapturedModel:
@@ -165,7 +198,7 @@ def trace_model(model: torch.nn.Module, args: tuple, kwargs: dict,
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
     concrete = {name: value for name, value in bound.arguments.items()
-                if not _is_traced_input(value)}
+                if not is_traced_input(value)}
     for name, value in concrete.items():
         if any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(value)):
             raise CaptureUnsupported(f"argument {name!r} holds tensors and other values")
@@ -192,7 +225,7 @@ def trace_model(model: torch.nn.Module, args: tuple, kwargs: dict,
     _drop_baked_arguments(graph, tracer.guards, set(bound.arguments) - set(concrete))
     gm = torch.fx.GraphModule(model, graph, class_name=type(model).__name__ + "Captured")
     trace = tracer.blocks.trace
-    _record_weight_users(gm, trace, model)
+    record_weight_users(gm, trace)
     placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"
                     and n.target in bound.arguments and n.target not in concrete]
     return CapturedModel(gm, trace, signature, placeholders, concrete, loss_nodes,
@@ -212,50 +245,3 @@ def _drop_baked_arguments(graph: torch.fx.Graph, guards: list[torch.fx.Node],
             if node.users:
                 raise CaptureUnsupported(f"the non-tensor argument {node.target!r} is used")
             graph.erase_node(node)
-
-
-def _is_traced_input(value: Any) -> bool:
-    """Tensors (and containers of tensors) become graph inputs; the rest is baked in."""
-    leaves = pytree.tree_leaves(value)
-    return bool(leaves) and all(isinstance(v, torch.Tensor) for v in leaves)
-
-
-def _same_constant(a: Any, b: Any) -> bool:
-    try:
-        return a is b or bool(a == b)
-    except Exception:  # pylint: disable=broad-except
-        return False
-
-
-def _record_weight_users(gm: torch.fx.GraphModule, trace: BlockTrace,
-                         model: torch.nn.Module) -> None:
-    """Which block uses which parameter / buffer (as ``partition.trace_blocks`` records them)."""
-    users = trace.users
-    for node in gm.graph.nodes:
-        block = node.meta.get(BLOCK_META)
-        if block is None:
-            continue
-        tensors: list[torch.Tensor] = []
-        if node.op == "call_module":
-            sub = gm.get_submodule(node.target)
-            tensors += list(sub.parameters()) + list(sub.buffers())
-        for arg in node.all_input_nodes:
-            if arg.op == "get_attr":
-                value = _fetch_attr(gm, arg.target)
-                if isinstance(value, torch.Tensor):
-                    tensors.append(value)
-        for t in tensors:
-            if id(t) in trace.tensor_names:
-                blocks = users.setdefault(id(t), [])
-                if block not in blocks:
-                    blocks.append(block)
-    if not trace.sequence:  # a forward with no operation at all
-        trace.sequence.append(IMPLICIT_BLOCK)
-        trace.ipu_of[IMPLICIT_BLOCK] = 0
-
-
-def _fetch_attr(gm: torch.nn.Module, target: str) -> Any:
-    value: Any = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value

@@ -2,8 +2,10 @@
 
 While ``capture.py`` traces a model, ``set_overlap_for_input`` /
 ``set_overlap_for_output`` (``ops/hints.py``) report to a :class:`GraphMarkers`
-(``context.overlap_checker()``), which adds one marker node per marked value. Once the
-graph is traced, :meth:`GraphMarkers.record` reads the
+(``context.overlap_checker()``), which adds one marker node per marked value (an
+:class:`ExportMarkers`, while ``torch.export`` captures the model, calls
+``capture_ops.overlap_marker`` instead, whose nodes :meth:`ExportMarkers.adopt` turns
+into the same marker nodes). Once the graph is traced, :meth:`GraphMarkers.record` reads the
 :class:`~..program.overlapped_io.MarkerRecord` of PopTorch's rules off it:
 
 * the placeholders, and the ``getitem`` nodes that pick values out of a tuple, list or
@@ -35,6 +37,7 @@ from ..program.overlapped_io import (
     map_structure,
 )
 from ..torch_internals import pytree
+from . import capture_ops
 
 _MARKER_META = "poptorch_overlap_marker"  # (kind, call order, mode) of a marker node
 
@@ -59,7 +62,7 @@ class GraphMarkers:
     the arguments of the traced call by parameter name; ``forward``, ``args`` and
     ``kwargs`` number the input tensors as an eager forward would."""
 
-    def __init__(self, tracer: torch.fx.Tracer, example: dict[str, Any],
+    def __init__(self, tracer: torch.fx.Tracer | None, example: dict[str, Any],
                  forward: Any, args: tuple, kwargs: dict) -> None:
         self.tracer = tracer
         self.example = example
@@ -80,17 +83,23 @@ class GraphMarkers:
         order = self.calls
 
         def mark(value: Any) -> Any:
-            if not isinstance(value, torch.fx.Proxy):  # a tensor no traced op made
-                if kind == "input":  # ... is no input of the model
-                    self.untraced.append(order)
-                    return value
-                raise ValueError("set_overlap_for_output of a tensor the graph does not "
-                                 "trace")
-            proxy = self.tracer.create_proxy("call_function", target, (value, ), {})
-            proxy.node.meta[_MARKER_META] = (kind, order, mode)
-            self.nodes.append(proxy.node)
-            return proxy
+            return self._emit(value, target, kind, order, mode)
         return map_structure(structure, mark)
+
+    def _emit(self, value: Any, target: Any, kind: str, order: int,
+              mode: OverlapMode) -> Any:
+        """The marked value: a marker node of the fx graph being traced."""
+        if not isinstance(value, torch.fx.Proxy):  # a tensor no traced op made
+            if kind == "input":  # ... is no input of the model
+                self.untraced.append(order)
+                return value
+            raise ValueError("set_overlap_for_output of a tensor the graph does not "
+                             "trace")
+        assert self.tracer is not None  # (the fx capture gives its tracer)
+        proxy = self.tracer.create_proxy("call_function", target, (value, ), {})
+        proxy.node.meta[_MARKER_META] = (kind, order, mode)
+        self.nodes.append(proxy.node)
+        return proxy
 
     # after tracing
     def record(self, graph: torch.fx.Graph) -> tuple[MarkerRecord, list[Hashable]]:
@@ -153,6 +162,36 @@ class GraphMarkers:
         return record, returned
 
 
+class ExportMarkers(GraphMarkers):
+    """The overlap checker of a model exported with ``torch.export``: every marker is
+    a ``capture_ops.overlap_marker`` call (``torch.export`` records operators only),
+    which :meth:`adopt` replaces with the marker node the fx capture makes."""
+
+    def __init__(self, example: dict[str, Any], forward: Any, args: tuple,
+                 kwargs: dict) -> None:
+        super().__init__(None, example, forward, args, kwargs)
+        self._pending: dict[int, tuple[Any, str, OverlapMode]] = {}
+
+    def _emit(self, value: Any, target: Any, kind: str, order: int,
+              mode: OverlapMode) -> Any:
+        self._pending[order] = (target, kind, mode)
+        return capture_ops.overlap_marker(value, order)
+
+    def adopt(self, graph: torch.fx.Graph, order: int, marked: torch.fx.Node
+              ) -> torch.fx.Node:
+        """The marker node (in ``graph``, on ``marked``) of the ``order``-th marker."""
+        target, kind, mode = self._pending[order]
+        node = graph.call_function(target, (marked, ))
+        node.meta[_MARKER_META] = (kind, order, mode)
+        self.nodes.append(node)
+        return node
+
+
+def is_export_marker(target: Any) -> bool:
+    """Whether ``target`` is that of an exported marker (:class:`ExportMarkers`)."""
+    return capture_ops.is_overlap_marker(target)
+
+
 _NOTHING = object()
 
 
@@ -172,7 +211,15 @@ def _picked(node: torch.fx.Node, values: dict[torch.fx.Node, Any]) -> Any:
         return _NOTHING
 
 
+#: the ATen operators of an exported graph that read a tensor's metadata only
+_METADATA_OPS = (torch.ops.aten.sym_size.int, torch.ops.aten.sym_size.default,
+                 torch.ops.aten.sym_numel.default, torch.ops.aten.sym_stride.int,
+                 torch.ops.aten.sym_storage_offset.default)
+
+
 def _reads_metadata(node: torch.fx.Node) -> bool:
+    if node.op == "call_function" and node.target in _METADATA_OPS:
+        return True
     if node.op == "call_method":
         return node.target in METADATA_METHODS
     return (node.op == "call_function" and node.target is getattr
@@ -186,6 +233,9 @@ def _op_name(node: torch.fx.Node) -> str:
             return type(module.get_submodule(str(node.target))).__name__
     if isinstance(node.target, str):
         return node.target
+    packet = getattr(node.target, "overloadpacket", None)  # an ATen op (exported)
+    if packet is not None:
+        return str(getattr(packet, "__name__", packet))
     return getattr(node.target, "__name__", str(node.target))
 
 

@@ -152,6 +152,11 @@ def _end_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
     recording.finish()
 
 
+# The recording's hooks, as the capture tells them from a user's hooks (capture.py).
+start_forward_hook = _start_forward
+end_forward_hook = _end_forward
+
+
 # ---------------------------------------------------------------- one forward pass
 class ForwardRecording:
     """Records one forward pass of ``owner`` cut into segments at checkpoints."""
