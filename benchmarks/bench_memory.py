@@ -1,253 +1,195 @@
-"""Memory at scale: replicated tensor sharding and off-chip optimizer state vs torch's
-ZeRO and FSDP2, under ``torchrun --nproc_per_node=2`` (gloo, CPU, one thread each).
+"""Memory at scale: PopTorch's tensor locations beside torch's FSDP2 and ZeRO-1, under
+``torchrun`` at 2 and 4 processes (gloo, CPU, one thread each).
 
-Every configuration trains the same MLP of a few million parameters with AdamW on the
-same micro-batches (one per process per step), in fresh processes so that each peak RSS
-is its own:
+Every configuration trains 8 x Linear(768, 768) (tanh between) with AdamW on the same
+global batches, one micro-batch per process per step:
 
-* ``poptorch``: ``poptorch.trainingModel`` with ``poptorch.optim.AdamW``;
-* ``poptorch rts``: the same with
-  ``setOptimizerLocation(TensorLocationSettings().useReplicatedTensorSharding(True))``;
-* ``poptorch off-chip``: ``useOnChipStorage(False)`` for the optimizer state (on the CPU
-  host memory is the device's: nothing moves, as documented);
-* ``poptorch rts+off-chip``: both;
-* ``torch DDP``: plain PyTorch, DDP and ``torch.optim.AdamW`` (the reference);
-* ``torch ZeRO``: DDP and ``torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)``;
-* ``torch FSDP2``: ``torch.distributed.fsdp.fully_shard`` on each layer and the model.
+* ``default``: ``poptorch.trainingModel``, nothing sharded;
+* ``optimizer rts``: ``setOptimizerLocation(...useReplicatedTensorSharding(True))``;
+* ``all rts``: weights, accumulators and optimizer state with RTS (FSDP2 underneath);
+* ``all off chip``: the three ``useOnChipStorage(False)`` with RTS (on the CPU host
+  memory is the device's: FSDP2's offload policy only on GPUs);
+* ``torch fsdp2``: ``fully_shard`` per Linear and on the model, ``torch.optim.AdamW``;
+* ``torch zero1``: DDP and ``ZeroRedundancyOptimizer(AdamW)``.
 
-Reported per process (the larger of the two): bytes of optimizer state held, peak RSS
-(large blocks returned to the system when freed: ``MALLOC_MMAP_THRESHOLD_``) and its growth from the end of model construction to the end of training (one pair of
-fresh processes per configuration), and the median step time, measured in one more
-pair of processes that trains every configuration in turn, a few steps each, round
-after round, so that machine noise hits all of them alike. Ratios: against the unsharded ``poptorch`` run (the TARGET: ``rts``
-state <= 0.55x, step time of ``rts`` no more than 1/0.9 of ``poptorch``'s) and against
-the torch peers.
+Per process (the largest over the processes): live tensor bytes after the steps
+(every tensor the garbage collector sees, each storage once, a DTensor by its local
+shard), peak RSS, and steps/s over the timed steps; the weights after 3 steps against a
+plain-PyTorch loop on the global batches (fp32, max abs difference). Ratios against
+``torch fsdp2``. Targets: ``all rts`` live bytes <= 1.10x FSDP2's, steps/s >= 0.90x,
+weights within 1e-6.
 
-Run: ``flock -x /tmp/cpu.lock python benchmarks/bench_memory.py [--quick]``.
+Run: ``python benchmarks/bench_memory.py [--procs 2 4] [--steps 8]``.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import pathlib
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
 import torch
-import torch.distributed as dist
 
-WIDTHS = (1024, 1536, 1536, 1024)
-BATCH = 16
-LR = 1e-3
-CONFIGS = ("poptorch", "poptorch rts", "poptorch off-chip", "poptorch rts+off-chip",
-           "torch DDP", "torch ZeRO", "torch FSDP2")
+WIDTH, DEPTH, ROWS, LR = 768, 8, 8, 1e-3
+CHECK_STEPS = 3
+CONFIGS = ("default", "optimizer rts", "all rts", "all off chip", "torch fsdp2",
+           "torch zero1")
 
 
-class MLP(torch.nn.Module):
+class Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        layers = []
-        for a, b in zip(WIDTHS[:-1], WIDTHS[1:], strict=False):
-            layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
-        self.layers = torch.nn.Sequential(*layers[:-1])
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH)
+                                          for _ in range(DEPTH))
 
-    def forward(self, x, y):
-        out = self.layers(x)
-        return out, torch.nn.functional.mse_loss(out, y)
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x, (x ** 2).mean()
 
 
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def batch(step: int, world: int) -> torch.Tensor:
+    return torch.randn(world * ROWS, WIDTH, generator=torch.Generator().manual_seed(step))
 
 
-def _state_bytes(state) -> int:
-    seen, total = set(), 0
-    for entry in state.values():
-        for value in entry.values():
-            if not isinstance(value, torch.Tensor):
-                continue
-            if hasattr(value, "to_local"):  # DTensor: this process's shard
-                value = value.to_local()
-            storage = value.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
+def live_tensor_bytes() -> int:
+    """Bytes of every live tensor's storage (each once; a DTensor's local shard)."""
+    from torch.distributed.tensor import DTensor
+    gc.collect()
+    seen: set[int] = set()
+    total = 0
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor):
+            continue
+        t = obj.to_local() if isinstance(obj, DTensor) else obj
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            continue
+        if storage.data_ptr() not in seen and storage.nbytes():
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
     return total
 
 
-def _batches(steps: int, rank: int):
-    g = torch.Generator().manual_seed(1 + rank)
-    return [(torch.randn(BATCH, WIDTHS[0], generator=g),
-             torch.randn(BATCH, WIDTHS[-1], generator=g)) for _ in range(steps)]
-
-
-def _poptorch(config: str, model):
-    """A step function and a reader of the optimizer state bytes held."""
+def _poptorch_step(config: str, model: Net, rank: int, world: int):
     import poptorch
     opts = poptorch.Options()
     settings = poptorch.TensorLocationSettings()
-    if "rts" in config:
-        settings.useReplicatedTensorSharding(True)
-    if "off-chip" in config:
+    settings.useReplicatedTensorSharding(config != "default")
+    settings.minElementsForReplicatedTensorSharding(1024)
+    if config == "all off chip":
         settings.useOnChipStorage(False)
     opts.TensorLocations.setOptimizerLocation(settings)
+    if config in ("all rts", "all off chip"):
+        opts.TensorLocations.setWeightLocation(settings)
+        opts.TensorLocations.setAccumulatorLocation(settings)
     optimizer = poptorch.optim.AdamW(model.parameters(), lr=LR)
     training = poptorch.trainingModel(model, opts, optimizer)
 
-    def held() -> int:
-        managed = training._program.managed_step
-        return _state_bytes(optimizer.state) + (
-            managed.local_state_bytes() if managed is not None else 0)
-    return training, held
+    def step(n: int) -> None:
+        training(batch(n, world)[rank * ROWS:(rank + 1) * ROWS])
+    return step
 
 
-def _torch(config: str, model):
-    if config == "torch FSDP2":
+def _torch_step(config: str, model: Net, rank: int, world: int):
+    import torch.distributed as dist
+    if config == "torch fsdp2":
         from torch.distributed.fsdp import fully_shard
         for layer in model.layers:
-            if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer)
-        forward = fully_shard(model)
+            fully_shard(layer)
+        fully_shard(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        net = model
     else:
-        forward = torch.nn.parallel.DistributedDataParallel(model)
-        if config == "torch ZeRO":
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-            optimizer = ZeroRedundancyOptimizer(model.parameters(),
-                                                optimizer_class=torch.optim.AdamW, lr=LR)
-        else:
-            optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        net = torch.nn.parallel.DistributedDataParallel(model, process_group=dist.group.WORLD)
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=LR)
 
-    def step(x, y) -> None:
+    def step(n: int) -> None:
         optimizer.zero_grad(set_to_none=True)
-        forward(x, y)[1].backward()
+        net(batch(n, world)[rank * ROWS:(rank + 1) * ROWS])[1].backward()
         optimizer.step()
-    inner = getattr(optimizer, "optim", optimizer)  # ZeRO's local optimizer
-    return step, lambda: _state_bytes(inner.state)
+    return step
 
 
-def _build(config: str, model):
-    return (_poptorch if config.startswith("poptorch") else _torch)(config, model)
-
-
-def _timed(step, batches) -> list:
-    times = []
-    for x, y in batches:
-        start = time.perf_counter()
-        step(x, y)
-        times.append(time.perf_counter() - start)
-    return times
+def full_weights(model: Net) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in model.state_dict().items()}
 
 
 def worker(config: str, out: str, steps: int) -> None:
-    """Memory of one configuration (``config``), or every configuration's step time
-    (``config == "timing"``), in this pair of processes."""
-    torch.set_num_threads(1)
+    """One configuration in one process of a torchrun job."""
+    import torch.distributed as dist
+    os.environ.setdefault("POPTORCH_BACKEND", "eager")
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    batches = _batches(steps, rank)
-    if config == "timing":
-        steps_per_round = 3
-        runs = {}
-        for name in CONFIGS:
-            torch.manual_seed(0)
-            runs[name] = _build(name, MLP())[0]
-            _timed(runs[name], batches[:2])  # compile, first steps
-        times: dict = {name: [] for name in CONFIGS}
-        for start in range(0, steps, steps_per_round):
-            for name in CONFIGS:
-                dist.barrier()
-                times[name] += _timed(runs[name], batches[start:start + steps_per_round])
-        result = {name: statistics.median(t) for name, t in times.items()}
-    else:
-        torch.manual_seed(0)
-        model = MLP()
-        dist.barrier()
-        rss_before = _rss_bytes()
-        step, held = _build(config, model)
-        _timed(step, batches)
-        dist.barrier()
-        result = {"state_bytes": held(), "peak_rss": _peak_rss_bytes(),
-                  "rss_growth": _peak_rss_bytes() - rss_before,
-                  "params": sum(p.numel() for p in model.parameters())}
-    pathlib.Path(out, f"{config.replace(' ', '_')}_{rank}.json").write_text(json.dumps(result))
-    dist.barrier()  # leave the group together (see gpu_bench.ddp_worker)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = Net()
+    make = _torch_step if config.startswith("torch") else _poptorch_step
+    step = make(config, model, rank, world)
+    for n in range(CHECK_STEPS):
+        step(n)
+    weights = full_weights(model)
+    start = time.perf_counter()
+    for n in range(CHECK_STEPS, steps):
+        step(n)
+    rate = (steps - CHECK_STEPS) / (time.perf_counter() - start)
+    result = {"live": live_tensor_bytes(), "rate": rate,
+              "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if rank == 0:
+        reference = Net()
+        optimizer = torch.optim.AdamW(reference.parameters(), lr=LR)
+        for n in range(CHECK_STEPS):
+            optimizer.zero_grad()
+            reference(batch(n, world))[1].backward()
+            optimizer.step()
+        result["diff"] = max((weights[k] - v).abs().max().item()
+                             for k, v in reference.state_dict().items())
+    pathlib.Path(out, f"r{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
-def launch(config: str, out: str, steps: int) -> list:
-    # Large blocks straight from mmap and back on free (glibc's threshold otherwise
-    # grows and freed temporaries stay in the heap): the peak RSS then follows the
-    # memory really in use, the same rule for every configuration.
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="131072")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node=2", __file__, "--worker", config, "--out", out,
-           "--steps", str(steps)]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200)
-    if result.returncode != 0:
-        raise SystemExit(f"{config} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
-    return [json.loads(pathlib.Path(out, f"{config.replace(' ', '_')}_{r}.json").read_text())
-            for r in (0, 1)]
+def launch(config: str, procs: int, steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        f"--nproc_per_node={procs}", __file__, "--worker", config,
+                        "--out", out, "--steps", str(steps)],
+                       env=env, check=True, capture_output=True)
+        parts = [json.loads(pathlib.Path(out, f"r{r}.json").read_text())
+                 for r in range(procs)]
+    return {"live": max(p["live"] for p in parts), "rss": max(p["rss"] for p in parts),
+            "rate": min(p["rate"] for p in parts), "diff": parts[0]["diff"]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker")
     parser.add_argument("--out")
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--procs", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.out, args.steps)
         return
-    steps = 6 if args.quick else args.steps
-    rows = {}
-    with tempfile.TemporaryDirectory() as out:
-        for config in CONFIGS:
-            per_rank = launch(config, out, 4 if args.quick else 6)
-            rows[config] = {key: max(r[key] for r in per_rank)
-                            for key in ("state_bytes", "peak_rss", "rss_growth")}
-            rows[config]["params"] = per_rank[0]["params"]
-        timing = launch("timing", out, steps)
-        for config in CONFIGS:
-            rows[config]["step_s"] = max(r[config] for r in timing)
-    mib = 1024 * 1024
-    base = rows["poptorch"]
-    print(f"MLP {'-'.join(map(str, WIDTHS))}: {base['params'] / 1e6:.2f} M parameters, "
-          f"AdamW, 2 processes (gloo, 1 thread each), batch {BATCH} per process; "
-          f"per process, the larger of the two; step time: median of {steps} steps, "
-          f"configurations interleaved")
-    print(f"{'config':24} {'opt state MiB':>13} {'x poptorch':>10} {'peak RSS MiB':>12} "
-          f"{'RSS growth MiB':>14} {'step ms':>8} {'speed x poptorch':>16}")
-    for config, row in rows.items():
-        print(f"{config:24} {row['state_bytes'] / mib:13.1f} "
-              f"{row['state_bytes'] / base['state_bytes']:10.3f} "
-              f"{row['peak_rss'] / mib:12.1f} {row['rss_growth'] / mib:14.1f} "
-              f"{row['step_s'] * 1e3:8.1f} {base['step_s'] / row['step_s']:16.3f}")
-    rts = rows["poptorch rts"]
-    state_ratio = rts["state_bytes"] / base["state_bytes"]
-    speed_ratio = base["step_s"] / rts["step_s"]
-    print(f"TARGET sharded state per process <= 0.55x unsharded: {state_ratio:.3f}x "
-          f"({'met' if state_ratio <= 0.55 else 'MISSED'})")
-    print(f"TARGET sharded step speed >= 0.9x unsharded: {speed_ratio:.3f}x "
-          f"({'met' if speed_ratio >= 0.9 else 'MISSED'})")
-    for peer in ("torch DDP", "torch ZeRO", "torch FSDP2"):
-        print(f"poptorch rts vs {peer}: state "
-              f"{rts['state_bytes'] / rows[peer]['state_bytes']:.3f}x, speed "
-              f"{rows[peer]['step_s'] / rts['step_s']:.3f}x, peak RSS "
-              f"{rts['peak_rss'] / rows[peer]['peak_rss']:.3f}x")
+    for procs in args.procs:
+        results = {c: launch(c, procs, args.steps) for c in CONFIGS}
+        peer = results["torch fsdp2"]
+        print(f"\n{procs} processes (per process, worst; ratios vs torch fsdp2)")
+        print(f"{'config':14} {'live MiB':>9} {'x fsdp2':>8} {'RSS MiB':>8} "
+              f"{'steps/s':>8} {'x fsdp2':>8} {'max|w-ref|':>11}")
+        for config, r in results.items():
+            print(f"{config:14} {r['live'] / 2**20:9.1f} {r['live'] / peer['live']:8.2f} "
+                  f"{r['rss'] / 2**20:8.0f} {r['rate']:8.2f} {r['rate'] / peer['rate']:8.2f} "
+                  f"{r['diff']:11.1e}")
 
 
 if __name__ == "__main__":

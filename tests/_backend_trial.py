@@ -30,5 +30,5 @@ def compiled_running(pop) -> bool:
 
 
 def training_runner(pop):
-    """The compiled backend's training runner of ``pop`` (``FusedMicrobatches``)."""
-    return pop._program.selector.compiled.runner
+    """The compiled backend's training compute of ``pop`` (``FusedCompute``)."""
+    return pop._program.selector.compiled.compute

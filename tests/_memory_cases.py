@@ -122,3 +122,44 @@ def train_grouped(model: Grouped, replicas: int, sharded: bool, kind: CommGroupT
         x = grouped_batch(call, total)
         training(x[first_replica * M:(first_replica + replicas) * M])
     return training, optimizer
+
+
+# --- weights / accumulators sharded over processes (FSDP2: memory/fsdp.py) -----------
+G = 2  # micro-batches per step (gradientAccumulation) in the weight-sharding cases
+KINDS = ("weight", "accumulator", "optimizer")
+
+
+def location_options(kinds: tuple, rts: bool, off_chip: bool,
+                     accumulation: int = G) -> poptorch.Options:
+    """One replica per process; ``kinds`` of tensors with RTS and / or off chip."""
+    opts = poptorch.Options()
+    opts.Training.gradientAccumulation(accumulation)
+    for kind in kinds:
+        settings = poptorch.TensorLocationSettings()
+        if rts:
+            settings.useReplicatedTensorSharding(True)
+            settings.minElementsForReplicatedTensorSharding(MIN_ELEMENTS)
+        if off_chip:
+            settings.useOnChipStorage(False)
+        getattr(opts.TensorLocations, f"set{kind.capitalize()}Location")(settings)
+    return opts
+
+
+def process_rows(call: int, rank: int, world: int, accumulation: int = G) -> tuple:
+    """Process ``rank``'s rows of call ``call``'s global batch (``accumulation``
+    micro-batches of M rows per process)."""
+    batch = global_batch(call, world * accumulation)
+    return rows(batch, rank * accumulation, accumulation)
+
+
+class Blocks(torch.nn.Module):
+    """``n`` blocks of Linear(width, width) + tanh, then a sum-of-squares loss."""
+
+    def __init__(self, n: int = 8, width: int = 16) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(n))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x, (x ** 2).mean()

@@ -8,6 +8,7 @@ import torch
 
 import poptorch
 from poptorch._runtime.schedule.schedules import Topology, device_lanes, one_f_one_b
+from poptorch._runtime.config import RuntimeConfig
 from poptorch._runtime.placement.build import build_runner
 
 FEAT = 8
@@ -192,7 +193,7 @@ def test_partition_is_known_before_the_first_step():
     opts.Training.gradientAccumulation(4)
     model = Chain([0, 1])
     example = ((torch.randn(2, FEAT), torch.randn(2, FEAT)), {})
-    runner = build_runner(model, opts, True, example=example)
+    runner = build_runner(model, RuntimeConfig.of(opts), True, example=example)
     assert runner.partition is not None and runner.engine is not None
     assert [s.ipu for s in runner.partition.stages] == [0, 1]
     assert runner.devices is not None and len(runner.devices) >= 2
@@ -217,7 +218,7 @@ def test_error_in_a_stage_propagates_and_the_engine_recovers():
     opts = poptorch.Options()
     opts.Training.gradientAccumulation(4)
     model = Chain([0, 1])
-    runner = build_runner(model, opts, True)
+    runner = build_runner(model, RuntimeConfig.of(opts), True)
     good = [((torch.randn(2, FEAT), torch.randn(2, FEAT)), {}) for _ in range(4)]
     runner(good, lambda out: out[1])
     bad = [((torch.randn(2, FEAT + 1), torch.randn(2, FEAT)), {}) for _ in range(4)]

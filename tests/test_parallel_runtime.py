@@ -14,6 +14,7 @@ import torch
 
 import poptorch
 from poptorch import _logging
+from poptorch._runtime.config import RuntimeConfig
 from poptorch._runtime.placement.build import build_runner
 from poptorch._runtime.schedule.timeline import ENGINE, SEQUENTIAL
 
@@ -197,7 +198,7 @@ def test_other_non_tensor_arguments_run_sequentially_like_pytorch():
     opts.Training.gradientAccumulation(4)
     torch.manual_seed(0)
     example = ((torch.randn(2, FEAT), torch.randn(2, FEAT)), {})
-    runner = build_runner(model, opts, True, example=example)
+    runner = build_runner(model, RuntimeConfig.of(opts), True, example=example)
     assert runner.engine is not None
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -318,7 +319,7 @@ def test_begin_block_is_a_hook_found_on_copies_and_removed_there():
     opts = poptorch.Options()
     opts.Training.gradientAccumulation(4)
     example = ((torch.randn(2, FEAT), ), {})
-    runner = build_runner(copy.deepcopy(model), opts, True, example=example)
+    runner = build_runner(copy.deepcopy(model), RuntimeConfig.of(opts), True, example=example)
     assert [s.blocks for s in runner.partition.stages] == [["a"], ["b"]]
 
 

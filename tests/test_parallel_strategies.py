@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import poptorch
+from poptorch._runtime.config import RuntimeConfig
 from poptorch._runtime.placement.build import build_runner
 
 FEAT = 6
@@ -51,7 +52,7 @@ def _data(n):
 def _train_and_compare(model, opts, n, steps=3):
     reference = copy.deepcopy(model)
     poptorch.removeBlocks(reference)
-    runner = build_runner(model, opts, True)
+    runner = build_runner(model, RuntimeConfig.of(opts), True)
     assert runner is not None
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -105,7 +106,8 @@ def test_inference_matches_pytorch(name, num_ipus):
     strategy = _strategies(num_ipus)[name]
     model = Chain(num_ipus, "block", [(str(i), i) for i in range(num_ipus)]).eval()
     reference = copy.deepcopy(model)
-    runner = build_runner(model, _options(d=num_ipus, strategy=strategy), False)
+    runner = build_runner(model, RuntimeConfig.of(_options(d=num_ipus, strategy=strategy)),
+                          False)
     mbs = _data(num_ipus)
     with torch.no_grad():
         outs = runner(mbs, None)
@@ -142,7 +144,7 @@ def test_legacy_ipu_annotator():
 
 def test_unannotated_model_has_no_runner():
     model = torch.nn.Linear(2, 2)
-    assert build_runner(model, _options(), True) is None
+    assert build_runner(model, RuntimeConfig.of(_options()), True) is None
 
 
 def test_fstring_ids_and_explicit_stages():
@@ -179,7 +181,7 @@ def test_schedule_orders_gpipe_and_1f1b():
 
 
 def _rule_error(model, opts, training=True, n=4, match=""):
-    runner = build_runner(model, opts, training)
+    runner = build_runner(model, RuntimeConfig.of(opts), training)
     with pytest.raises(poptorch.Error, match=match):
         runner(_data(n), (lambda out: out[1]) if training else None)
 
@@ -267,7 +269,8 @@ def test_errors_in_workers_propagate():
                 raise ValueError("boom in stage 1")
             return out
 
-    runner = build_runner(Boom(2, "block", [("0", 0), ("1", 1)]), _options(g=4), True)
+    runner = build_runner(Boom(2, "block", [("0", 0), ("1", 1)]), RuntimeConfig.of(_options(g=4)),
+                          True)
     with pytest.raises(ValueError, match="boom"):
         runner(_data(4), lambda out: out[1])
 

@@ -222,4 +222,5 @@ def test_placement_reads_the_config_frozen_at_compile():
     runner = build_runner(Chain(4), config, True, example=example)
     assert runner.config is config and runner.partition.num_stages == 4
     with pytest.raises(poptorch.Error, match="gradientAccumulation must be greater"):
-        build_runner(Chain(4), opts, True, example=example)  # the options as they are now
+        build_runner(Chain(4), RuntimeConfig.of(opts), True,
+                     example=example)  # the options as they are now

@@ -107,6 +107,14 @@ def test_a_strategy_that_is_not_pipelined_is_refused():
         training(*batch(0))
 
 
+@pytest.mark.parametrize("name", ["Interleaved1F1B", "ZeroBubble"])
+def test_schedules_of_several_stages_per_device_are_refused(name):
+    training = _train(make_model(0, annotate=True),
+                      poptorch.PipelinedExecution().setSchedule(name))
+    with pytest.raises(poptorch.Error, match=f"{name} schedule.*GPipe and 1F1B"):
+        training(*batch(0))
+
+
 def test_local_replicas_are_refused():
     training = _train(make_model(0, annotate=True), poptorch.PipelinedExecution(),
                       replicationFactor=2)

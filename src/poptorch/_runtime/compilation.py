@@ -69,6 +69,9 @@ class Compilation:
     compile_seconds: float = 0.0
     # handles of the forwards the casting rules wrapped on the model's modules
     autocast_hooks: tuple = ()
+    # stages on processes: the collective that brings every stage's weights to every
+    # process before they are copied to the host (None otherwise)
+    gather_weights: Callable[[], None] | None = None
     calls: CallState = field(default_factory=CallState)
 
     def weights_to_device(self, **which: Any) -> None:

@@ -58,8 +58,11 @@ class running_on_ipu:
         _state.depth -= 1
 
 
-def worker_scope(factories: list[Callable[[], AbstractContextManager[Any]]]
-                 ) -> contextlib.ExitStack:
+ContextFactory = Callable[[], AbstractContextManager[Any]]
+"""Makes a context manager a worker thread enters (its return value: anything)."""
+
+
+def worker_scope(factories: list[ContextFactory]) -> contextlib.ExitStack:
     """Enter, in a worker thread, the thread-local contexts of the running program
     (``factories``: callables returning context managers, such as torch function
     modes, which do not follow a call into other threads)."""

@@ -32,9 +32,9 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -42,6 +42,34 @@ from .._logging import info_once, logger
 from .environment import ENGINE_OPTIONS, PVTI_OPTIONS, json_options
 
 _TRUE = ("true", "1", "yes", "on")
+
+
+class ExecutedEvent(Protocol):
+    """One action a model-parallel step executed (``ScheduleEvent``)."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def stage(self) -> int: ...
+
+    @property
+    def microbatch(self) -> int: ...
+
+    @property
+    def start(self) -> float: ...
+
+    @property
+    def end(self) -> float: ...
+
+
+class ExecutedSchedule(Protocol):
+    """The actions a model-parallel step executed (``ScheduleRecord``)."""
+
+    @property
+    def events(self) -> Sequence[ExecutedEvent]: ...
+
+    def bubble_fraction(self) -> float: ...
 
 
 def profile_directory(config: Any) -> str | None:
@@ -104,7 +132,8 @@ class RunProfiler:
         self.path: str | None = None
         self.summary: str | None = None
 
-    def add_stage_events(self, name: str, record: Any, stats: ModelStats) -> None:
+    def add_stage_events(self, name: str, record: ExecutedSchedule,
+                         stats: ModelStats) -> None:
         """Record the ops of one pipeline / sharded / phased step (``ScheduleRecord``)."""
         events = [e for e in record.events if e.end is not None]
         if not events:
@@ -219,10 +248,10 @@ class CallProfiler:
     call (with the host's input splitting and output collection), the object itself
     around the device loop (the compute part)."""
 
-    def __init__(self, directory: str, name: str, runner: Any) -> None:
+    def __init__(self, directory: str, name: str, trace: StepTrace) -> None:
         self.directory = directory
         self.name = name
-        self.runner = runner
+        self.trace = trace
         self.stats: ModelStats | None = None
         self._session: RunProfiler | None = None
         self._last_end: float | None = None
@@ -251,8 +280,7 @@ class CallProfiler:
             self.stats = stats = ModelStats(self.name)
             session_.models.append(stats)
             self._last_end = None
-        if self.runner is not None:
-            self.runner.begin_call(stats, session_, self.name)
+        self.trace.begin_call(stats, session_, self.name)
         return stats
 
     def __enter__(self) -> None:
@@ -263,62 +291,56 @@ class CallProfiler:
             self.stats.compute_seconds += time.perf_counter() - self._t0
 
 
-class TracingRunner:
-    """Wraps a step runner: one range per runner call (device iteration) and, for the
-    sequential runners, one per micro-batch forward pass naming its replica."""
+class StepTrace:
+    """What the profiler records of a model's steps (no runner of its own: the device
+    program enters :py:meth:`iteration` around each runner call, the one-stage
+    interpreter :py:meth:`forward` around each forward action): one range per device
+    iteration, one per micro-batch forward naming its replica, and the stage events of
+    the schedule a model-parallel step executed (``executed()``, when given)."""
 
-    def __init__(self, runner: Any, per_step: int, replicas: int) -> None:
-        self.inner = runner
+    def __init__(self, per_step: int, replicas: int,
+                 executed: Callable[[], ExecutedSchedule | None] | None = None) -> None:
         self.per_step = per_step
         self.replicas = replicas
+        self.executed = executed
         self.stats: ModelStats | None = None
         self.session: RunProfiler | None = None
         self.name = ""
         self._iteration = 0
         self._microbatch = 0
-        sequential = getattr(runner, "inner", runner)
-        if hasattr(sequential, "forward") and callable(sequential.forward):
-            sequential.forward = self._traced_forward(sequential.forward)
-        for attr in ("input_device", "output_device"):
-            if hasattr(runner, attr):
-                setattr(self, attr, getattr(runner, attr))
 
     def begin_call(self, stats: ModelStats, session_: RunProfiler, name: str) -> None:
         self.stats, self.session, self.name = stats, session_, name
         self._iteration = 0
 
-    def _traced_forward(self, forward: Any) -> Any:
-        def traced(*args: Any, **kwargs: Any) -> Any:
-            k = self._microbatch
-            self._microbatch += 1
-            t0 = time.perf_counter()
-            with torch.profiler.record_function(
-                    f"poptorch::micro-batch {k % self.per_step} replica {k % self.replicas}"):
-                out = forward(*args, **kwargs)
-            if self.stats is not None:
-                self.stats.forward_seconds += time.perf_counter() - t0
-                self.stats.microbatches += 1
-            return out
-        return traced
-
-    def __call__(self, microbatches: list, loss_of: Any) -> list:
+    @contextlib.contextmanager
+    def iteration(self, microbatches: int) -> Iterator[None]:
+        """Around one runner call of ``microbatches`` micro-batches."""
         first = self._iteration
-        count = max(1, len(microbatches) // self.per_step)
+        count = max(1, microbatches // self.per_step)
         self._iteration += count
         self._microbatch = 0
         label = f"device iteration {first}" if count == 1 else \
             f"device iterations {first}-{first + count - 1}"
         with torch.profiler.record_function(f"poptorch::{label}"):
-            outputs = self.inner(microbatches, loss_of)
+            yield
         if self.stats is not None:
             self.stats.iterations += count
-            record = getattr(self.inner, "last_schedule", None)
+            record = None if self.executed is None else self.executed()
             if record is not None and self.session is not None:
                 self.session.add_stage_events(self.name, record, self.stats)
-        return outputs
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+    @contextlib.contextmanager
+    def forward(self, microbatch: int, replica: int) -> Iterator[None]:
+        """Around the forward action of one micro-batch."""
+        self._microbatch += 1
+        t0 = time.perf_counter()
+        with torch.profiler.record_function(
+                f"poptorch::micro-batch {microbatch} replica {replica}"):
+            yield
+        if self.stats is not None:
+            self.stats.forward_seconds += time.perf_counter() - t0
+            self.stats.microbatches += 1
 
 
 def render_summary(models: list[ModelStats], path: str) -> str:

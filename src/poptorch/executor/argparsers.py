@@ -19,6 +19,7 @@ import torch
 
 from .._logging import info_once
 from .._runtime.torch_internals import pytree
+from ..errors import PoptorchTypeError
 
 __all__ = ["ICustomArgParser", "registerArgParserAddOn", "registerCustomArgParser",
            "registerGeometricCustomArgParsers"]
@@ -67,7 +68,7 @@ def registerCustomArgParser(arg_data_type: type[ArgT],
         raise TypeError(f"registerCustomArgParser: arg_data_type must be a class, got "
                         f"{arg_data_type!r}.")
     if arg_parser is not None and not isinstance(arg_parser, ICustomArgParser):
-        raise TypeError("registerCustomArgParser: arg_parser must be an instance of "
+        raise PoptorchTypeError("registerCustomArgParser: arg_parser must be an instance of "
                         f"poptorch.ICustomArgParser or None, got {type(arg_parser).__name__}.")
     if arg_data_type in _parsers:
         pytree._deregister_pytree_node(arg_data_type)

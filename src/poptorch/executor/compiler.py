@@ -10,20 +10,27 @@ modules.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import _devices
+from .._runtime.batching.anchors import AnchorRecorder
 from .._runtime.batching.plan import BatchPlan, resolve_output_mode, split_inputs
 from .._runtime.batching.signature import InputSignature
 from .._runtime.compilation import Compilation
 from .._runtime.config import RuntimeConfig
+from .._runtime.context import ContextFactory
+from .._runtime.distributed.replicas import DataParallelGroup
+from .._runtime.distributed.stage_processes import StageReplicaGroup
 from .._runtime.executable.decisions import DecisionStore, decisions_folder
 from .._runtime.memory.host_heap import keep_freed_memory
+from .._runtime.placement.build import ModelParallelRunner, build_runner
 from .._runtime.program.backend_choice import make_selector
 from .._runtime.program.backends import EagerBackend
+from .._runtime.program.concurrent_replicas import ReplicaCopies
 from .._runtime.program.device_loop import DeviceProgram
+from .._runtime.program.interpreter import EagerCompute, Interpreter
 from .._runtime.program.optimizer import (
     DeviceOptimizerSync,
     OptimizerBinding,
@@ -32,16 +39,20 @@ from .._runtime.program.optimizer import (
 )
 from .._runtime.program.overlapped_io import FirstForwardCheck
 from .._runtime.program.rng import RngScope
-from .._runtime.program.runner import SequentialRunner
+from .._runtime.program.runner import StepRunner
 from .._runtime.program.spec import ProgramSpec
+from .._runtime.tracing import ExecutedSchedule
 from .._runtime.weights.constants import TensorConstants
 from .._runtime.weights.sync import WeightSync
 from ..enums import CommGroupType
 from ..errors import Error
 from . import optimizer_rules, program_setup
 from .call_support import backend_name, to_cpu
-from .local_replicas import local_replica_runner
+from .local_replicas import concurrent_replicas, replica_lanes
 from .processes import join_processes
+
+if TYPE_CHECKING:  # (imported where stages run on processes: torch's pipelining)
+    from .._runtime.placement.processes import StageProcessRunner
 
 
 @dataclass(frozen=True)
@@ -87,7 +98,9 @@ def compile_model(parts: ModelParts, args: tuple, kwargs: dict,
         optimizer_rules.apply_mean_reduction_rule(opts, parts.optimizer, False)
     config = RuntimeConfig.of(opts)  # what the engine reads from here on
     progress.update()
-    runner, device, backend = _build_runner(parts, config, (args, kwargs))
+    runners = _build_runners(parts, config, plan, (args, kwargs))
+    device = runners.input_device
+    backend = backend_name(opts, device)
     if device.type == "cpu":  # the heap is this IPU's memory: kept between steps
         keep_freed_memory()
     progress.update()
@@ -96,25 +109,30 @@ def compile_model(parts: ModelParts, args: tuple, kwargs: dict,
     # (a program may evaluate on process 0 alone).
     cross = join_processes(config, model, training,
                            None if binding is None else binding.device, parts.name,
-                           device, runner) if training else None
-    runner, replica_buffers = local_replica_runner(
-        model, opts, config, parts.groupings, runner, plan, cross)
-    local_runner = runner  # (the compiled backend replaces a plain sequential one)
+                           device, runners.stage_processes) if training else None
+    processes = 1 if cross is None else cross.world.size
+    first_replica = 0 if cross is None else cross.world.rank * plan.replication_factor
+    replica_buffers = runners.concurrent or replica_lanes(
+        model, config, parts.groupings, runners.plain, plan, first_replica, processes)
     if cross is not None:
-        runner = cross.wrap_runner(runner, plan.per_step, device)
+        cross.attach_sync(None if runners.concurrent else runners.plain, runners.compute,
+                          bool(parts.groupings) and runners.plain is not None, device)
     progress.update()
     if binding is not None:  # what setOptimizer checks later optimizers against
         from ..optim.attributes import snapshot_constants
         binding.constants = snapshot_constants(parts.optimizer)
     extras = program_setup.program_extras(
-        runner, plan, model=model, user_model=parts.user_model, config=config,
+        plan, model=model, user_model=parts.user_model, config=config,
         training=training, device=device,
         optimizer=(lambda: None) if binding is None else (lambda: binding.device),
         cross=cross, groupings=parts.groupings, name=parts.name,
-        popart_options=opts._Popart.options)
+        popart_options=opts._Popart.options, executed=runners.executed)
+    runners.share_thread_contexts(extras.worker_contexts)
+    if runners.plain is not None:
+        runners.plain.observer = extras.trace
     try:
         program, anchors = _build_program(parts, config, plan, extras, device, binding,
-                                          cross, local_runner, backend, precompiled,
+                                          cross, runners, backend, precompiled,
                                           (args, kwargs))
         source = program_setup.program_source(
             backend, args, kwargs, precompiled, opts,
@@ -135,29 +153,75 @@ def compile_model(parts: ModelParts, args: tuple, kwargs: dict,
         weights=weights, signature=signature, tensor_constants=tensor_constants,
         buffers=buffers, source=source, precision=extras.precision,
         casting=extras.casting, optimizer=binding, replica_buffers=replica_buffers,
-        synthetic=synthetic, anchors=anchors, autocast_hooks=extras.hooks)
+        synthetic=synthetic, anchors=anchors, autocast_hooks=extras.hooks,
+        gather_weights=None if runners.stage_processes is None
+        else runners.stage_processes.gather_weights)
 
 
-def _build_runner(parts: ModelParts, config: RuntimeConfig,
-                  example: Any) -> tuple[Any, torch.device, str]:
-    """The step runner (execution strategies and blocks: ``build_runner``; else the
-    sequential runner on one acquired device), the input device and the backend."""
-    from .._runtime.placement.build import build_runner
+@dataclass
+class StepRunners:
+    """What runs a program's steps, by type (nothing is found again by probing): the
+    one-stage interpreter over the model (``plain``, with its eager ``compute``), its
+    replicas' concurrent lanes on several devices, or model parallelism (the
+    in-process engine, ``placed``, or ``stage_processes``)."""
+    input_device: torch.device
+    plain: Interpreter | None = None
+    compute: EagerCompute | None = None
+    concurrent: ReplicaCopies | None = None
+    placed: ModelParallelRunner | None = None
+    stage_processes: StageProcessRunner | None = None
+
+    @property
+    def runner(self) -> StepRunner:
+        """The runner of the eager backend."""
+        runner = self.stage_processes or self.placed or self.plain
+        assert runner is not None  # (one of them is always built)
+        return runner
+
+    @property
+    def replaceable(self) -> bool:
+        """Whether the compiled backend may run the steps instead (``ProgramSpec.plain``):
+        the one-stage interpreter with nothing per replica (the processes' reduction
+        is the compiled backend's own)."""
+        return self.plain is not None and self.concurrent is None and not self.plain.states
+
+    def executed(self) -> ExecutedSchedule | None:
+        """The schedule the last model-parallel step executed (profiling), or None."""
+        parallel = self.stage_processes or self.placed
+        return None if parallel is None else parallel.last_schedule
+
+    def share_thread_contexts(self, factories: list[ContextFactory]) -> None:
+        """Give the runners with worker threads the thread-local part of the program's
+        wrappers (torch function modes), entered in every worker."""
+        if self.placed is not None:
+            self.placed.worker_contexts = factories
+        if self.concurrent is not None:
+            self.concurrent.worker_contexts = factories
+
+
+def _build_runners(parts: ModelParts, config: RuntimeConfig, plan: BatchPlan,
+                   example: tuple) -> StepRunners:
+    """The step runners of the options (module docstring of ``StepRunners``)."""
     # PopTorch's rules of the overlap markers: checked on the captured graph, or on the
     # first forward of a model that is not captured
     overlap = program_setup.overlap_settings(
         parts.options, resolve_output_mode(config.output_mode, parts.training))
-    runner = build_runner(parts.model, config, parts.training, example=example,
-                          overlap=overlap)
-    if runner is not None:
-        device = getattr(runner, "output_device", torch.device("cpu"))
-        return runner, getattr(runner, "input_device", device), \
-            backend_name(parts.options, device)
-    device = _devices.acquire_devices(parts.options, 1)[0]
     model = parts.model
-    sequential = SequentialRunner(model, buffers=tuple(model.buffers()),
-                                  check=FirstForwardCheck(overlap))
-    return sequential, device, backend_name(parts.options, device)
+    if config.distributed.stages_on_processes:  # one process per stage (torchrun)
+        from .._runtime.placement.processes import StageProcessRunner
+        staged = StageProcessRunner(model, config, parts.training, example, overlap)
+        return StepRunners(staged.input_device, stage_processes=staged)
+    placed = build_runner(model, config, parts.training, example=example, overlap=overlap)
+    if placed is not None:
+        return StepRunners(placed.input_device, placed=placed)
+    device = _devices.acquire_devices(parts.options, 1)[0]
+    check = FirstForwardCheck(overlap)
+    compute = EagerCompute(model, check)
+    plain = Interpreter(compute, buffers=tuple(model.buffers()), per_step=plan.per_step,
+                        replicas=plan.replication_factor)
+    concurrent = concurrent_replicas(model, parts.options, config, parts.groupings,
+                                     plain, plan)
+    return StepRunners(device, plain=plain, compute=compute, concurrent=concurrent)
 
 
 def _weights_and_optimizer(parts: ModelParts, config: RuntimeConfig, device: torch.device
@@ -185,20 +249,20 @@ def _weights_and_optimizer(parts: ModelParts, config: RuntimeConfig, device: tor
 
 def _build_program(parts: ModelParts, config: RuntimeConfig, plan: BatchPlan,
                    extras: program_setup.ProgramExtras, device: torch.device,
-                   binding: OptimizerBinding | None, cross: Any, local_runner: Any,
+                   binding: OptimizerBinding | None,
+                   cross: DataParallelGroup | StageReplicaGroup | None, runners: StepRunners,
                    backend: str, precompiled: dict | None, example: tuple
-                   ) -> tuple[DeviceProgram, Any]:
+                   ) -> tuple[DeviceProgram, AnchorRecorder | None]:
     """The device program of one call, and its anchored tensors' recorder (or None)."""
     model, training = parts.model, parts.training
     params = [p for p in model.parameters() if p.requires_grad]
     buffers = list(model.buffers())
     anchors = None
     if config.anchored_tensors:
-        from .._runtime.batching.anchors import AnchorRecorder
         anchors = AnchorRecorder(model, config, plan, training)
-    eager = EagerBackend(extras.runner, binding, extras.managed_step)
+    eager = EagerBackend(runners.runner, binding, extras.managed_step)
     selector = make_selector(
-        backend=backend, runner=local_runner, eager=eager, model=model, training=training,
+        backend=backend, plain=runners.replaceable, eager=eager, model=model, training=training,
         device=device, label=parts.name, binding=binding,
         managed_step=extras.managed_step is not None, wraps_calls=extras.wraps_calls,
         params=params, buffers=buffers, cross=cross,
@@ -206,15 +270,16 @@ def _build_program(parts: ModelParts, config: RuntimeConfig, plan: BatchPlan,
         decided=None if precompiled is None else precompiled.get("backend_decision"),
         progress=bool(parts.options.show_compilation_progress_bar))
     spec = ProgramSpec(
-        label=parts.name, plan=plan, runner=extras.runner, training=training,
+        label=parts.name, plan=plan, runner=runners.runner, plain=runners.replaceable,
+        training=training,
         output_mode=resolve_output_mode(config.output_mode, training),
         output_return_period=config.output_return_period, params=tuple(params),
         buffers=tuple(buffers), training_config=config.training,
         rng=RngScope(config.random_seed, device), device=device,
         to_host=None if device.type == "cpu" else to_cpu, anchors=anchors, cross=cross,
-        wrappers=extras.wrappers, thread_contexts=extras.thread_contexts,
-        finite_check=extras.finite_check, named_params=extras.named_params,
-        call_profiler=extras.call_profiler, synthetic=bool(parts.options._synthetic_data_mode()))
+        wrappers=extras.wrappers, finite_check=extras.finite_check,
+        named_params=extras.named_params, call_profiler=extras.call_profiler,
+        trace=extras.trace, synthetic=bool(parts.options._synthetic_data_mode()))
     return DeviceProgram(spec, selector, binding), anchors
 
 

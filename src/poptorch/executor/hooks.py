@@ -16,6 +16,7 @@ from collections.abc import Callable
 from torch.utils.hooks import RemovableHandle
 
 from .._logging import logger
+from ..errors import PoptorchRuntimeError
 
 __all__ = [
     "poptorchAtExit",
@@ -34,7 +35,7 @@ _at_exit_lock = threading.Lock()
 
 def _register(hooks: collections.OrderedDict, hook: Callable, kind: str) -> RemovableHandle:
     if not callable(hook):
-        raise RuntimeError(f"{kind} hook must be callable, got {type(hook).__name__}.")
+        raise PoptorchRuntimeError(f"{kind} hook must be callable, got {type(hook).__name__}.")
     handle = RemovableHandle(hooks)
     hooks[handle.id] = hook
     return handle

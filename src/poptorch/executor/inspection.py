@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .._runtime.compilation import Compilation
-from ..errors import Error
+from ..errors import Error, PoptorchAssertionError
 
 
 class ExecutorInspection:
@@ -83,8 +83,8 @@ class ExecutorInspection:
         """The value of an anchored tensor (``Options.anchorTensor``) after the last call."""
         anchors = self._require_compilation("getAnchoredTensor").anchors
         if not anchors:
-            raise Error(f"getAnchoredTensor: no tensor is anchored as '{short_name}'; "
-                        "anchor it with opts.anchorTensor(short_name, long_name) before "
-                        "compiling.")
+            raise PoptorchAssertionError(
+                f"getAnchoredTensor: no tensor is anchored as '{short_name}'; anchor it "
+                "with opts.anchorTensor(short_name, long_name) before compiling.")
         return anchors.get(short_name)
 

@@ -21,6 +21,7 @@ import torch
 from .._logging import logger
 from .._runtime.attributes import own_attribute_names
 from ..enums import MeanReductionStrategy
+from ..errors import PoptorchValueError
 
 
 def _needs_running_mean(optimizer: Any) -> bool:
@@ -37,7 +38,7 @@ def apply_mean_reduction_rule(options: Any, optimizer: Any, compiled: bool) -> N
     if current == MeanReductionStrategy.Running:
         return
     if compiled:
-        raise ValueError(
+        raise PoptorchValueError(
             "Invalid optimizer: accum_type=torch.float16 needs options.Training."
             "meanAccumulationAndReplicationReductionStrategy to be "
             "poptorch.MeanReductionStrategy.Running, but the model is already compiled "

@@ -27,7 +27,7 @@ from .._runtime.schedule.timeline import ScheduleRecord
 from .._runtime.torch_internals import pytree
 from .._runtime.weights.modelcopy import TrainingMode, shallow_copy_module
 from ..enums import OutputMode
-from ..errors import Error
+from ..errors import Error, PoptorchAssertionError
 from ..optim.optimizers import SGD
 from ..options.options import Options
 from . import hooks as _hooks
@@ -286,9 +286,8 @@ class PoplarExecutor(ExecutorInspection):
         if self._loaded_not_run():
             return
         compiled = self._require_compilation("copyWeightsToHost")
-        runner = compiled.program.runner
-        if hasattr(runner, "gather_weights"):  # stages on processes: a collective
-            runner.gather_weights()
+        if compiled.gather_weights is not None:  # stages on processes: a collective
+            compiled.gather_weights()
         compiled.weights.to_host()
 
     def _loaded_not_run(self) -> bool:
@@ -332,8 +331,8 @@ class PoplarExecutor(ExecutorInspection):
         carries state of its own.
         """
         if not self._training:
-            raise Error("setOptimizer: this is an inference model; only a trainingModel "
-                        "has an optimizer.")
+            raise PoptorchAssertionError("setOptimizer: this is an inference model; only a "
+                                         "trainingModel has an optimizer.")
         compiled = self._compiled
         if compiled is not None:
             from ..optim.attributes import check_update

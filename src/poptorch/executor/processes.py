@@ -8,7 +8,7 @@ process 0's weights and optimizer state. The engine side is
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,29 +16,57 @@ from .._logging import logger
 from .._runtime.config import RuntimeConfig
 from .._runtime.distributed import world as distributed_world
 from .._runtime.distributed.consistency import check_same_everywhere
-from .._runtime.distributed.replicas import CrossProcessReplicas
+from .._runtime.distributed.replicas import DataParallelGroup
+from .._runtime.distributed.stage_processes import StageReplicaGroup
+from .._runtime.memory.fsdp import ShardedModel, WeightPlacement
+from ..errors import Error
+
+if TYPE_CHECKING:  # (imported where stages run on processes: torch's pipelining)
+    from .._runtime.placement.processes import StageProcessRunner
 
 
 def join_processes(config: RuntimeConfig, model: torch.nn.Module, training: bool,
                    optimizer: torch.optim.Optimizer | None, name: str,
-                   device: torch.device, runner: Any = None) -> Any:
+                   device: torch.device, stage_processes: StageProcessRunner | None = None
+                   ) -> DataParallelGroup | StageReplicaGroup | None:
     """The cross-process side of a compiled model; None in a single process.
-    ``config`` holds the options as compiled; a runner with its own reduction across
-    processes (stages on processes) provides it."""
+    ``config`` holds the options as compiled; stages on processes have their own
+    reduction across processes (``stage_processes``)."""
     processes = config.distributed
     world = distributed_world.join(processes.process_id, processes.num_processes, device)
     if not world.distributed:
         return None
     check_same_everywhere(world, program_signature(config, model, training))
-    if hasattr(runner, "cross_processes"):  # stages on processes: their own reduction
-        return runner.cross_processes(processes.broadcast_buffers)
+    if stage_processes is not None:  # stages on processes: their own reduction
+        return stage_processes.cross_processes(processes.broadcast_buffers)
     params = [p for p in model.parameters() if p.requires_grad]
-    cross = CrossProcessReplicas(world, model, params, processes.broadcast_buffers)
+    cross = DataParallelGroup(world, model, params, processes.broadcast_buffers)
     cross.start_identical(optimizer)
     r = config.replication_factor
+    placement = WeightPlacement.of(config.locations.weight, config.locations.accumulator)
+    if training and placement.sharded:
+        _check_shardable(config)
+        cross.shard_weights(ShardedModel(model, world, placement, device,
+                                         config.training.gradient_accumulation), optimizer)
     logger.info("%s: process %d of %d, %d replica(s) per process, %d in all.", name,
                 world.rank, world.size, r, r * world.size)
     return cross
+
+
+def _check_shardable(config: RuntimeConfig) -> None:
+    """Sharded weights / accumulators across processes run the unsplit model with one
+    replica per process (``poptorch.Error`` otherwise, before anything is sharded)."""
+    problems = []
+    if config.replication_factor != 1:
+        problems.append(f"replicationFactor({config.replication_factor}) per process")
+    if config.distributed.strategy_name is not None:
+        problems.append(f"setExecutionStrategy({config.distributed.strategy_name})")
+    if problems:
+        raise Error(
+            "TensorLocations: replicated tensor sharding of weights / accumulators "
+            "across processes (FSDP2) runs the unsplit model with replicationFactor(1) "
+            f"per process; this program has {' and '.join(problems)}. Shard the "
+            "optimizer state only (setOptimizerLocation), or run one replica per process.")
 
 
 def program_signature(config: RuntimeConfig, model: torch.nn.Module,

@@ -5,33 +5,46 @@ the executable cache (``_runtime/executable/``). Each piece is worked out before
 program is built and handed to it in its spec; nothing is installed when unused."""
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from .._runtime.batching.plan import BatchPlan
 from .._runtime.config import RuntimeConfig
+from .._runtime.context import ContextFactory
 from .._runtime.executable.signature import InputSignature
 from .._runtime.executable.source import ProgramSource
 from .._runtime.placement.strategy import PIPELINED, kind_of
 from .._runtime.program.overlapped_io import OverlapSettings
-from .._runtime.tracing import CallProfiler, TracingRunner, profile_directory
+from .._runtime.tracing import CallProfiler, ExecutedSchedule, StepTrace, profile_directory
+
+
+@runtime_checkable
+class ThreadLocalWrapper(Protocol):
+    """A wrapper of every call with a part each worker thread enters itself (torch
+    function modes are thread-local)."""
+
+    def thread_context(self) -> contextlib.AbstractContextManager[object]: ...
 
 
 @dataclass(frozen=True)
 class ProgramExtras:
     """The pieces the options add to a device program (see module docstring)."""
-    runner: Any  # the runner, wrapped for profiling when profiled
     precision: Any  # numerics.precision.PrecisionPolicy
     casting: Any  # numerics.autocast.AutocastRun, entered around every call
     hooks: tuple[Any, ...]  # the forwards the casting wrapped (removed when dropped)
     wrappers: tuple[Any, ...]  # entered around the device loop of every call
-    thread_contexts: tuple[Callable[[], Any], ...]
+    # the thread-local part of the casting and wrappers (torch function modes),
+    # entered in every worker thread of runners that have some
+    worker_contexts: list[ContextFactory]
     finite_check: Callable[[Any, Any], None] | None
     named_params: tuple[tuple[str, torch.nn.Parameter], ...]
     managed_step: Any  # memory.sharding.ManagedStep replacing the optimizer's step
     call_profiler: CallProfiler | None
+    trace: StepTrace | None  # the profiler's ranges around steps and micro-batches
 
     @property
     def wraps_calls(self) -> bool:
@@ -69,10 +82,11 @@ def overlap_settings(options: Any, output_mode: Any) -> OverlapSettings:
         io_tiles=options.TensorLocations.num_io_tiles, output_mode=output_mode)
 
 
-def program_extras(runner: Any, plan: Any, *, model: torch.nn.Module, user_model: torch.nn.Module,
+def program_extras(plan: BatchPlan, *, model: torch.nn.Module, user_model: torch.nn.Module,
                    config: RuntimeConfig, training: bool, device: torch.device,
                    optimizer: Callable[[], Any], cross: Any, groupings: dict | None,
-                   name: str, popart_options: dict) -> ProgramExtras:
+                   name: str, popart_options: dict,
+                   executed: Callable[[], ExecutedSchedule | None]) -> ProgramExtras:
     """Precision policy, casting, strided group norm, tensor locations and profiling,
     as the options ask. ``optimizer()`` is the device optimizer in force (None for
     inference). The casting's wrapped forwards are removed again if this fails."""
@@ -93,19 +107,21 @@ def program_extras(runner: Any, plan: Any, *, model: torch.nn.Module, user_model
                                       training=training, optimizer=optimizer, cross=cross,
                                       replicas=plan.replication_factor)
         wrappers.extend(locations.wrappers)
-        profiler = None
+        profiler = trace = None
         directory = profile_directory(config)
         if directory is not None:
-            runner = TracingRunner(runner, plan.per_step, plan.replication_factor)
-            profiler = CallProfiler(directory, name, runner)
+            trace = StepTrace(plan.per_step, plan.replication_factor, executed)
+            profiler = CallProfiler(directory, name, trace)
             wrappers.insert(0, profiler)
     except BaseException:
         for handle in hooks:
             handle.remove()
         raise
+    worker_contexts = list(thread_contexts) + [
+        w.thread_context for w in wrappers if isinstance(w, ThreadLocalWrapper)]
     return ProgramExtras(
-        runner=runner, precision=policy, casting=casting, hooks=tuple(hooks),
-        wrappers=tuple(wrappers), thread_contexts=thread_contexts,
+        precision=policy, casting=casting, hooks=tuple(hooks),
+        wrappers=tuple(wrappers), worker_contexts=worker_contexts,
         finite_check=policy.check_step if policy.checks_finite else None,
         named_params=tuple(model.named_parameters()) if policy.checks_finite else (),
-        managed_step=locations.managed_step, call_profiler=profiler)
+        managed_step=locations.managed_step, call_profiler=profiler, trace=trace)

@@ -14,7 +14,7 @@ from .._runtime.torch_internals import (
     dispatch_has_kernel_for_dispatch_key,
     fake_impl_entry,
 )
-from ..errors import Error
+from ..errors import Error, PoptorchValueError
 
 __all__ = ["ATTR_PREFIX", "accessAttributes", "attributes_lists", "custom_op"]
 
@@ -33,15 +33,15 @@ def _check_attributes(attributes: object) -> dict:
         raise Error(f"custom_op: attributes must be a dict, got {type(attributes).__name__}.")
     for key, value in attributes.items():
         if not isinstance(key, str):
-            raise Error(f"custom_op: attribute keys must be strings, got {key!r}.")
+            raise PoptorchValueError(f"custom_op: attribute keys must be strings, got {key!r}.")
         values = value if isinstance(value, (list, tuple)) else [value]
         kinds = {float if isinstance(v, float) else int if isinstance(v, int) and
                  not isinstance(v, bool) else str if isinstance(v, str) else None
                  for v in values}
         if None in kinds or len(kinds) > 1:
-            raise Error(f"custom_op: attribute {key!r} must be a float, int or str, or a "
-                        "list/tuple of only floats, only ints or only strs; got "
-                        f"{value!r}.")
+            raise PoptorchValueError(
+                f"custom_op: attribute {key!r} must be a float, int or str, or a "
+                f"list/tuple of only floats, only ints or only strs; got {value!r}.")
     return attributes
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from ...enums import OutputMode
-from ...errors import Error
+from ...errors import Error, PoptorchAssertionError
 from ..config import RuntimeConfig
 from .plan import BatchPlan, resolve_output_mode
 
@@ -134,8 +134,9 @@ class AnchorRecorder:
         """The value of anchor ``short_name`` from the last call, on the host."""
         anchor = self._anchors.get(short_name)
         if anchor is None:
-            raise Error(f"getAnchoredTensor: no tensor is anchored as {short_name!r}; "
-                        f"anchored: {', '.join(sorted(self._anchors))}.")
+            raise PoptorchAssertionError(  # (upstream asserts the name is anchored)
+                f"getAnchoredTensor: no tensor is anchored as {short_name!r}; "
+                f"anchored: {', '.join(sorted(self._anchors))}.")
         value = anchor.value()
         if value is None:
             raise Error(f"getAnchoredTensor: {short_name!r} has no value yet (run the "

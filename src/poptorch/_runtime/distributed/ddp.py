@@ -1,5 +1,5 @@
-"""DDP's reducer for the sequential runner: the gradients of a step are reduced over the
-processes while the backward pass of the step's last micro-batch still runs.
+"""DDP's reducer for the one-stage interpreter: the gradients of a step are reduced over
+the processes while the backward pass of the step's last micro-batch still runs.
 
 ``torch.nn.parallel.DistributedDataParallel`` wraps the device model; every
 micro-batch of a step but the last runs under ``no_sync()`` (gradients accumulate
@@ -15,18 +15,20 @@ one DDP reduces in) reached, on every process. If all of them, DDP runs
 without ``find_unused_parameters`` (no graph search and no extra all-reduce of the used
 parameters per step, as a hand-written DDP loop); a later step that leaves a parameter
 without gradient in its last micro-batch then raises :py:class:`poptorch.Error` before
-the update instead of updating with gradients that were not reduced (the runner checks,
+the update instead of updating with gradients that were not reduced (``DdpSync`` checks,
 as in the first step, which gradients the last backward pass reached). Otherwise, or with
 ``POPTORCH_DISTRIBUTED_FIND_UNUSED=1``, DDP searches for unused parameters every step.
 """
+import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from ..._devices import env_setting
 from ...errors import Error
-from ..program.runner import LossOf, SequentialRunner
+from ..program.interpreter import EagerCompute
 from .collectives import failures_as_errors
 
 FIND_UNUSED_ENV = "POPTORCH_DISTRIBUTED_FIND_UNUSED"
@@ -60,66 +62,66 @@ def make_ddp(model: torch.nn.Module, group: Any, device: torch.device,
         **_NO_BUFFER_SYNC)
 
 
-class SyncOnLastMicrobatch:
-    """Runs a sequential runner so that, once DDP is attached, only the last
-    micro-batch of each step (``per_step`` of them) synchronises gradients."""
+class DdpSync:
+    """The ``ALL_REDUCE`` of the one-stage interpreter's schedule (``GradientSync``):
+    once DDP is attached, the micro-batch after an ``ALL_REDUCE`` action (the last of
+    each step) runs through DDP with its reduction, the others under ``no_sync()``.
+    Before that, the last micro-batch records which parameters its backward pass
+    reached (``last_used``), for the choice of ``find_unused_parameters``."""
 
-    def __init__(self, inner: SequentialRunner, params: list[torch.nn.Parameter],
-                 per_step: int) -> None:
-        self.inner = inner
+    def __init__(self, compute: EagerCompute, params: list[torch.nn.Parameter]) -> None:
+        self.compute = compute  # its forward becomes DDP's once attached
         self.params = params
-        self.per_step = per_step
-        self.count = 0
-        self.ddp: Any | None = None
+        self.ddp: torch.nn.parallel.DistributedDataParallel | None = None
         self.check_used = False
         # Before DDP: per parameter, whether the last micro-batch's backward reached it.
         self.last_used: list[bool] | None = None
 
-    def attach(self, ddp: Any, find_unused: bool) -> None:
+    def attach(self, ddp: torch.nn.parallel.DistributedDataParallel,
+               find_unused: bool) -> None:
         """Run the model through ``ddp`` from the next step on."""
         self.ddp = ddp
-        self.inner.forward = ddp
+        self.compute.forward_fn = ddp
         self.check_used = not find_unused
 
-    def begin_step(self) -> None:
-        """Called before the micro-batches of a training step."""
-        self.count = 0
+    def detach(self) -> None:
+        """Drop DDP (``DataParallelGroup.release``)."""
+        self.ddp = None
 
-    def __call__(self, microbatches: list[Any], loss_of: LossOf | None) -> list[Any]:
+    def forward_scope(self, reduce: bool) -> contextlib.AbstractContextManager[object]:
         ddp = self.ddp
-        if loss_of is None:
-            return self.inner(microbatches, loss_of)
-        outputs: list[Any] = []
-        for microbatch in microbatches:
-            self.count += 1
-            last = self.count % self.per_step == 0
-            if ddp is None:
-                outputs.extend(self._probe(microbatch, loss_of) if last else
-                               self.inner([microbatch], loss_of))
-                continue
-            if not last:
-                with ddp.no_sync():
-                    outputs.extend(self.inner([microbatch], loss_of))
-                continue
-            with failures_as_errors("Summing gradients (DDP)", runs_model=True):
-                if self.check_used:
-                    outputs.extend(self._probe(microbatch, loss_of))
-                else:
-                    outputs.extend(self.inner([microbatch], loss_of))
-            if self.check_used and not all(self.last_used or ()):
-                raise self._unused_error()
-        return outputs
+        return ddp.no_sync() if ddp is not None and not reduce else contextlib.nullcontext()
 
-    def _probe(self, microbatch: Any, loss_of: LossOf) -> list[Any]:
-        """Run the last micro-batch of a step and record which parameters its backward
-        reached (a gradient that appeared, was replaced or was added to in place)."""
+    @contextlib.contextmanager
+    def backward_scope(self, reduce: bool) -> Iterator[None]:
+        ddp = self.ddp
+        if not reduce:
+            with ddp.no_sync() if ddp is not None else contextlib.nullcontext():
+                yield
+            return
+        if ddp is None:
+            with self._probe():
+                yield
+            return
+        with failures_as_errors("Summing gradients (DDP)", runs_model=True):
+            if self.check_used:
+                with self._probe():
+                    yield
+            else:
+                yield
+        if self.check_used and not all(self.last_used or ()):
+            raise self._unused_error()
+
+    @contextlib.contextmanager
+    def _probe(self) -> Iterator[None]:
+        """Record which parameters the backward pass reached (a gradient that appeared,
+        was replaced or was added to in place)."""
         before = [(p.grad, p.grad._version if p.grad is not None else -1)
                   for p in self.params]
-        outputs = self.inner([microbatch], loss_of)
+        yield
         self.last_used = [p.grad is not None and (p.grad is not grad or
                                                   p.grad._version != version)
                           for p, (grad, version) in zip(self.params, before, strict=False)]
-        return outputs
 
     def _unused_error(self) -> Error:
         return Error(

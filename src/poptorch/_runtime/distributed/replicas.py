@@ -12,20 +12,22 @@ this: they run on each process on their own.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from ..program.replica_groups import GroupedParameter
-from ..program.runner import PerReplicaRunner, SequentialRunner
+from ..program.interpreter import EagerCompute, Interpreter
 from . import world as world_module
 from .collectives import broadcast_, failures_as_errors
-from .ddp import SyncOnLastMicrobatch, find_unused_forced, make_ddp
+from .ddp import DdpSync, find_unused_forced, make_ddp
 from .reducer import GradientReducer
 from .world import World
 
-_live: weakref.WeakSet[CrossProcessReplicas] = weakref.WeakSet()
+if TYPE_CHECKING:
+    from ..memory.fsdp import ShardedModel
+
+_live: weakref.WeakSet[DataParallelGroup] = weakref.WeakSet()
 
 
 def _release_all() -> None:
@@ -36,7 +38,7 @@ def _release_all() -> None:
 world_module.on_leave(_release_all)
 
 
-class CrossProcessReplicas:
+class DataParallelGroup:
     """The cross-process side of a compiled model (see module docstring)."""
 
     def __init__(self, world: World, model: torch.nn.Module,
@@ -47,7 +49,11 @@ class CrossProcessReplicas:
         self.params = params
         self.reducer: Any = GradientReducer(world, params)
         self.buffers = list(model.buffers()) if broadcast_buffers else []
-        self.ddp_runner: Any = None
+        self.ddp_sync: DdpSync | None = None
+        # Weights / accumulators sharded over the processes (FSDP2, memory.fsdp): their
+        # gradients are reduce-scattered in the backward pass; the reducer sums the
+        # parameters kept whole.
+        self.sharded: ShardedModel | None = None
         # How many processes the reduced gradients were divided by: DDP averages, the
         # reducer sums. The device program scales the result to PopTorch's Mean / Sum.
         self.averaged_over = 1
@@ -63,44 +69,40 @@ class CrossProcessReplicas:
         reduction over once the processes have run eager steps)."""
         self.agreement = agreement
 
-    def wrap_runner(self, runner: Any, per_step: int, device: torch.device) -> Any:
-        """Give a sequential runner (running the model itself, not a compiled copy)
-        DDP's overlapped reduction; other runners (model parallel, compiled, with
-        replica-grouped weights, whose shapes change per replica) keep the reduction
-        after the backward passes of the step."""
-        per_replica = isinstance(runner, PerReplicaRunner)
-        inner = runner.inner if per_replica else runner
-        if not isinstance(inner, SequentialRunner) or inner.forward is not self.model:
-            return runner
-        if per_replica and any(isinstance(s, GroupedParameter) for s in runner.states):
-            return runner
+    def attach_sync(self, interpreter: Interpreter | None, compute: EagerCompute | None,
+                    grouped: bool, device: torch.device) -> None:
+        """Give the one-stage interpreter over the model itself DDP's overlapped
+        reduction: an ``ALL_REDUCE`` before the last micro-batch of each step
+        (``ddp.DdpSync``). Other runners (model parallel; replica-grouped weights, whose
+        shapes change per replica) keep the reduction after the backward passes."""
+        if interpreter is None or compute is None or grouped or self.sharded is not None:
+            return
         # DDP takes over after the first step (``ddp`` module docstring).
-        self.ddp_runner = SyncOnLastMicrobatch(inner, self.params, per_step)
+        self.ddp_sync = DdpSync(compute, self.params)
+        interpreter.sync = self.ddp_sync
         self.device = device
-        if per_replica:
-            runner.inner = self.ddp_runner
-            return runner
-        return self.ddp_runner
 
     def release(self) -> None:
         """Free DDP while ``self.world`` still holds the process group: DDP's C++
         reducer must not drop the last reference to it, as that destroys the group with
         the GIL held and can deadlock with gloo's worker threads (pytorch#56297). Called
         when this object goes, and for every live one at exit."""
-        runner = self.__dict__.get("ddp_runner")
-        if runner is not None:
-            runner.inner.forward = None
-            runner.ddp = None
-            self.ddp_runner = None
+        sync = self.__dict__.get("ddp_sync")
+        if sync is not None:
+            sync.compute.forward_fn = self.model
+            sync.detach()
+            self.ddp_sync = None
             self.reducer = None
 
     def __del__(self) -> None:
         self.release()
 
     def begin_step(self) -> None:
-        """Before the micro-batches of a training step."""
-        if self.ddp_runner is not None:
-            self.ddp_runner.begin_step()
+        """Before the micro-batches of a training step (the schedule's ``ALL_REDUCE``
+        action marks the micro-batch whose backward reduces; sharded weights count
+        their micro-batches)."""
+        if self.sharded is not None:
+            self.sharded.begin_step()
 
     def start_identical(self, optimizer: Any | None) -> None:
         """Give every process process 0's weights, buffers and optimizer state."""
@@ -116,10 +118,28 @@ class CrossProcessReplicas:
         if state[0] is not None and self.world.rank != 0:
             optimizer.load_state_dict(state[0])
 
+    def shard_weights(self, sharded: ShardedModel, optimizer: Any | None) -> None:
+        """Take over the weights / accumulators ``sharded`` over the processes
+        (``memory.fsdp``; made after :py:meth:`start_identical`: each process keeps its
+        rows of process 0's weights). No DDP: FSDP2 reduce-scatters the sharded
+        gradients (averages over the processes); those of the parameters kept whole are
+        summed here by the reducer and divided to match."""
+        self.sharded = sharded
+        sharded.rebind(optimizer)
+        self.params = sharded.whole_params
+        self.reducer = GradientReducer(self.world, self.params)
+        self.averaged_over = self.world.size
+
     def reduce_gradients(self) -> None:
         """Sum this step's gradients over all processes (done already by DDP during
         the backward pass when the runner uses it)."""
         if self.reducer is None:
+            return
+        if self.sharded is not None:
+            self.reducer()
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.div_(self.world.size)
             return
         agreement = self.agreement
         totals = self.reducer(agreement.local_values() if agreement is not None else ())
@@ -128,14 +148,14 @@ class CrossProcessReplicas:
             # step, once every process has run an eager step)
             agreement.settle(totals)
             return
-        runner = self.ddp_runner
-        if runner is not None and runner.ddp is None and runner.last_used is not None:
-            used = torch.tensor(runner.last_used, dtype=torch.float32)
+        sync = self.ddp_sync
+        if sync is not None and sync.ddp is None and sync.last_used is not None:
+            used = torch.tensor(sync.last_used, dtype=torch.float32)
             with failures_as_errors("Comparing the parameters used by each process"):
                 dist.all_reduce(used, group=self.world.group)
             all_used = bool((used == self.world.size).all())
             find_unused = not all_used or find_unused_forced()
-            runner.attach(
+            sync.attach(
                 make_ddp(self.model, self.world.group, self.device, find_unused),
                 find_unused)
             self.reducer = None

@@ -107,9 +107,9 @@ def gather_stages(layout: StageLayout, tensors_of_stage: list[list[torch.Tensor]
         broadcast_([t.data for t in tensors], layout.world.group, src=layout.rank_of(0, s))
 
 
-class StageReplicas:
+class StageReplicaGroup:
     """The cross-process side of a training model whose stages run on processes, as the
-    device program sees it (the interface of ``replicas.CrossProcessReplicas``): the
+    device program sees it (the interface of ``replicas.DataParallelGroup``): the
     gradients of this process's stage are summed over its replicas (the stage group);
     ``world`` is that group, so the program's Mean divides by the replicas' micro-batches."""
 
@@ -121,8 +121,11 @@ class StageReplicas:
         self.averaged_over = 1  # the reducer sums
         self.source = layout.rank_of(0, layout.stage)  # global rank of replica 0's
 
-    def wrap_runner(self, runner: Any, per_step: int, device: torch.device) -> Any:
-        return runner  # the schedule already decides when each backward runs
+    def attach_sync(self, interpreter: object, compute: object, grouped: bool,
+                    device: torch.device) -> None:
+        """No reduction inside a backward pass: the stages' schedule decides when each
+        backward runs, and the reducer sums after them."""
+        return None
 
     def release(self) -> None:
         return None

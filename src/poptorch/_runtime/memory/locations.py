@@ -8,8 +8,11 @@ execution (which streams its phases' weights and activations itself:
 * optimizer state, ``useOnChipStorage(False)``: in host memory between steps
   (``offload.py``);
 * activations, ``useOnChipStorage(False)``: saved for the backward pass in host memory;
-* weights and accumulators: sharding and off-chip storage are recorded and logged once
-  at INFO (they act in phased execution only, for off-chip weights).
+* weights and accumulators, ``useReplicatedTensorSharding(True)`` across processes (one
+  replica each): sharded with FSDP2 (``fsdp.py``, joined in ``executor/processes.py``),
+  the optimizer stepping the shards (``fsdp_step.py``); off chip with them: FSDP2's
+  ``CPUOffloadPolicy`` on GPUs. Otherwise recorded and logged once at INFO (off-chip
+  weights act in phased execution).
 
 On the CPU, host memory is the device's: off-chip storage is logged once at INFO and
 changes nothing.
@@ -27,6 +30,8 @@ from ...enums import CommGroupType, VariableRetrievalMode
 from ..config import LocationsConfig
 from ..distributed.world import SINGLE_PROCESS
 from ..program.replica_groups import group_count, group_of
+from .fsdp import WholeAsReplicated
+from .fsdp_step import ShardedStep
 from .layout import DEFAULT_MIN_ELEMENTS, plan_layout
 from .offload import ActivationsOffChip, StateStorage
 from .sharding import ManagedStep, take_over
@@ -87,7 +92,8 @@ def install(model: torch.nn.Module, locations: LocationsConfig, groupings: dict 
     optimizer_loc = _settings(locations, "optimizer")
     phased = locations.phased
     cpu = device.type == "cpu"
-    _log_recorded(locations, cpu, phased)
+    if getattr(cross, "sharded", None) is None:
+        _log_recorded(locations, cpu, phased)
     wrappers: tuple[Any, ...] = ()
     activation_loc = _settings(locations, "activation")
     if activation_loc.get("onChip") is False and training and not phased:
@@ -112,6 +118,18 @@ def install(model: torch.nn.Module, locations: LocationsConfig, groupings: dict 
     current = optimizer()
     if current is not None:
         take_over(current)  # a program compiled again: the previous one's pieces
+    sharded_weights = getattr(cross, "sharded", None)
+    if sharded_weights is not None:
+        # The optimizer state follows the weights' shards (FSDP2's DTensor parameters).
+        storage = StateStorage(off_chip and not cpu,
+                               int(optimizer_loc.get("minElementsForOffChip", 0)))
+        info_once(("rts", "fsdp", world.size), "TensorLocations: weights%s sharded over "
+                  "%d processes (FSDP2, %d unit(s)); the optimizer state with them.",
+                  "" if sharded_weights.placement.weights_rts else
+                  " (between steps) and gradient accumulators", world.size,
+                  len(sharded_weights.units))
+        return LocationEffects(managed_step=ShardedStep(optimizer, params, world, storage),
+                               wrappers=(*wrappers, WholeAsReplicated()))
     if sharding:
         min_elements = int(optimizer_loc.get("minElementsForReplicatedTensorSharding",
                                              DEFAULT_MIN_ELEMENTS))
@@ -146,8 +164,8 @@ def _log_recorded(locations: LocationsConfig, cpu: bool, phased: bool) -> None:
         settings = _settings(locations, kind)
         if settings.get("useReplicatedTensorSharding"):
             info_once(("rts", kind), "TensorLocations: replicated tensor sharding of %ss is "
-                      "recorded; every replica holds the whole %ss (only the optimizer "
-                      "state is sharded).", kind, kind)
+                      "recorded; every replica holds the whole %ss (they are sharded "
+                      "across processes with one replica each).", kind, kind)
         if settings.get("onChip") is False and not (kind == "weight" and phased):
             info_once(("off-chip", kind), "TensorLocations: %ss off chip are recorded; "
                       "they stay in device memory%s.", kind,

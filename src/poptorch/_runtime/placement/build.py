@@ -37,7 +37,7 @@ import inspect
 import itertools
 import re
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -73,33 +73,25 @@ from .strategy import (
     schedule_name,
 )
 
-if TYPE_CHECKING:  # (types only: the process runtime is imported when it is used)
-    from .processes import StageProcessRunner
-
 # Whole words only: ``poptorch.Block(``, ``Block.start``, ``BlockFunction``, ``ipu.IPU(``,
 # not a user's ``ResBlock(`` or ``BeginBlock(``.
 _BLOCK_WORDS = re.compile(r"(?<![\w])(Block\s*\(|Block\.start|BlockFunction\b|IPU\s*\()")
 
 
-def build_runner(model: torch.nn.Module, config: RuntimeConfig | Any, training: bool,
+def build_runner(model: torch.nn.Module, config: RuntimeConfig, training: bool,
                  devices: list[torch.device] | None = None,
                  example: tuple | None = None,
                  overlap: OverlapSettings | None = None
-                 ) -> ModelParallelRunner | StageProcessRunner | None:
+                 ) -> ModelParallelRunner | None:
     """A runner for the model's execution strategy, or None when the model has no block
     annotations and no strategy was set (the executor then runs it on one device).
 
     ``config`` is the compiled model's :class:`~poptorch._runtime.config.RuntimeConfig`
-    (a ``poptorch.Options`` is frozen into one here); ``config.placement.strategy`` is
+    (the only configuration the engine reads); ``config.placement.strategy`` is
     the strategy in force. With ``example`` (``(args, kwargs)`` of a call), the model is
     captured and split now, so its devices and the placement of its weights are known
     before the weight sync and the optimizer are built; without it on the first call.
     ``overlap``: the options the overlap markers' rules read (None: not checked)."""
-    if not isinstance(config, RuntimeConfig):
-        config = RuntimeConfig.of(config)
-    if config.distributed.stages_on_processes:  # one process per stage (torchrun)
-        from .processes import StageProcessRunner  # pylint: disable=import-outside-toplevel
-        return StageProcessRunner(model, config, training, example, overlap)
     if not config.placement.strategy_given and not (
             has_static_annotations(model) or _forward_uses_blocks(model)):
         return None

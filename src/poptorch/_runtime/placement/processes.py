@@ -143,6 +143,13 @@ class StageProcessRunner:
                 "each process would decide on its own stage's gradients whether to skip a "
                 "step, and the stages would drift apart. Use a fixed loss scale "
                 "(the optimizer's loss_scaling) or leave stagesOnProcesses off.")
+        if schedule_name(strategy) not in ("1F1B", "GPipe"):
+            raise Error(
+                f"Distributed.stagesOnProcesses with the {schedule_name(strategy)} schedule: "
+                "with one stage per process only GPipe and 1F1B run (interleaved and "
+                "zero-bubble schedules need several stages per device). Use "
+                "setSchedule('1F1B') or setSchedule('GPipe'), or run the pipeline in one "
+                "process (leave stagesOnProcesses off).")
         if example is None:
             raise Error("Distributed.stagesOnProcesses: the model must be compiled with "
                         "example inputs (call it, or compile(*inputs)).")
@@ -194,7 +201,8 @@ class StageProcessRunner:
                     t.data = t.data.to(self.device)
 
     # ------------------------------------------------------------------ processes
-    def cross_processes(self, broadcast_buffers: bool) -> Any:
+    def cross_processes(self, broadcast_buffers: bool
+                        ) -> stage_processes.StageReplicaGroup | None:
         """The cross-process side of a training program: this stage's gradients summed
         over its replicas (None with one replica: nothing to reduce)."""
         if self.layout.replicas == 1:
@@ -202,7 +210,7 @@ class StageProcessRunner:
         mine = self._stage_tensors[self.layout.stage]
         params = [t for t in mine if isinstance(t, torch.nn.Parameter) and t.requires_grad]
         buffers = [t for t in mine if not isinstance(t, torch.nn.Parameter)]
-        return stage_processes.StageReplicas(self.layout, params, buffers,
+        return stage_processes.StageReplicaGroup(self.layout, params, buffers,
                                              broadcast_buffers)
 
     def gather_weights(self) -> None:

@@ -71,21 +71,21 @@ def automatic_backend(device: torch.device) -> str:
     return "fastest"
 
 
-def make_selector(*, backend: str, runner: Any, eager: EagerBackend, model: torch.nn.Module,
+def make_selector(*, backend: str, plain: bool, eager: EagerBackend, model: torch.nn.Module,
                   training: bool, device: torch.device, label: str,
                   binding: OptimizerBinding | None, managed_step: bool,
                   wraps_calls: bool, params: list, buffers: list, cross: Any,
                   decisions: DecisionStore | None, decided: str | None,
                   progress: bool = False) -> BackendSelector:
     """The selector of a program whose options name ``backend`` ("eager", "inductor" or
-    "fastest"). ``runner`` is the program's runner before the processes' wrapper: the
-    compiled backend replaces a plain sequential one only (``compile_blocker``).
+    "fastest"). ``plain``: the program's runner is the one-stage interpreter over the
+    model itself, the only one the compiled backend replaces (``compile_blocker``).
     ``decided``: the choice a precompiled file carries; else ``decisions`` holds an
     earlier run's choice, and is told this run's."""
     compiled = None
     earlier: Decision | None = None if decided is None else Decision(decided, None)
     if backend in ("inductor", "fastest"):
-        reason = compile_blocker(runner, wraps_calls)
+        reason = compile_blocker(plain, wraps_calls)
         if reason is not None:
             info_once(("compiled-blocked", label, reason), "%s: the eager backend runs "
                       "every call (%s).", label, reason)

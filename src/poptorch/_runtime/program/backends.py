@@ -17,10 +17,10 @@ pieces. ``fallback.Probation`` wraps the compiled one during its first calls, an
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from .optimizer import OptimizerBinding
-from .runner import SequentialRunner, StepRunner
+from .runner import StepRunner
 
 __all__ = ["Backend", "EagerBackend", "compile_blocker"]
 
@@ -47,7 +47,7 @@ class EagerBackend:
     name = "eager"
 
     def __init__(self, runner: StepRunner, binding: OptimizerBinding | None,
-                 managed_step: Callable[[], Any] | None) -> None:
+                 managed_step: Callable[[], object] | None) -> None:
         self.runner = runner
         self._binding = binding
         self.managed_step = managed_step
@@ -60,13 +60,15 @@ class EagerBackend:
         self._binding.step()
 
 
-def compile_blocker(runner: Any, wraps_calls: bool) -> str | None:
-    """Why the micro-batches of a program with this ``runner`` cannot be compiled, or
-    None when they can: compiled pieces run one micro-batch at a time on one device,
-    with nothing of ours around the forward pass."""
-    if type(runner) is not SequentialRunner:
+def compile_blocker(plain: bool, wraps_calls: bool) -> str | None:
+    """Why the micro-batches of a program cannot be compiled, or None when they can:
+    compiled pieces run one micro-batch at a time on one device, with nothing of ours
+    around the forward pass (``plain``: the program's runner is the one-stage
+    interpreter over the model itself, ``ProgramSpec.plain``)."""
+    if not plain:
         return ("model parallelism or replicas with their own buffers run micro-batches "
                 "outside one device program")
     if wraps_calls:
-        return "precision casting, strided group norm or profiling wraps every call"
+        return ("precision casting, strided group norm, profiling or weights sharded over "
+                "the processes wrap every call")
     return None

@@ -41,10 +41,10 @@ import torch
 from ..._logging import info_once
 from .. import context
 from ..torch_internals import dynamo_config_patch, dynamo_eager_numerics, optimizer_hooks_registered
-from .fused_microbatch import FusedMicrobatches, Uncapturable, fused_function
+from .fused_microbatch import FusedCompute, Uncapturable, fused_function
+from .interpreter import EagerCompute, Interpreter
 from .loss import LossNeedsEager, find_loss
 from .optimizer import OptimizerBinding
-from .runner import SequentialRunner
 
 __all__ = ["MAX_UPDATE_TRACES", "CompiledBackend", "Uncapturable", "torch_compile_backend",
            "update_blocker"]
@@ -127,13 +127,14 @@ class CompiledBackend:
         self._update_reason = update_reason
         forward, forward_loss = self._microbatch_functions(model, training)
         buffers = tuple(model.buffers())
-        split = SequentialRunner(forward, forward_loss, buffers)
-        self.runner: SequentialRunner | FusedMicrobatches = split
         if training:  # the forward, loss and backward of a micro-batch as one graph
             fused = _compile(_own_code(fused_function(model), "fused"), fullgraph=True)
-            self.runner = FusedMicrobatches(
-                fused, split, [p for p in model.parameters() if p.requires_grad],
-                buffers, binding, label)
+            self.compute: EagerCompute | FusedCompute = FusedCompute(
+                fused, forward_loss, [p for p in model.parameters() if p.requires_grad],
+                binding, label)
+        else:
+            self.compute = EagerCompute(forward)
+        self.runner = Interpreter(self.compute, buffers=buffers)
         self._update: Callable[[], Any] | None = None
         # the optimizer the update is compiled for: the compile's (the model's first
         # call, eager, has created its state), then each one setOptimizer binds

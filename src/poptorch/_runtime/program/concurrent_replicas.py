@@ -10,8 +10,11 @@ over all micro-batches of the step, as with replicas run one after another (the 
 the additions differs, so results agree to rounding). Every copy keeps its own buffers;
 with ``broadcastBuffers`` replica 0's are sent to the others after each step.
 
-On the CPU the same runner, forced with ``POPTORCH_CONCURRENT_REPLICAS=1``, runs the
-replicas in threads on CPU copies: the CPU stands in for several GPUs to test it.
+The one-stage interpreter runs these lanes (``Interpreter.run_lanes_on``): its schedule
+of a step, each lane's ``F`` / ``B`` actions on that lane's copy and thread, then the
+``ALL_REDUCE`` of the lanes' gradients into replica 0's and the ``BROADCAST`` of its
+buffers. On the CPU the same lanes, forced with ``POPTORCH_CONCURRENT_REPLICAS=1``, run
+in threads on CPU copies: the CPU stands in for several GPUs to test it.
 """
 from __future__ import annotations
 
@@ -19,8 +22,9 @@ import contextlib
 import copy
 import functools
 import types
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TypeVar, cast
 
 import torch
 
@@ -28,11 +32,13 @@ from .. import context
 from ..attributes import own_attribute
 from ..batching.plan import Microbatch
 from ..torch_internals import foreach_copy_, pytree
-from .overlapped_io import FirstForwardCheck
-from .runner import LossOf
+from .runner import UserOutput
+
+Tree = TypeVar("Tree")
+Result = TypeVar("Result")
 
 
-def _moved(tree: Any, device: torch.device) -> Any:
+def _moved(tree: Tree, device: torch.device) -> Tree:
     """``tree``'s tensors on ``device``, detached (inputs arrive detached; outputs are
     only read)."""
     return pytree.tree_map(
@@ -40,7 +46,7 @@ def _moved(tree: Any, device: torch.device) -> Any:
         if isinstance(t, torch.Tensor) else t, tree)
 
 
-def _rebind(value: Any, memo: dict) -> Any:
+def _rebind(value: object, memo: dict[int, object]) -> object:
     """``value`` (part of an instance-level ``forward``) pointed at the copies in
     ``memo``: bound methods and modules of the original model become the copy's,
     closures are rebuilt around rebound cells, anything else is shared."""
@@ -68,67 +74,59 @@ def copy_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     for original, copied in zip(model.modules(), replica.modules(), strict=False):
         forward = own_attribute(original, "forward")
         if forward is not None:
-            copied.forward = _rebind(forward, memo)
+            copied.forward = cast(Callable[..., object], _rebind(forward, memo))
     return replica.to(device)
 
 
-class ConcurrentReplicas:
-    """StepRunner running local replica ``k`` on ``devices[k]`` in its own thread (see
-    module docstring). ``devices[0]`` is where ``model`` lives."""
+class ReplicaCopies:
+    """The lanes of local replica ``k`` on ``devices[k]``, each with a copy of the model
+    and a thread of its own (see module docstring); the interpreter
+    (``interpreter.Interpreter.run_lanes_on``) runs each lane's actions of a step on
+    them. ``devices[0]`` is where ``model`` lives: lane 0 runs in the calling thread."""
 
     def __init__(self, model: torch.nn.Module, devices: list[torch.device],
-                 broadcast_buffers: bool, per_step: int,
-                 check: FirstForwardCheck | None = None) -> None:
+                 broadcast_buffers: bool) -> None:
         self.model = model
-        # PopTorch's rules of the overlap markers, checked on replica 0's first forward
-        self.check = check
-        self.per_step = per_step
         self.devices = devices
-        self.broadcast_each_step = broadcast_buffers
+        # replica 0's buffers to the others after each step (a model without buffers
+        # has nothing to send)
+        self.broadcast_each_step = broadcast_buffers and next(model.buffers(), None) is not None
         self.replicas: list[torch.nn.Module] = []
         self.params: list[list[torch.nn.Parameter]] = []
         self.buffers: list[list[torch.Tensor]] = []
         # Thread-local contexts of the program (autocast, function modes), entered in
-        # every worker thread; set by the device program.
-        self.worker_contexts: list = []
+        # every worker thread; set once at compile time.
+        self.worker_contexts: list[context.ContextFactory] = []
         self.pool = ThreadPoolExecutor(max_workers=len(devices) - 1,
                                        thread_name_prefix="poptorch-replica")
 
-    def _make_copies(self) -> None:
-        """Copy the model once per other device, at the first call: by then the
-        executor has finished preparing it (precision, autocast wrappers)."""
-        self.replicas = [self.model] + [copy_model(self.model, d) for d in self.devices[1:]]
-        self.params = [list(m.parameters()) for m in self.replicas]
-        self.buffers = [list(m.buffers()) for m in self.replicas]
-
-    def __call__(self, microbatches: list[Microbatch],
-                 loss_of: LossOf | None) -> list[Any]:
+    def prepare(self) -> None:
+        """Copy the model once per other device, at the first call (by then the
+        executor has finished preparing it: precision, autocast wrappers), and give
+        every copy replica 0's current weights (updated by the optimizer or written by
+        the host since the last step)."""
         if not self.replicas:
-            self._make_copies()
-        self._send_weights()
-        if not (self.broadcast_each_step and self.buffers[0]):
-            return self._run_step(microbatches, loss_of)
-        # Replica 0's buffers reach the others after every step (inference iteration).
-        outputs = []
-        for start in range(0, len(microbatches), self.per_step):
-            outputs.extend(self._run_step(microbatches[start:start + self.per_step],
-                                          loss_of))
-            self.broadcast()
-        return outputs
+            self.replicas = [self.model] + [copy_model(self.model, d)
+                                            for d in self.devices[1:]]
+            self.params = [list(m.parameters()) for m in self.replicas]
+            self.buffers = [list(m.buffers()) for m in self.replicas]
+        with torch.no_grad():
+            for params in self.params[1:]:
+                foreach_copy_(list[torch.Tensor](params), list[torch.Tensor](self.params[0]),
+                              non_blocking=True)
 
-    def _run_step(self, microbatches: list[Microbatch],
-                  loss_of: LossOf | None) -> list[Any]:
-        r = len(self.replicas)
-        training = loss_of is not None
-        shares = [microbatches[k::r] for k in range(r)]
-        futures = [self.pool.submit(self._worker, k, shares[k], loss_of)
-                   for k in range(1, r)]
-        errors = []
+    def run(self, lane: Callable[[int], Result]) -> list[Result]:
+        """``lane(k)`` for every replica ``k`` at once (``k > 0`` in its worker thread,
+        on its device); each lane's outputs, or the first error once all are done (the
+        other copies' gradients then dropped)."""
+        futures = [self.pool.submit(self._worker, lane, k)
+                   for k in range(1, len(self.replicas))]
+        errors: list[BaseException] = []
+        results: list[Result] = []
         try:
-            first = self._run(0, shares[0], loss_of)
+            results.append(lane(0))
         except BaseException as exc:  # pylint: disable=broad-except
             errors.append(exc)
-        results = []
         for future in futures:
             try:
                 results.append(future.result())
@@ -137,57 +135,26 @@ class ConcurrentReplicas:
         if errors:
             self._drop_replica_grads()
             raise errors[0]
-        per_replica = [first, *results]
-        if training:
-            self._gather_grads()
-        outputs: list[Any] = [None] * len(microbatches)
-        for k, outs in enumerate(per_replica):
-            for i, out in enumerate(outs):
-                outputs[k + i * r] = out
-        return outputs
+        return results
 
-    def _worker(self, k: int, share: list[Microbatch], loss_of: LossOf | None) -> list:
-        with context.worker_scope(self.worker_contexts), context.running_on_ipu(), \
-                torch.set_grad_enabled(loss_of is not None), self._device_scope(k):
-            return self._run(k, share, loss_of)
-
-    def _device_scope(self, k: int) -> Any:
+    def _worker(self, lane: Callable[[int], Result], k: int) -> Result:
         device = self.devices[k]
-        if device.type == "cuda":
-            return torch.cuda.device(device)
-        return contextlib.nullcontext()
+        with context.worker_scope(self.worker_contexts), context.running_on_ipu(), \
+                (torch.cuda.device(device) if device.type == "cuda"
+                 else contextlib.nullcontext()):
+            return lane(k)
 
-    def _run(self, k: int, share: list[Microbatch], loss_of: LossOf | None) -> list:
-        model, device, home = self.replicas[k], self.devices[k], self.devices[0]
-        outputs = []
-        r, per_step = len(self.replicas), self.per_step
-        for i, (args, kwargs) in enumerate(share):
-            if k:
-                args, kwargs = _moved((args, kwargs), device)
-            # Named as the sequential runners name their micro-batches in traces.
-            with torch.profiler.record_function(
-                    f"poptorch::micro-batch {(k + i * r) % per_step} replica {k}"):
-                check = self.check if k == 0 else None
-                if check is None:
-                    out = model(*args, **kwargs)
-                else:
-                    out = check.run(model, args, kwargs)
-                    self.check = None
-            if loss_of is not None:
-                loss_of(out).backward()
-            outputs.append(_moved(out, home) if k else out)
-        return outputs
+    def moved_in(self, k: int, microbatch: Microbatch) -> Microbatch:
+        """A micro-batch's inputs on lane ``k``'s device."""
+        return microbatch if k == 0 else _moved(microbatch, self.devices[k])
 
-    def _send_weights(self) -> None:
-        """Give every copy replica 0's current weights (updated by the optimizer or
-        written by the host since the last step)."""
-        with torch.no_grad():
-            for params in self.params[1:]:
-                foreach_copy_(list[torch.Tensor](params), list[torch.Tensor](self.params[0]),
-                                     non_blocking=True)
+    def moved_home(self, k: int, output: UserOutput) -> UserOutput:
+        """A lane's output on replica 0's device."""
+        return output if k == 0 else _moved(output, self.devices[0])
 
-    def _gather_grads(self) -> None:
-        """Add every copy's gradients to replica 0's and clear them."""
+    def gather_grads(self) -> None:
+        """The step's ``ALL_REDUCE`` between the lanes: every copy's gradients added to
+        replica 0's, and cleared."""
         with torch.no_grad():
             for params in self.params[1:]:
                 for master, param in zip(self.params[0], params, strict=False):
@@ -209,7 +176,7 @@ class ConcurrentReplicas:
     def broadcast(self) -> None:
         """Copy replica 0's buffers to every other replica (also after the host wrote
         them)."""
-        if not self.replicas:
+        if not self.replicas or not self.buffers[0]:
             return
         with torch.no_grad():
             for buffers in self.buffers[1:]:

@@ -37,7 +37,6 @@ import torch
 
 from ..._logging import info_once, logger
 from ..torch_internals import optimizer_hooks_registered, pytree, torch_function_stack_depth
-from .runner import SequentialRunner
 
 __all__ = ["WARMUP_CALLS", "CaptureFailed", "CudaGraphCall", "GraphKey", "capture_blocker",
            "cuda_graph_call"]
@@ -64,7 +63,7 @@ def capture_blocker(spec: Any, binding: Any) -> str | None:
         return f"the device is {device.type}, not a CUDA GPU"
     if _disabled_by_env():
         return "turned off by POPTORCH_CUDA_GRAPHS=0"
-    if type(spec.runner) is not SequentialRunner:
+    if not spec.plain:
         return "model parallelism or per-replica buffers run stages from host threads"
     if spec.cross is not None:
         return "replicas in several processes reduce gradients between steps"
@@ -73,7 +72,8 @@ def capture_blocker(spec: Any, binding: Any) -> str | None:
     if spec.finite_check is not None:
         return "floating-point exception checks run on the host after every step"
     if spec.wrappers:
-        return "precision casting, strided group norm or profiling wraps every call"
+        return ("precision casting, strided group norm, profiling or weights sharded over "
+                "the processes wrap every call")
     if spec.training:
         return optimizer_blocker(binding.device, binding.scaler)
     return None

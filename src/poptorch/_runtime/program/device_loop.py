@@ -25,9 +25,8 @@ from .cuda_graphs import CaptureFailed, CudaGraphCall, cuda_graph_call
 from .optimizer import OptimizerBinding
 from .perf import PerfCounters
 from .rng import RngScope
-from .runner import SequentialRunner
 from .spec import ProgramSpec
-from .step import GradientScaling, LossRule, train_step
+from .step import CrossProcess, GradientScaling, LossRule, train_step
 from .undo import StateUndo
 
 __all__ = ["DeviceProgram", "detach", "detach_needed"]
@@ -81,7 +80,6 @@ class DeviceProgram:
         self._loss_rule = None if binding is None else LossRule(list(spec.params), binding)
         self._scaling: tuple[int, GradientScaling] | None = None
         self._graphs = cuda_graph_call(spec, binding)  # GPUs: calls as CUDA graphs
-        self._share_thread_contexts()
 
     # ------------------------------------------------------------------ read-only views
     @property
@@ -97,8 +95,12 @@ class DeviceProgram:
         return list(self.spec.params)
 
     @property
-    def cross(self) -> Any:
+    def cross(self) -> CrossProcess | None:
         return self.spec.cross
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        return self.spec.buffers
 
     @property
     def rng(self) -> Any:
@@ -138,11 +140,18 @@ class DeviceProgram:
 
     def _train_step(self, backend: Backend, microbatches: list) -> list:
         assert self._loss_rule is not None  # (a training program)
-        return train_step(self, microbatches, backend.runner, self._loss_rule,
-                          backend.update)
+        trace = self.spec.trace
+        if trace is None:
+            return train_step(self, microbatches, backend.runner, self._loss_rule,
+                              backend.update)
+        with trace.iteration(len(microbatches)):
+            return train_step(self, microbatches, backend.runner, self._loss_rule,
+                              backend.update)
 
     def _infer(self, backend: Backend, microbatches: list) -> list:
-        with torch.no_grad():
+        trace = self.spec.trace
+        with torch.no_grad(), \
+                contextlib.nullcontext() if trace is None else trace.iteration(len(microbatches)):
             outputs = backend.runner(microbatches, None)
         context.take_marked_losses()
         return outputs
@@ -287,7 +296,7 @@ class DeviceProgram:
         per call on the CPU through the default runner, with nothing around the steps
         (profiling, precision checks, anchors, several processes)."""
         spec = self.spec
-        return (spec.plan.factor == 1 and type(spec.runner) is SequentialRunner
+        return (spec.plan.factor == 1 and spec.plain
                 and not spec.wrappers and spec.anchors is None
                 and spec.finite_check is None and spec.to_host is None
                 and spec.cross is None and spec.call_profiler is None)
@@ -343,16 +352,3 @@ class DeviceProgram:
         if marked:
             marked.clear()
         return detach_needed(output)
-
-    def _share_thread_contexts(self) -> None:
-        """Give runners that use worker threads (pipelines) the thread-local part of
-        the wrappers (``thread_context()``: torch function modes)."""
-        spec = self.spec
-        factories = list(spec.thread_contexts) + [
-            f for f in (getattr(w, "thread_context", None) for w in spec.wrappers)
-            if f is not None]
-        runner: Any = spec.runner
-        while runner is not None:
-            if hasattr(runner, "worker_contexts"):
-                runner.worker_contexts = factories
-            runner = getattr(runner, "inner", None)

@@ -1,10 +1,11 @@
 """A training micro-batch's forward, loss and backward as one compiled graph.
 
-The compiled backend's training runner (``compiled_step.CompiledBackend``). For each
-micro-batch one call of a ``torch.compile``'d function computes the model's output, its
-loss (``find_loss``) times PopTorch's mean scale and the loss scale, and the gradients
-of the trainable parameters (``torch.autograd.grad``, traced into the same graph under
-dynamo's ``trace_autograd_ops``). The runner then accumulates them into ``.grad`` as
+The compiled backend's compute of a training micro-batch (``compiled_step``), run by
+the step's interpreter (``interpreter.py``). Its ``F`` action is one call of a
+``torch.compile``'d function that computes the model's output, its loss
+(``find_loss``) times PopTorch's mean scale and the loss scale, and the gradients of
+the trainable parameters (``torch.autograd.grad``, traced into the same graph under
+dynamo's ``trace_autograd_ops``); its ``B`` action accumulates them into ``.grad`` as
 autograd's ``AccumulateGrad`` does: the first micro-batch's gradient becomes ``.grad``,
 the next ones are added to it in place, and a parameter no micro-batch reaches keeps
 ``grad=None``. One graph per micro-batch and no autograd engine between the forward and
@@ -13,7 +14,7 @@ whatever ``deviceIterations`` and ``gradientAccumulation`` are.
 
 Where the micro-batch cannot be one graph (a graph break in the model: data-dependent
 control flow, host work; several returned ``identity_loss`` values; a loss that depends
-on no trainable parameter), the runner switches for good, with one INFO line, to the
+on no trainable parameter), the compute switches for good, with one INFO line, to the
 *split* micro-batch: the forward and the loss compiled (graph breaks allowed), the
 backward run by autograd through the backward pass AOTAutograd compiled with them.
 Nothing has run when a capture fails, so the switch happens inside the step.
@@ -21,7 +22,6 @@ Nothing has run when a capture fails, so the switch happens inside the step.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -30,25 +30,25 @@ from .. import context
 from ..torch_internals import dynamo, dynamo_config_patch, dynamo_eager_numerics, pytree
 from .loss import LossNeedsEager, find_loss
 from .optimizer import OptimizerBinding
-from .runner import LossOf, SequentialRunner, drop_history
+from .runner import LossOf, UserOutput
 
-__all__ = ["FusedMicrobatches", "Uncapturable"]
+__all__ = ["FusedCompute", "Uncapturable"]
 
 
 class Uncapturable(Exception):
     """Raised while a piece is traced when its graph would differ from the eager step."""
 
 
-def _detached(output: Any) -> Any:
+def _detached(output: UserOutput) -> UserOutput:
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t,
                            output)
 
 
-def fused_function(model: torch.nn.Module) -> Callable[..., Any]:
+def fused_function(model: torch.nn.Module) -> Callable[..., tuple[UserOutput, tuple]]:
     """The Python function the fused micro-batch traces (module docstring):
     ``(args, kwargs, params, multiplier, scale) -> (detached output, gradients)``."""
     def fused_microbatch(args: tuple, kwargs: dict, params: tuple, multiplier: float,
-                         scale: torch.Tensor | None) -> tuple[Any, tuple]:
+                         scale: torch.Tensor | None) -> tuple[UserOutput, tuple]:
         out = model(*args, **kwargs)
         try:
             loss = find_loss(out, context.take_marked_losses(), traced=True)
@@ -74,51 +74,60 @@ def _capture_failure(error: BaseException) -> bool:
         and not isinstance(error, exc.BackendCompilerFailed))
 
 
-class FusedMicrobatches:
-    """The compiled backend's training runner (module docstring)."""
+class FusedCompute:
+    """The compiled backend's compute of a training micro-batch (module docstring):
+    ``F`` runs the fused graph (output and gradients), ``B`` accumulates its gradients
+    into ``.grad``; after a capture failure, ``F`` runs the split forward and loss and
+    ``B`` autograd's backward from that loss."""
 
-    def __init__(self, compiled: Callable[..., Any], split: SequentialRunner,
-                 params: list[torch.nn.Parameter], buffers: tuple[torch.Tensor, ...],
-                 binding: OptimizerBinding | None, label: str) -> None:
+    def __init__(self, compiled: Callable[..., tuple[UserOutput, tuple]],
+                 forward_loss: Callable[[tuple, dict], tuple[UserOutput, torch.Tensor]],
+                 params: list[torch.nn.Parameter], binding: OptimizerBinding | None,
+                 label: str) -> None:
         self._compiled = compiled  # torch.compile of fused_function(model), fullgraph
-        self._split = split
+        self._forward_loss = forward_loss  # the split micro-batch's compiled piece
         self._params = params
-        self._buffers = buffers
         self._binding = binding
         self._label = label
         self._traced = False  # (dynamo's settings apply to the first trace only)
         self.split_reason: str | None = None
         self._scale: torch.Tensor | None = None
         self._scale_value: float | None = None
+        self._grads: tuple[torch.Tensor | None, ...] = ()  # the last F's, for its B
+        self._loss: torch.Tensor | None = None  # ... or its loss (split)
 
-    def __call__(self, microbatches: list, loss_of: LossOf | None) -> list:
-        if loss_of is None or self.split_reason is not None:
-            return self._split(microbatches, loss_of)
-        params = tuple(p for p in self._params if p.requires_grad)
-        multiplier = loss_of.multiplier
-        scale = self._scale_tensor()
-        outputs: list[Any] = []
-        for i, (args, kwargs) in enumerate(microbatches):
-            if self._buffers:
-                drop_history(self._buffers)
+    def forward(self, args: tuple, kwargs: dict, loss_of: LossOf | None) -> UserOutput:
+        assert loss_of is not None  # (the compute of training micro-batches)
+        if self.split_reason is None:
             try:
-                out, grads = self._run(args, kwargs, params, multiplier, scale)
+                out, self._grads = self._run(args, kwargs, self._trainable(),
+                                             loss_of.multiplier, self._scale_tensor())
+                return out
             except Exception as error:
                 if not _capture_failure(error):
                     raise
                 self._use_split(error)
-                return outputs + self._split(microbatches[i:], loss_of)
-            for p, grad in zip(params, grads, strict=True):
-                if grad is not None:
-                    if p.grad is None:
-                        p.grad = grad
-                    else:
-                        p.grad.add_(grad)
-            outputs.append(out)
-        return outputs
+        out, self._loss = self._forward_loss(args, kwargs)
+        return out
+
+    def backward(self, output: UserOutput, loss_of: LossOf) -> None:
+        loss, self._loss = self._loss, None
+        if loss is not None:
+            loss_of.finish(loss).backward()
+            return
+        grads, self._grads = self._grads, ()
+        for p, grad in zip(self._trainable(), grads, strict=True):
+            if grad is not None:
+                if p.grad is None:
+                    p.grad = grad
+                else:
+                    p.grad.add_(grad)
+
+    def _trainable(self) -> tuple[torch.nn.Parameter, ...]:
+        return tuple(p for p in self._params if p.requires_grad)
 
     def _run(self, args: tuple, kwargs: dict, params: tuple, multiplier: float,
-             scale: torch.Tensor | None) -> tuple[Any, tuple]:
+             scale: torch.Tensor | None) -> tuple[UserOutput, tuple]:
         """One call; dynamo traces ``torch.autograd.grad`` under its setting only, so a
         retrace (a guard failed) that cannot trace it is tried once more with it."""
         if self._traced:

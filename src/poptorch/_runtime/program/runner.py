@@ -1,21 +1,23 @@
-"""Step runners: run the micro-batches of one optimizer step (or inference iteration).
+"""What runs the micro-batches of one optimizer step (or inference iteration).
 
-A :py:class:`StepRunner` is any callable
-``runner(microbatches, loss_of) -> outputs``: it runs the model on every micro-batch
-and, in training, calls ``loss_of(output).backward()`` for each of them, choosing when.
-Model parallelism (``_runtime/placement/``) supplies runners that pipeline, shard or
-phase the model; the default below runs micro-batches one after the other.
+A :py:class:`StepRunner` is any callable ``runner(microbatches, loss_of) -> outputs``:
+it runs the model on every micro-batch and, in training, back-propagates
+``loss_of(output)`` for each of them, choosing when. The one-stage interpreter
+(``interpreter.py``) runs a step's schedule in the calling thread; model parallelism
+(``_runtime/placement/``) runs the schedules of several stages on per-device workers.
+This module holds the protocols they share and the per-replica state they switch.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import torch
 
 from ..batching.plan import Microbatch
 from ..torch_internals import foreach_copy_
-from .overlapped_io import FirstForwardCheck
+
+UserOutput: TypeAlias = Any
+"""A user model's output: any structure of tensors and other values (truly anything)."""
 
 
 class LossOf(Protocol):
@@ -23,7 +25,7 @@ class LossOf(Protocol):
 
     multiplier: float  # PopTorch's mean scale of this step's losses
 
-    def __call__(self, output: Any) -> torch.Tensor:
+    def __call__(self, output: UserOutput) -> torch.Tensor:
         """The loss found in ``output``, scaled."""
         ...
 
@@ -36,7 +38,7 @@ class StepRunner(Protocol):
     """Runs forward (and backward) over the micro-batches of one step."""
 
     def __call__(self, microbatches: list[Microbatch],
-                 loss_of: LossOf | None) -> list[Any]:
+                 loss_of: LossOf | None) -> list[UserOutput]:
         ...
 
 
@@ -50,57 +52,12 @@ def drop_history(buffers: tuple[torch.Tensor, ...]) -> None:
             buffer.detach_()
 
 
-class SequentialRunner:
-    """Runs each micro-batch's forward, then its backward, on one device.
-
-    ``forward`` is the model (or a compiled forward); ``forward_loss``, when given,
-    returns a training micro-batch's output and its loss in one call (the compiled
-    backend compiles the two together), else the loss comes from ``loss_of(output)``.
-    ``buffers``: the model's buffers, whose history a micro-batch does not see from
-    the one before (:py:func:`drop_history`). ``check``: PopTorch's rules of the overlap
-    markers, checked on the first forward (``overlapped_io.FirstForwardCheck``)."""
-
-    def __init__(self, forward: Callable[..., Any],
-                 forward_loss: Callable[[tuple, dict], tuple[Any, torch.Tensor]] | None
-                 = None, buffers: tuple[torch.Tensor, ...] = (),
-                 check: FirstForwardCheck | None = None) -> None:
-        self.forward = forward
-        self.forward_loss = forward_loss
-        self.buffers = buffers
-        self.check = check
-
-    def __call__(self, microbatches: list[Microbatch],
-                 loss_of: LossOf | None) -> list[Any]:
-        outputs = []
-        forward, forward_loss, buffers = self.forward, self.forward_loss, self.buffers
-        for args, kwargs in microbatches:
-            if loss_of is not None and buffers:
-                drop_history(buffers)
-            if forward_loss is not None and loss_of is not None:
-                out, loss = forward_loss(args, kwargs)
-                loss_of.finish(loss).backward()
-            else:
-                out = forward(*args, **kwargs) if self.check is None \
-                    else self._checked(args, kwargs)
-                if loss_of is not None:
-                    loss_of(out).backward()
-            outputs.append(out)
-        return outputs
-
-    def _checked(self, args: tuple, kwargs: dict) -> Any:
-        """The first forward, under the overlap markers' check."""
-        check = self.check
-        assert check is not None  # (called while set)
-        out = check.run(self.forward, args, kwargs)
-        self.check = None
-        return out
-
-
 class ReplicaState(Protocol):
     """Something each simulated replica holds its own copy of (buffers, replica-grouped
-    weights). The per-replica runner calls, around each micro-batch of replica ``k``:
-    ``select(k)``; after it ``after_microbatch(k, training)``; after each step
-    ``end_step()``; and ``restore()`` at the end of the runner call."""
+    weights). The interpreter (``interpreter.py``) runs the actions of replica ``k``'s
+    lane on it: ``LOAD`` is ``select(k)``, ``STORE`` ``after_microbatch(k, training)``,
+    ``BROADCAST`` (after each step) ``end_step()`` and ``DROP`` (at the end of the
+    runner call) ``restore(training)``."""
 
     def select(self, replica: int) -> None: ...
 
@@ -151,38 +108,3 @@ class ReplicaBuffers:
         with torch.no_grad():
             for copies in self.copies[1:]:
                 foreach_copy_(copies, self.copies[0])
-
-
-class PerReplicaRunner:
-    """Wraps a runner so that micro-batch ``n`` (replica ``n % r``) runs with that
-    replica's own state (:py:class:`ReplicaState`: buffers, replica-grouped weights);
-    ``end_step`` runs after every ``per_step`` micro-batches (one optimizer step or
-    inference iteration). The model is left on replica 0's state."""
-
-    def __init__(self, runner: SequentialRunner, states: list, replicas: int,
-                 per_step: int) -> None:
-        self.inner = runner
-        self.states = states
-        self.replicas = replicas
-        self.per_step = per_step
-
-    def __call__(self, microbatches: list[Microbatch],
-                 loss_of: LossOf | None) -> list[Any]:
-        outputs: list[Any] = []
-        training = loss_of is not None
-        states, run = self.states, self.inner
-        try:
-            for n, microbatch in enumerate(microbatches):
-                replica = n % self.replicas
-                for state in states:
-                    state.select(replica)
-                outputs.extend(run([microbatch], loss_of))
-                for state in states:
-                    state.after_microbatch(replica, training)
-                if (n + 1) % self.per_step == 0:
-                    for state in states:
-                        state.end_step()
-        finally:
-            for state in states:
-                state.restore(training)
-        return outputs

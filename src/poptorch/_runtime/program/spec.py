@@ -16,8 +16,10 @@ import torch
 from ...enums import OutputMode
 from ..batching.plan import BatchPlan
 from ..config import TrainingConfig
+from ..tracing import CallProfiler, StepTrace
 from .rng import RngScope
 from .runner import StepRunner
+from .step import CrossProcess
 
 __all__ = ["ProgramSpec"]
 
@@ -27,7 +29,11 @@ class ProgramSpec:
     """Everything a ``DeviceProgram`` needs, fixed at compile time."""
     label: str  # the model's name in messages ("<model>.training")
     plan: BatchPlan
-    runner: StepRunner  # the eager backend's runner (replicas, processes, profiling)
+    runner: StepRunner  # the eager backend's runner (interpreter, engine, processes)
+    # the runner is the one-stage interpreter over the model itself, one micro-batch at
+    # a time with nothing per replica: the compiled backend and CUDA graphs may run
+    # the calls instead
+    plain: bool
     training: bool
     output_mode: OutputMode
     output_return_period: int
@@ -38,7 +44,7 @@ class ProgramSpec:
     device: torch.device  # where inputs go
     to_host: Callable[[Any], Any] | None = None  # outputs to the CPU (accelerators)
     anchors: Callable[[int], None] | None = None  # records anchored tensors after a step
-    cross: Any = None  # distributed.replicas.CrossProcessReplicas, several processes
+    cross: CrossProcess | None = None  # several processes (``step.CrossProcess``)
     # context managers entered around the device loop of every call (precision,
     # strided group norm, profiling), and thread-local context factories for runners
     # with worker threads
@@ -47,5 +53,6 @@ class ProgramSpec:
     # the floating-point exception check run after every step (outputs, named params)
     finite_check: Callable[[Any, Any], None] | None = None
     named_params: tuple[tuple[str, torch.nn.Parameter], ...] = ()
-    call_profiler: Any = None  # tracing.CallProfiler: a range around the whole call
+    call_profiler: CallProfiler | None = None  # a range around the whole call
+    trace: StepTrace | None = None  # ... and around each runner call (profiling)
     synthetic: bool = False  # Options.enableSyntheticData: no host <-> device transfers

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -39,6 +39,48 @@ from .runner import drop_history
 __all__ = ["GradientScaling", "LossRule", "infer_step", "scale_gradients", "train_step"]
 
 Backward = Callable[[list, "LossRule"], list]
+
+
+class ProcessWorld(Protocol):
+    """The processes a reduction spans (``distributed.world.World``)."""
+
+    @property
+    def size(self) -> int: ...
+
+
+class CrossProcess(Protocol):
+    """The cross-process side of a training program, as a step sees it: the processes'
+    replicas of the whole model (``distributed.replicas.DataParallelGroup``) or of one
+    stage (``distributed.stage_processes.StageReplicaGroup``)."""
+
+    @property
+    def world(self) -> ProcessWorld: ...
+
+    @property
+    def averaged_over(self) -> int:
+        """How many processes the reduced gradients were divided by (DDP averages)."""
+        ...
+
+    def begin_step(self) -> None: ...
+
+    def reduce_gradients(self) -> None: ...
+
+    def sync_buffers(self) -> None: ...
+
+
+class StepProgram(Protocol):
+    """What a step reads of its device program (``device_loop.DeviceProgram``)."""
+
+    @property
+    def cross(self) -> CrossProcess | None: ...
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]: ...
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, ...]: ...
+
+    def gradient_scaling(self) -> GradientScaling: ...
 
 
 @dataclass(frozen=True)
@@ -118,7 +160,8 @@ def scale_gradients(params: list[torch.nn.Parameter], scaling: GradientScaling) 
             foreach_mul_(grads, float(multiply_by))
 
 
-def train_step(program: Any, microbatches: list, backward: Backward, loss_rule: LossRule,
+def train_step(program: StepProgram, microbatches: list, backward: Backward,
+               loss_rule: LossRule,
                update: Callable[[], Any]) -> list:
     """One optimizer step of ``program`` (a ``DeviceProgram``) over ``microbatches``
     (module docstring); returns the micro-batches' outputs (not detached)."""
@@ -131,7 +174,7 @@ def train_step(program: Any, microbatches: list, backward: Backward, loss_rule: 
     for p in params:
         p.grad = None
     outputs = backward(microbatches, loss_rule)
-    buffers = program.spec.buffers
+    buffers = program.buffers
     if buffers:
         drop_history(buffers)  # (buffers are device state between steps)
     if cross is not None:

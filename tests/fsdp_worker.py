@@ -1,0 +1,87 @@
+"""The program tests/test_memory_distributed.py starts under torchrun for weights and
+accumulators sharded over the processes (``_runtime/memory/fsdp.py``):
+
+    torchrun --standalone --nproc_per_node=2 tests/fsdp_worker.py OUT_DIR
+
+Each process trains tests/_memory_cases.py's models with {weights, accumulators,
+optimizer state} x {RTS, off chip} and writes what it saw to
+``OUT_DIR/<name>_rank<rank>.pt``.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+import torch
+from torch.distributed.tensor import DTensor
+
+import poptorch
+from _memory_cases import (CALLS, KINDS, Blocks, adamw, location_options, make_model,
+                           process_rows)
+
+RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
+
+
+def save(out: pathlib.Path, name: str, value) -> None:
+    torch.save(value, out / f"{name}_rank{RANK}.pt")
+
+
+def train_case(kinds: tuple, rts: bool, off_chip: bool, checkpoint_at: int = -1):
+    model = make_model(1000 + RANK)  # process 0's weights reach every process
+    optimizer = adamw(model)
+    training = poptorch.trainingModel(model, location_options(kinds, rts, off_chip),
+                                      optimizer)
+    checkpoint = None
+    for call in range(CALLS):
+        if call == checkpoint_at:
+            checkpoint = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                          "optimizer": optimizer.state_dict()}  # every process calls
+        training(*process_rows(call, RANK, WORLD))
+    sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    return {"weights": model.state_dict(), "state_dict": optimizer.state_dict(),
+            "sharded": sharded, "checkpoint": checkpoint}
+
+
+def peak_case() -> dict:
+    """An 8-block model with weights RTS: the runtime's accounting, and an independent
+    count by hooks on the blocks of how many blocks hold whole weights at once."""
+    torch.manual_seed(3)
+    model = Blocks()
+    opts = location_options(("weight",), True, False, accumulation=1)
+    training = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(),
+                                                                   lr=0.1))
+    seen: list[int] = []
+
+    def whole_blocks(*_):
+        seen.append(sum(not any(isinstance(p, DTensor) for p in b.parameters())
+                        for b in model.blocks))
+
+    for block in model.blocks:
+        block.register_forward_hook(whole_blocks)
+        block.register_full_backward_hook(whole_blocks)
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(RANK))
+    training(x)
+    seen.clear()
+    training(x)
+    accounting = training._program.spec.cross.sharded.accounting
+    return {"seen": seen, "peak_units": accounting.peak_units,
+            "peak_bytes": accounting.peak_bytes, "shard_bytes": accounting.shard_bytes,
+            "unit_bytes": accounting.unit_bytes}
+
+
+def main(out: pathlib.Path) -> None:
+    save(out, "plain", train_case((), False, False))
+    for kind in KINDS:
+        save(out, f"{kind}_rts", train_case((kind,), True, False))
+        save(out, f"{kind}_offchip", train_case((kind,), False, True))
+    save(out, "all_rts", train_case(KINDS, True, False, checkpoint_at=CALLS // 2))
+    from poptorch._runtime.memory import fsdp
+    fsdp.force_stream = True  # FSDP2's offload path on the CPU
+    save(out, "all_rts_offchip", train_case(KINDS, True, True))
+    save(out, "peak", peak_case())
+
+
+if __name__ == "__main__":
+    main(pathlib.Path(sys.argv[1]))
