@@ -268,11 +268,6 @@ def test_fault_is_poptorchs_error_and_the_call_is_undone(row, place, optimizer_h
     _assert_same(_state(model, optimizer), _state(reference, ref_optimizer))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the call path undoes only the buffers of a call of one optimizer step "
-    "(executor/call_support.py CallRollback.for_call, executor/fast_call.py FastCall): a "
-    "fault after the update (a sharded step's weight gather) leaves it applied; the lead "
-    "fixes this in the new call path (issue 32 report)"))
 def test_a_fault_after_the_update_of_a_one_step_call_is_undone(optimizer_hooks):
     torch.manual_seed(0)
     model = Net()

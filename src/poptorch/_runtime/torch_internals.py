@@ -57,6 +57,7 @@ __all__ = [
     "inductor_codecache",
     "inductor_cpp_compiler",
     "optimizer_hooks_registered",
+    "optimizer_post_hooks_registered",
     "profiler_enabled",
     "pytree",
     "remove_worker_pids",
@@ -103,6 +104,12 @@ def optimizer_hooks_registered(optimizer: torch.optim.Optimizer) -> bool:
     none is (``torch.optim.optimizer`` keeps the global ones in private dicts)."""
     return bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
                 or _global_pre_hooks or _global_post_hooks)
+
+
+def optimizer_post_hooks_registered(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a step hook that runs after the update (this optimizer's or torch's
+    global ones) is registered: it may fail once the parameters have changed."""
+    return bool(optimizer._optimizer_step_post_hooks or _global_post_hooks)
 
 
 def profiler_enabled() -> bool:

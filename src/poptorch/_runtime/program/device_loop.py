@@ -18,7 +18,7 @@ import torch
 from .. import context
 from ..batching.plan import OutputCollector, split_inputs
 from ..batching.structures import register_mapping_outputs
-from ..torch_internals import pytree, set_grad_enabled
+from ..torch_internals import optimizer_post_hooks_registered, pytree, set_grad_enabled
 from .backend_trial import BackendSelector
 from .backends import Backend
 from .cuda_graphs import CaptureFailed, CudaGraphCall, cuda_graph_call
@@ -157,14 +157,17 @@ class DeviceProgram:
         return outputs
 
     def undo_for_call(self) -> StateUndo | None:
-        """What a call must be able to undo: everything when it runs more than one
-        optimizer step (or checks its outputs after the update); the buffers (which a
-        forward may update before it fails) and the loss scale otherwise; None when
+        """What a call must be able to undo: everything when something can fail after
+        an update (a second optimizer step, the finite check of the outputs, a step
+        hook after the update, a sharded or off-chip step's gather); the buffers (which
+        a forward may update before it fails) and the loss scale otherwise; None when
         there is nothing to undo."""
         spec, binding = self.spec, self.binding
         plan = spec.plan
-        weights = spec.training and plan.factor > 1 and (
-            plan.device_iterations > 1 or spec.finite_check is not None)
+        weights = spec.training and (
+            plan.device_iterations > 1 or spec.finite_check is not None
+            or self.managed_step is not None
+            or (binding is not None and optimizer_post_hooks_registered(binding.device)))
         scaler = None if binding is None else binding.scaler
         if not weights and not spec.buffers and scaler is None:
             return None
