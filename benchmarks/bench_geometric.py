@@ -24,8 +24,8 @@ The loaders: graphs per second of a full pass of ``FixedSizeDataLoader`` (the
 ``poptorch.DataLoader`` version, default options, and the plain torch version) against
 PyG's ``DataLoader`` on the same data and the same real graphs per batch.
 
-Targets (issue 33): ``pop`` >= max(eager, compile) in graphs/s; the fixed-size loader
->= 0.9 x PyG's DataLoader.
+Targets (issues 33, 39): ``pop`` >= max(eager, compile) in graphs/s; the fixed-size
+loader >= 0.95 x PyG's DataLoader.
 
 Run: ``python benchmarks/bench_geometric.py [--quick] [--model gcn|gin] [--threads N]``
 (one torch thread by default). About 4 minutes on a 2-core machine (``--quick``: about
@@ -236,8 +236,8 @@ def measure_loaders(data: list[Data], batch: int, rounds: int) -> None:
               f"{ratio:>6.2f}x PyG")
     ratio = statistics.median(r / t for r, t in zip(reference, times["FixedSizeDataLoader"],
                                                     strict=True))
-    print(f"target FixedSizeDataLoader >= 0.9x PyG's DataLoader: "
-          f"{'PASS' if ratio >= 0.9 else 'MISS'} ({ratio:.2f}x)")
+    print(f"target FixedSizeDataLoader >= 0.95x PyG's DataLoader: "
+          f"{'PASS' if ratio >= 0.95 else 'MISS'} ({ratio:.2f}x)")
 
 
 def main() -> None:

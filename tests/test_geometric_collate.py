@@ -344,3 +344,157 @@ def test_a_collater_relearns_levels_a_batch_contradicts():
                          y=torch.tensor([n])) for n in (3, 4)]
     batch = collater(graph_labels)
     assert batch.y.tolist() == [3, 4, 0] and batch.x.shape == (20, 2)
+
+
+# -- the one-pass batching of plain Data graphs against the previous semantics --------
+
+def varied_graphs(count: int, seed: int) -> list[Data]:
+    """Random graphs with every kind of attribute the one-pass batching handles: node,
+    edge and graph-level tensors, 0-dimensional values, node indices of several dtypes
+    (``face``, an int32 ``*_index``), a boolean node mask, Python numbers and
+    strings."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        n = int(torch.randint(1, 12, (), generator=gen))
+        e = int(torch.randint(0, 30, (), generator=gen))
+        out.append(Data(
+            x=torch.randn(n, 3, generator=gen),
+            edge_index=torch.randint(n, (2, e), generator=gen),
+            edge_attr=torch.randn(e, 2, generator=gen).double(),
+            pos=torch.randn(n, 2, generator=gen),
+            node_label=torch.randint(5, (n,), generator=gen),
+            mask=torch.rand(n, generator=gen) > 0.5,
+            y=torch.randint(3, (1,), generator=gen),
+            score=torch.randn((), generator=gen),
+            face=torch.randint(n, (3, 2), generator=gen),
+            anchor_index=torch.randint(n, (4,), generator=gen, dtype=torch.int32),
+            weight=float(i) / 2, count=i, name=f"g{i}"))
+    return out
+
+
+def _previous(monkeypatch: pytest.MonkeyPatch, collater: pg.FixedSizeCollater,
+              data_list: list[Data]) -> Batch:
+    """What the collater gave before the one-pass batching: PyG's ``Batch.from_data_list``
+    of the graphs and their padding graphs."""
+    with monkeypatch.context() as patch:
+        patch.setattr(pg.collate, "padded_batch", lambda *args, **kwargs: None)
+        return collater(list(data_list))
+
+
+def assert_same_batch(actual: Batch, expected: Batch) -> None:
+    """Same keys in the same order, equal values of equal dtypes, the same slices,
+    increments and number of graphs (so that ``to_data_list`` gives the same graphs)."""
+    assert type(actual) is type(expected)
+    assert list(actual.stores[0].keys()) == list(expected.stores[0].keys())
+    for key, value in expected.stores[0].items():
+        mine = actual[key]
+        if isinstance(value, torch.Tensor):
+            assert mine.dtype == value.dtype and torch.equal(mine, value), key
+        else:
+            assert mine == value, key
+    assert actual.num_graphs == expected.num_graphs
+    for attribute in ("_slice_dict", "_inc_dict"):
+        mine_dict, their_dict = getattr(actual, attribute), getattr(expected, attribute)
+        assert list(mine_dict) == list(their_dict)
+        for key, value in their_dict.items():
+            if value is None:
+                assert mine_dict[key] is None, (attribute, key)
+            else:
+                assert mine_dict[key].dtype == value.dtype, (attribute, key)
+                assert torch.equal(mine_dict[key], value), (attribute, key)
+    for mine_graph, their_graph in zip(actual.to_data_list(), expected.to_data_list(),
+                                       strict=True):
+        assert list(mine_graph.keys()) == list(their_graph.keys())
+        for key, value in their_graph.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(mine_graph[key], value), key
+            else:
+                assert mine_graph[key] == value, key
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_one_pass_batching_equals_pyg_batching_of_graphs_and_padding(monkeypatch, seed):
+    """On random graphs, padding graphs and fixed sizes: the same padded tensors, masks,
+    batch vectors, slices and increments as PyG's batching of the graphs and padding
+    graphs; and the one-pass path did batch them."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    real = int(torch.randint(1, 9, (), generator=gen))
+    num_graphs = real + int(torch.randint(1, 4, (), generator=gen))
+    data_list = varied_graphs(real, seed)
+    nodes = sum(d.num_nodes for d in data_list)
+    edges = sum(d.num_edges for d in data_list)
+    options = pg.FixedSizeOptions(
+        num_nodes=nodes + int(torch.randint(1, 6, (), generator=gen)),
+        num_edges=edges + int(torch.randint(0, 9, (), generator=gen)),
+        num_graphs=num_graphs, node_pad_value=-1.0, edge_pad_value=-2.0,
+        graph_pad_value=-3.0, pad_graph_defaults={"name": "pad", "weight": 9.5})
+    follow = ["x", "edge_attr", "name"] if seed % 2 else []
+    exclude = ["pos"] if seed % 3 == 0 else []
+    collater = pg.FixedSizeCollater(options, add_masks_to_batch=True, follow_batch=follow,
+                                    exclude_keys=exclude)
+    one_pass = []
+    real_padded_batch = pg.collate.padded_batch
+
+    def spy(*args, **kwargs):
+        one_pass.append(real_padded_batch(*args, **kwargs))
+        return one_pass[-1]
+
+    monkeypatch.setattr(pg.collate, "padded_batch", spy)
+    batch = collater(list(data_list))
+    assert one_pass and one_pass[-1] is not None
+    previous = _previous(monkeypatch, pg.FixedSizeCollater(
+        options, add_masks_to_batch=True, follow_batch=follow, exclude_keys=exclude),
+        data_list)
+    assert_same_batch(batch, previous)
+    # and the real part is PyG's batch of the real graphs
+    reference = Batch.from_data_list(data_list, follow_batch=follow, exclude_keys=exclude)
+    assert torch.equal(batch.x[:nodes], reference.x)
+    assert torch.equal(batch.edge_index[:, :edges], reference.edge_index)
+    assert torch.equal(batch.batch[:nodes], reference.batch)
+    assert torch.equal(batch.face[:, :2 * real], reference.face)
+    assert torch.equal(batch.nodes_mask, torch.arange(options.num_nodes) < nodes)
+    assert torch.equal(batch.edges_mask, torch.arange(options.num_edges) < edges)
+    assert torch.equal(batch.graphs_mask, torch.arange(num_graphs) < real)
+    assert batch.name[real:] == ["pad"] * (num_graphs - real)
+    assert_padding_is_isolated(batch, nodes)
+
+
+@pytest.mark.parametrize("case", ["subclass", "num_nodes", "batch_key", "index_number",
+                                  "tensor_list", "bool_index"])
+def test_graphs_the_one_pass_batching_leaves_to_pyg(monkeypatch, case):
+    """Graphs whose batching PyG decides in ways the one-pass path does not follow go
+    to PyG, with the same results as before."""
+    class MyData(Data):
+        pass
+
+    data_list = graphs(3)
+    if case == "subclass":
+        data_list = [MyData(**dict(d.items())) for d in data_list]
+    for data in data_list:
+        if case == "num_nodes":
+            data.num_nodes = data.x.shape[0]
+        elif case == "batch_key":
+            data.sub_batch = torch.zeros(data.x.shape[0], dtype=torch.long)
+        elif case == "index_number":
+            data.root_index = 0
+        elif case == "tensor_list":
+            data.parts = [torch.ones(2), torch.zeros(3)]
+        elif case == "bool_index":  # PyG's shift makes it int64
+            data.flag_index = torch.ones(2, dtype=torch.bool)
+    options = pg.FixedSizeOptions(num_nodes=60, num_edges=80, num_graphs=5)
+    results = []
+    real_padded_batch = pg.collate.padded_batch
+
+    def spy(*args, **kwargs):
+        results.append(real_padded_batch(*args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(pg.collate, "padded_batch", spy)
+    batch = pg.FixedSizeCollater(options, add_masks_to_batch=True)(list(data_list))
+    assert results == [None]
+    previous = _previous(monkeypatch, pg.FixedSizeCollater(options, add_masks_to_batch=True),
+                         data_list)
+    for key, value in previous.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(batch[key], value), key

@@ -89,6 +89,26 @@ def test_pad_to_max_batches_are_pyg_batches_plus_padding():
         check_edge_index_inside(batch)
 
 
+def test_worker_processes_give_the_batches_of_the_main_process():
+    """Batches collated in a worker process (written into shared memory there) equal
+    those collated in the main process, and their real part is PyG's batch."""
+    data = dataset(24, seed=3)
+    options = pg.FixedSizeOptions(num_nodes=60, num_edges=200, num_graphs=5)
+    main = list(pyg_dataloader.FixedSizeDataLoader(data, batch_size=5,
+                                                   fixed_size_options=options))
+    workers = list(pyg_dataloader.FixedSizeDataLoader(data, batch_size=5,
+                                                      fixed_size_options=options,
+                                                      num_workers=1))
+    reference = list(PyGLoader(data, batch_size=4))
+    assert len(main) == len(workers) == len(reference)
+    for mine, theirs, expected in zip(workers, main, reference, strict=True):
+        assert list(mine.keys()) == list(theirs.keys())
+        for key, value in theirs.items():
+            if isinstance(value, torch.Tensor):
+                assert mine[key].dtype == value.dtype and torch.equal(mine[key], value)
+        assert_same_graphs(real_part(mine), expected)
+
+
 def test_default_fixed_sizes_fit_any_batch():
     data = dataset()
     loader = pyg_dataloader.FixedSizeDataLoader(data, batch_size=4)

@@ -13,11 +13,12 @@ from torch_geometric.data.data import BaseData
 import poptorch
 from poptorch._utils import combine_batch_tensors_gen
 
+from .batching import padded_batch
 from .fixed_size_options import FixedSizeOptions
 from .levels import Infos, check_padded, classify
 from .padding import padding_graph, split_evenly
 from .pyg_collate import Collater
-from .sizes import measure
+from .sizes import GraphSizes, measure
 from .trimming import trim_edges, trim_nodes
 from .types import PyGArgsParser
 
@@ -68,6 +69,11 @@ class FixedSizeCollater(Collater):
     The batch stores its number of nodes (``num_nodes`` of the batch, of each node
     store when heterogeneous): joined with other micro-batches along dimension 0 it
     still says what each micro-batch holds.
+
+    Graphs of PyG's ``Data`` class are batched in one pass with their padding from the
+    sizes measured for padding (:func:`poptorch_geometric.batching.padded_batch`); other
+    graphs (``HeteroData``, subclasses, sparse values) with ``Batch.from_data_list``
+    and padding graphs. Both give the same batch.
     """
 
     def __init__(self, fixed_size_options: FixedSizeOptions,
@@ -139,14 +145,29 @@ class FixedSizeCollater(Collater):
                 f"a list of {num_real} graphs and cannot create additional graphs to pad "
                 "nodes and edges.")
         _check_padding_nodes(data_list[0], pad_nodes, pad_edges)
-        padded = data_list + self._padding_graphs(data_list, num_pad_graphs, pad_nodes,
-                                                  pad_edges, infos)
-        batch = super().__call__(padded)
+        batch = self._batched(data_list, sizes, num_pad_graphs, pad_nodes, pad_edges, infos)
+        if batch is None:  # PyG batches the graphs and their padding graphs
+            padded = data_list + self._padding_graphs(data_list, num_pad_graphs, pad_nodes,
+                                                      pad_edges, infos)
+            batch = super().__call__(padded)
         if self.add_masks_to_batch:
             self._add_masks(batch, num_real, real_nodes, real_edges)
         _store_num_nodes(batch, self.opts.num_nodes)
         self._last_infos = infos
         return batch
+
+    def _batched(self, data_list: list[BaseData], sizes: GraphSizes, count: int,
+                 pad_nodes: Counts, pad_edges: Counts, infos: Infos) -> Batch | None:
+        """The batch of plain ``Data`` graphs and ``count`` padding graphs in one pass
+        from the measured sizes (:func:`padded_batch`); None for other graphs."""
+        if not isinstance(pad_nodes, int):
+            return None
+        nodes_per_graph = _split(pad_nodes, count) if count else []
+        edges_per_graph = _split_edges(data_list[0], pad_edges, nodes_per_graph) \
+            if count else []
+        return padded_batch(data_list, sizes.nodes[None], nodes_per_graph, edges_per_graph,
+                            infos, self.opts, self.follow_batch or [],
+                            self.exclude_keys or [])
 
     def _add_masks(self, batch: Batch, num_real: int, real_nodes: Counts,
                    real_edges: Counts) -> None:

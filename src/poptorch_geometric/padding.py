@@ -21,7 +21,7 @@ from torch_geometric.data.data import BaseData
 from .fixed_size_options import FixedSizeOptions
 from .levels import AttributeInfo, Infos, store_types
 
-__all__ = ["padding_graph", "split_evenly"]
+__all__ = ["padded_value", "padding_graph", "split_evenly"]
 
 def split_evenly(amount: int, pieces: int) -> list[int]:
     """``amount`` split in ``pieces`` parts that differ by at most one, larger first."""
@@ -48,15 +48,17 @@ def padding_graph(template: BaseData, infos: Infos, num_nodes: int | dict[Any, i
         for key, value in store.items():
             if key in exclude_keys or key == "num_nodes":
                 continue
-            pad_store[key] = _padded_value(key, value, infos[(store_index, key)], nodes,
+            pad_store[key] = padded_value(key, value, infos[(store_index, key)], nodes,
                                            edges, options)
         if isinstance(template, Data) or type_key in template.node_types:
             pad_store.num_nodes = nodes
     return pad
 
 
-def _padded_value(key: str, value: Any, info: AttributeInfo, nodes: int, edges: int,
-                  options: FixedSizeOptions) -> Any:
+def padded_value(key: str, value: Any, info: AttributeInfo, nodes: int, edges: int,
+                 options: FixedSizeOptions) -> Any:
+    """A padding graph's value of attribute ``key`` (``value``: the first graph's), for
+    ``nodes`` padding nodes and ``edges`` padding edges."""
     if not isinstance(value, torch.Tensor):
         return options.pad_graph_defaults.get(key, value)
     if info.level == "graph" or info.dim is None:
