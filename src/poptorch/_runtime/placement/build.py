@@ -37,11 +37,11 @@ import inspect
 import itertools
 import re
 import threading
-from typing import Any
 
 import torch
 
 from ..._logging import info_once
+from ..._typing import UserOutput
 from ..config import PlacementConfig, RuntimeConfig
 from ..program.interpreter import EagerCompute, Interpreter
 from ..program.overlapped_io import FirstForwardCheck, OverlapSettings
@@ -142,7 +142,8 @@ class ModelParallelRunner:
         self.strategy = strategy
         self.overlap = overlap
         self.partition: Partition | None = None
-        self.devices: Any = devices  # acquired with the partition when not given
+        # acquired with the partition when not given
+        self.devices: list[torch.device] | None = devices
         self.streaming: StreamingMemory | None = None
         self.last_schedule: ScheduleRecord | None = None
         self.engine: Engine | None = None
@@ -187,6 +188,7 @@ class ModelParallelRunner:
                 self._why_sequential = f"its stages cannot be split apart ({exc})"
         self._set_partition(part)
         if staged is not None:
+            assert self.devices is not None  # (set with the partition)
             self.engine = Engine(staged, [st.ipu for st in part.stages], self.devices)
         return part
 
@@ -234,6 +236,7 @@ class ModelParallelRunner:
             self._check = check
 
     def _place_weights(self, part: Partition) -> None:
+        assert self.devices is not None  # (set with the partition)
         with torch.no_grad():
             for t in list(self.model.parameters()) + list(self.model.buffers()):
                 stage = part.weight_stage.get(id(t))
@@ -243,7 +246,8 @@ class ModelParallelRunner:
                         t.data = t.data.to(device)
 
     # ------------------------------------------------------------------ run
-    def __call__(self, microbatches: list[tuple], loss_of: LossOf | None) -> list[Any]:
+    def __call__(self, microbatches: list[tuple], loss_of: LossOf | None
+                 ) -> list[UserOutput]:
         if self.partition is None:
             self.compile(microbatches[0])
         if self._plain is not None:
@@ -261,11 +265,11 @@ class ModelParallelRunner:
         return self._run_sequential(microbatches, loss_of, why)
 
     def _run_sequential(self, microbatches: list[tuple], loss_of: LossOf | None,
-                        why: str) -> list[Any]:
+                        why: str) -> list[UserOutput]:
         """The sharded action list in this thread, with the model's own forward
         (``sequential.py``)."""
         part = self.partition
-        assert part is not None  # (compiled before any run)
+        assert part is not None and self.devices is not None  # (compiled before any run)
         if microbatches:
             info_once(("placement-sequential", self._serial),
                       "Model parallelism: %s runs its stages one after another in the "
@@ -282,7 +286,7 @@ class ModelParallelRunner:
         self._keep(record)
         return outputs
 
-    def _forward(self, args: tuple, kwargs: dict) -> Any:
+    def _forward(self, args: tuple, kwargs: dict) -> UserOutput:
         check = self._check
         return (self.model(*args, **kwargs) if check is None
                 else check.run(self.model, args, kwargs))
@@ -296,6 +300,7 @@ class ModelParallelRunner:
             return timeline
         part, engine = self.partition, self.engine
         assert part is not None and engine is not None  # (compiled before any run)
+        assert self.devices is not None
         n, kind = part.num_stages, kind_of(self.strategy)
         topo = schedules.Topology(tuple(map(tuple, engine.producers)),
                                   tuple(map(tuple, engine.consumers)))
@@ -316,7 +321,8 @@ class ModelParallelRunner:
         timeline = self._plans[key] = Timeline.of(name, lanes, topo)
         return timeline
 
-    def _run_engine(self, inputs: list[dict], loss_of: LossOf | None) -> list[Any]:
+    def _run_engine(self, inputs: list[dict], loss_of: LossOf | None
+                    ) -> list[UserOutput]:
         part, engine = self.partition, self.engine
         assert part is not None and engine is not None  # (compiled before any run)
         engine.worker_contexts = self.worker_contexts
@@ -333,12 +339,15 @@ class ModelParallelRunner:
         return outputs
 
     def _run_engine_phased(self, lanes: list[list[Action]], inputs: list[dict],
-                           loss_of: LossOf | None, record: ScheduleRecord) -> list[Any]:
+                           loss_of: LossOf | None, record: ScheduleRecord
+                           ) -> list[UserOutput]:
         """Phases (one stage each) on the engine: serial phases in this thread, parallel
         phases on the even / odd devices' workers; a phase's weights are streamed in
         before its first action and out when its lane moves on."""
         part, engine, streaming = self.partition, self.engine, self.streaming
         assert part is not None and engine is not None and streaming is not None
+        devices = self.devices
+        assert devices is not None
         lane_phase: dict = {}
         lock = threading.Lock()
 
@@ -348,7 +357,7 @@ class ModelParallelRunner:
                 streaming.enter(phase, lane_phase.get(lane))
                 lane_phase[lane] = phase
 
-        scope = lambda: streaming.activation_scope(self.devices)  # noqa: E731
+        scope = lambda: streaming.activation_scope(devices)  # noqa: E731
         try:
             if kind_of(self.strategy) == PARALLEL_PHASED:
                 return engine.run_lanes(lanes, inputs, loss_of, record, before, (scope, ))

@@ -57,6 +57,7 @@ from .captured import (
 )
 from .export_capture import export_model
 from .partition import _Tracer
+from .strategy import ExecutionStrategy
 
 __all__ = ["BLOCK_META", "CaptureUnsupported", "CapturedModel", "CustomBackward",
            "ShapeGuard", "capture", "check_markers", "trace_model"]
@@ -100,17 +101,17 @@ class _BlockTracer(torch.fx.Tracer):
         return [node[i] for i in range(len(tensors))]
 
     # fx tracer -----------------------------------------------------------------------
-    def create_args_for_root(self, root_fn: Callable[..., Any], is_module: bool,
-                             concrete_args: dict[str, Any] | tuple[Any, ...] | None = None
-                             ) -> tuple[Any, list[Any]]:
+    def create_args_for_root(self, root_fn: Callable[..., object], is_module: bool,
+                             concrete_args: dict[str, object] | tuple[object, ...] | None
+                             = None) -> tuple[Callable[..., object], list[object]]:
         self._making_args = True
         try:
             return super().create_args_for_root(root_fn, is_module, concrete_args)
         finally:
             self._making_args = False
 
-    def call_module(self, m: torch.nn.Module, forward: Callable[..., Any],
-                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def call_module(self, m: torch.nn.Module, forward: Callable[..., object],
+                    args: tuple[object, ...], kwargs: dict[str, object]) -> object:
         if self.is_leaf_module(m, self.path_of_module(m)):
             hook = markers.begin_block_of(m)
             if hook is not None:  # leaf: fx emits one node and runs no hook
@@ -119,7 +120,7 @@ class _BlockTracer(torch.fx.Tracer):
 
     def create_node(self, kind: str, target: Target, args: tuple[Argument, ...],
                     kwargs: dict[str, Argument], name: str | None = None,
-                    type_expr: Any | None = None) -> torch.fx.Node:
+                    type_expr: object = None) -> torch.fx.Node:
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         if self._making_args:
             if kind != "placeholder":
@@ -133,7 +134,7 @@ class _BlockTracer(torch.fx.Tracer):
         return node
 
 
-def capture(model: torch.nn.Module, args: tuple, kwargs: dict, strategy: Any,
+def capture(model: torch.nn.Module, args: tuple, kwargs: dict, strategy: ExecutionStrategy,
             overlap: OverlapSettings | None = None) -> CapturedModel:
     """Capture ``model`` for arguments like ``(args, kwargs)`` (only whether each one is a
     tensor, and the non-tensor values, matter). Raises :class:`CaptureUnsupported`
@@ -189,7 +190,7 @@ def check_markers(captured: CapturedModel, overlap: OverlapSettings | None) -> C
 
 
 def trace_model(model: torch.nn.Module, args: tuple, kwargs: dict,
-                strategy: Any) -> CapturedModel:
+                strategy: ExecutionStrategy) -> CapturedModel:
     """The traced model, its overlap markers still nodes of the graph (for
     ``io_markers.finish``); raises whatever stopped the trace."""
     signature = inspect.signature(model.forward)

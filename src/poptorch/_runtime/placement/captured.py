@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any
 
 import sympy
 import torch
 import torch.fx
 
+from ..._typing import UserInput
 from ..torch_internals import pytree
 from . import io_markers
 from .partition import IMPLICIT_BLOCK, BlockTrace
@@ -46,7 +46,7 @@ class ShapeGuard:
     sizes: list[tuple[int | sympy.Expr, ...]]
     ranges: dict[sympy.Symbol, tuple[int, int | None]]
 
-    def accepts(self, leaves: list[Any]) -> bool:
+    def accepts(self, leaves: list[object]) -> bool:
         """Whether tensors ``leaves`` are like the captured ones (same count, dtypes,
         ranks and sizes, symbolic sizes bound consistently and within range)."""
         if len(leaves) != len(self.sizes):
@@ -84,7 +84,7 @@ class CapturedModel:
     trace: BlockTrace
     signature: inspect.Signature
     placeholders: list[str]  # forward parameter name of each placeholder, in order
-    concrete: dict[str, Any]  # non-tensor arguments baked into the graph
+    concrete: dict[str, UserInput]  # non-tensor arguments baked into the graph
     loss_nodes: list[torch.fx.Node] = field(default_factory=list)  # identity_loss marks
     checkpoints: int = 0  # recomputation checkpoints in the graph
     # the overlap markers, nodes of the graph until io_markers.finish removes them
@@ -93,7 +93,7 @@ class CapturedModel:
     guard: ShapeGuard | None = None
     tracer: str = "torch.fx"  # what captured it: "torch.export" or "torch.fx"
 
-    def inputs_of(self, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    def inputs_of(self, args: tuple, kwargs: dict) -> dict[str, UserInput] | None:
         """The placeholder values of one micro-batch, or None when the micro-batch's
         non-tensor arguments differ from those the graph was captured with (or, for an
         exported graph, its tensors' shapes or dtypes: :class:`ShapeGuard`)."""
@@ -113,13 +113,13 @@ class CapturedModel:
         return inputs
 
 
-def is_traced_input(value: Any) -> bool:
+def is_traced_input(value: object) -> bool:
     """Tensors (and containers of tensors) become graph inputs; the rest is baked in."""
     leaves = pytree.tree_leaves(value)
     return bool(leaves) and all(isinstance(v, torch.Tensor) for v in leaves)
 
 
-def same_constant(a: Any, b: Any) -> bool:
+def same_constant(a: object, b: object) -> bool:
     """Whether non-tensor argument ``a`` equals the captured ``b``."""
     try:
         return a is b or bool(a == b)
@@ -154,9 +154,9 @@ def record_weight_users(gm: torch.fx.GraphModule, trace: BlockTrace) -> None:
         trace.ipu_of[IMPLICIT_BLOCK] = 0
 
 
-def fetch_attr(gm: torch.nn.Module, target: str) -> Any:
+def fetch_attr(gm: torch.nn.Module, target: str) -> object:
     """The attribute at dotted path ``target`` of ``gm``."""
-    value: Any = gm
+    value: object = gm
     for part in target.split("."):
         value = getattr(value, part)
     return value

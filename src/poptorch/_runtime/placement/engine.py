@@ -32,16 +32,19 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 import torch
 
+from ..._typing import UserInput, UserOutput
 from .. import context
 from ..schedule.actions import Action, ActionKind
 from ..schedule.timeline import ScheduleEvent, ScheduleRecord
 from ..torch_internals import pytree
 from . import recompute, split_backward
 from .stages import StagedModel
+
+_T = TypeVar("_T")
 
 FORWARD, BACKWARD = ActionKind.FORWARD, ActionKind.BACKWARD
 INPUT_HALF, WEIGHT_HALF = ActionKind.INPUT_HALF, ActionKind.WEIGHT_HALF
@@ -141,10 +144,10 @@ class Engine:
         self.workers = {}
 
     # ---------------------------------------------------------------- pipelined
-    def run_lanes(self, lanes: list[list[Action]], inputs: list[dict[str, Any]],
-                  loss_of: Callable[[Any], torch.Tensor] | None,
+    def run_lanes(self, lanes: list[list[Action]], inputs: list[dict[str, UserInput]],
+                  loss_of: Callable[[UserOutput], torch.Tensor] | None,
                   record: ScheduleRecord, before: Callable | None = None,
-                  contexts: tuple = ()) -> list[Any]:
+                  contexts: tuple = ()) -> list[UserOutput]:
         """Run ``lanes`` (one action list per device, ``lanes[d]`` on device ``d``),
         each on its device's worker; returns the model's outputs per micro-batch.
         ``before(lane, op)`` runs before each action (phased streaming); ``contexts``
@@ -161,10 +164,10 @@ class Engine:
         return step.results
 
     # ---------------------------------------------------------------- sharded
-    def run_in_order(self, ops: list[Action], inputs: list[dict[str, Any]],
-                     loss_of: Callable[[Any], torch.Tensor] | None,
+    def run_in_order(self, ops: list[Action], inputs: list[dict[str, UserInput]],
+                     loss_of: Callable[[UserOutput], torch.Tensor] | None,
                      record: ScheduleRecord, cut: bool = False,
-                     before: Callable | None = None) -> list[Any]:
+                     before: Callable | None = None) -> list[UserOutput]:
         """Run ``ops`` in this thread, one device busy at a time. Uncut (sharded), the
         stages of a micro-batch form one autograd graph and its backward is one call
         from the loss; cut (serial phases), each backward action runs its stage's."""
@@ -178,8 +181,8 @@ class Engine:
 class _Step:
     """The mailbox and the bookkeeping of one runner call."""
 
-    def __init__(self, engine: Engine, inputs: list[dict[str, Any]],
-                 loss_of: Callable[[Any], torch.Tensor] | None, cut: bool,
+    def __init__(self, engine: Engine, inputs: list[dict[str, UserInput]],
+                 loss_of: Callable[[UserOutput], torch.Tensor] | None, cut: bool,
                  record: ScheduleRecord) -> None:
         self.engine = engine
         self.staged = engine.staged
@@ -188,12 +191,12 @@ class _Step:
         self.cut = cut
         self.record = record
         self.last = len(self.staged.stages) - 1
-        self.results: list[Any] = [None] * len(inputs)
+        self.results: list[UserOutput] = [None] * len(inputs)
         self.outputs: dict[tuple[int, int], tuple] = {}
         self.crossed: dict[tuple[int, int], dict[int, list]] = {}  # (s, m) -> producer -> pairs
         self.losses: dict[int, torch.Tensor] = {}
         self.halves: dict[tuple[int, int], split_backward.SplitBackward] = {}
-        self.events: dict[Action, Any] = {}  # CUDA events of finished actions
+        self.events: dict[Action, torch.cuda.Event] = {}  # CUDA events of finished actions
         self.done: set = set()
         self.cond = threading.Condition()
         self.error: BaseException | None = None
@@ -309,7 +312,7 @@ class _Step:
     def _finish_microbatch(self, m: int, args: list, out: tuple) -> None:
         staged = self.staged
 
-        def value(source: tuple) -> Any:
+        def value(source: tuple) -> UserOutput:
             if source[0] == "import":
                 return args[source[1]]
             if source[0] == "stage":
@@ -365,7 +368,7 @@ class _Step:
         self._record_event(Action(BACKWARD, s, m))
         self.outputs.pop((s, m), None)
 
-    def _cross(self, value: Any, device: torch.device, pairs: list) -> Any:
+    def _cross(self, value: _T, device: torch.device, pairs: list) -> _T:
         """A producer's value as the consumer sees it: on its device and, in a cut
         pipeline, detached with ``requires_grad`` (the stage boundary)."""
         def cross(t: torch.Tensor) -> torch.Tensor:
@@ -399,7 +402,7 @@ def _handed_over(op: Action) -> Action:
     return Action(kind, op.stage, op.microbatch)  # (without its lane: a dependency key)
 
 
-def _to(value: Any, device: torch.device) -> Any:
+def _to(value: _T, device: torch.device) -> _T:
     return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), value)
 
 

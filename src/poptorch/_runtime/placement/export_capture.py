@@ -34,16 +34,17 @@ import inspect
 import io
 import logging
 import operator
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import cast
 
 import sympy
 import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
 from torch.export import Dim, ExportedProgram
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import InputKind, InputSpec, OutputKind, OutputSpec
 
+from ..._typing import UserInput, UserOutput
 from .. import context
 from ..torch_internals import pytree
 from . import capture_ops, io_markers, markers, recompute
@@ -57,7 +58,8 @@ from .captured import (
     is_traced_input,
     record_weight_users,
 )
-from .partition import IMPLICIT_BLOCK, _Tracer
+from .partition import IMPLICIT_BLOCK, BlockTrace, _Tracer
+from .strategy import ExecutionStrategy
 
 _ROOT = "model"  # the model's attribute name in the exported wrapper
 _CUSTOM = "custom"  # the node meta key fx_traceback.annotate fills
@@ -77,7 +79,7 @@ class _BlockAnnotator:
         self._scope = contextlib.ExitStack()
         # the model's output structure, kept as it runs (here: export restores the
         # exported module's own attributes): its leaves (traced ones: None), its spec
-        self.output: list[Any] = []
+        self.output: list[UserOutput] = []  # [the leaves, their pytree spec]
 
     def reset_auto_id(self) -> None:
         self.blocks.reset_auto_id()
@@ -108,7 +110,7 @@ class _Forward(torch.nn.Module):
     ones baked in), returning its output's traced leaves and the marked losses."""
 
     def __init__(self, model: torch.nn.Module, signature: inspect.Signature,
-                 names: list[str], concrete: dict[str, Any],
+                 names: list[str], concrete: dict[str, UserInput],
                  listener: _BlockAnnotator) -> None:
         super().__init__()
         setattr(self, _ROOT, model)
@@ -160,7 +162,7 @@ def _refuse_custom_backward(tensors: tuple) -> None:
 
 
 def export_model(model: torch.nn.Module, args: tuple, kwargs: dict,
-                 strategy: Any) -> CapturedModel:
+                 strategy: ExecutionStrategy) -> CapturedModel:
     """``model`` captured with ``torch.export`` for calls like ``(args, kwargs)``, its
     overlap markers still nodes of the graph (for ``io_markers.finish``); raises
     whatever stopped the export."""
@@ -213,17 +215,17 @@ def _quiet() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _batch_dims(values: tuple) -> Any:
+def _batch_dims(values: tuple) -> tuple[object, ...]:
     """``dynamic_shapes`` of ``values``: dimension 0 of each tensor ``Dim.AUTO`` (symbolic
     from 2 up, where the model does not fix it; a size of 1 is traced as a constant)."""
-    def spec(t: torch.Tensor) -> dict[int, Any] | None:
+    def spec(t: torch.Tensor) -> dict[int, object] | None:
         return None if t.dim() == 0 else {0: Dim.AUTO}
     return tuple(pytree.tree_map_only(torch.Tensor, spec, v) for v in values)
 
 
 @contextlib.contextmanager
 def _listening(listener: _BlockAnnotator, overlap: io_markers.ExportMarkers,
-               strategy: Any) -> Iterator[None]:
+               strategy: ExecutionStrategy) -> Iterator[None]:
     """The block listener, the overlap checker and node annotations while exporting."""
     strategy.onStartTracing()
     previous = markers.set_listener(listener)
@@ -249,24 +251,24 @@ def _listening(listener: _BlockAnnotator, overlap: io_markers.ExportMarkers,
 _NAME_SCOPE_OPS = ("poptorch::push_name_scope", "poptorch::pop_name_scope")
 
 
-def _is_name_scope(target: Any) -> bool:
+def _is_name_scope(target: object) -> bool:
     name = getattr(target, "name", None)  # (an operator's: "namespace::name")
     return hasattr(target, "overloadpacket") and callable(name) \
         and name() in _NAME_SCOPE_OPS
 
 
-def _same(value: Any) -> Any:
+def _same(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
 def _rebuild(program: ExportedProgram, model: torch.nn.Module, wrapper: _Forward,
              listener: _BlockAnnotator, overlap: io_markers.ExportMarkers,
-             signature: inspect.Signature, names: list[str], concrete: dict[str, Any],
+             signature: inspect.Signature, names: list[str], concrete: dict[str, UserInput],
              values: tuple) -> CapturedModel:
     """The exported program as the graph the stage split reads (module docstring)."""
     graph = torch.fx.Graph()
-    env: dict[torch.fx.Node, Any] = {}
-    attrs: dict[str, Any] = {}  # get_attr target -> value (the model's own tensors)
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    attrs: dict[str, object] = {}  # get_attr target -> value (the model's own tensors)
     user_leaves = _input_leaves(graph, names, values)
     specs = {spec.arg.name: spec for spec in program.graph_signature.input_specs
              if hasattr(spec.arg, "name")}
@@ -327,8 +329,8 @@ def _input_leaves(graph: torch.fx.Graph, names: list[str], values: tuple
     return leaves
 
 
-def _input_node(graph: torch.fx.Graph, spec: Any, program: ExportedProgram,
-                user_leaves: list[torch.fx.Node], attrs: dict[str, Any],
+def _input_node(graph: torch.fx.Graph, spec: InputSpec, program: ExportedProgram,
+                user_leaves: list[torch.fx.Node], attrs: dict[str, object],
                 model: torch.nn.Module, prefix: str) -> torch.fx.Node:
     """The node standing for one input of the exported program."""
     target = str(spec.target)
@@ -348,11 +350,12 @@ def _input_node(graph: torch.fx.Graph, spec: Any, program: ExportedProgram,
 
 
 def _output(graph: torch.fx.Graph, program: ExportedProgram, node: torch.fx.Node,
-            env: dict[torch.fx.Node, Any], wrapper: _Forward) -> list[torch.fx.Node]:
+            env: dict[torch.fx.Node, torch.fx.Node], wrapper: _Forward
+            ) -> list[torch.fx.Node]:
     """The model's output structure as the output node; the in-place updates of
     buffers and inputs export moved to the outputs as ``copy_`` nodes; returns the
     loss nodes."""
-    results: list[Any] = []
+    results: list[torch.fx.node.Argument] = []
     returned = node.args[0]
     assert isinstance(returned, (tuple, list))  # (an exported graph returns a tuple)
     for spec, value in zip(program.graph_signature.output_specs, returned, strict=True):
@@ -378,11 +381,11 @@ def _output(graph: torch.fx.Graph, program: ExportedProgram, node: torch.fx.Node
     losses = results[len(results) - n_losses:]
     if not all(isinstance(v, torch.fx.Node) for v in losses):
         raise CaptureUnsupported("a loss was marked with a value that is not traced")
-    return losses
+    return cast(list[torch.fx.Node], losses)
 
 
-def _mutated(graph: torch.fx.Graph, program: ExportedProgram, spec: Any,
-             env: dict[torch.fx.Node, Any]) -> torch.fx.Node:
+def _mutated(graph: torch.fx.Graph, program: ExportedProgram, spec: OutputSpec,
+             env: dict[torch.fx.Node, torch.fx.Node]) -> torch.fx.Node:
     """The node of the buffer or input an exported in-place update writes."""
     target = str(spec.target)
     signature = program.graph_signature
@@ -394,7 +397,7 @@ def _mutated(graph: torch.fx.Graph, program: ExportedProgram, spec: Any,
     raise CaptureUnsupported(f"the exported program updates {target!r}, not found")
 
 
-def _tag_blocks(graph: torch.fx.Graph, trace: Any) -> None:
+def _tag_blocks(graph: torch.fx.Graph, trace: BlockTrace) -> None:
     """Set every operation's block (``BLOCK_META``) from its annotation; an operation
     recorded outside any annotation (a size read when the inputs were made, the
     ``getitem`` picking an input) takes the block of its first user."""
@@ -415,7 +418,7 @@ def _tag_blocks(graph: torch.fx.Graph, trace: Any) -> None:
             trace.ipu_of[IMPLICIT_BLOCK] = 0
 
 
-def _order(graph: torch.fx.Graph) -> Any:
+def _order(graph: torch.fx.Graph) -> Callable[[torch.fx.Node], int]:
     position = {n: i for i, n in enumerate(graph.nodes)}
     return position.__getitem__
 
@@ -489,7 +492,7 @@ def _size(d: int | torch.SymInt) -> int | sympy.Expr:
     return int(expr) if expr.is_Integer else expr
 
 
-def _bound(value: Any) -> int | None:
+def _bound(value: int | sympy.Expr) -> int | None:
     """``value`` (a range's bound) as an int; None when unbounded."""
     if isinstance(value, int):
         return value

@@ -21,12 +21,13 @@ nodes: the stage modules never run them.
 from __future__ import annotations
 
 import operator
-from collections.abc import Hashable
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import TypeVar, cast
 
 import torch
 import torch.fx
 
+from ..._typing import UserInput, UserOutput
 from ...enums import OverlapMode
 from ..program.overlapped_io import (
     METADATA_ATTRIBUTES,
@@ -41,18 +42,23 @@ from . import capture_ops
 
 _MARKER_META = "poptorch_overlap_marker"  # (kind, call order, mode) of a marker node
 
+_T = TypeVar("_T")
 
-def input_marker(value: Any) -> Any:
+#: a marked leaf: a traced tensor (an fx proxy while traced, a tensor while exported)
+_Leaf = torch.Tensor | torch.fx.Proxy
+
+
+def input_marker(value: _T) -> _T:
     """The target of a ``set_overlap_for_input`` node (removed before anything runs)."""
     return value
 
 
-def output_marker(value: Any) -> Any:
+def output_marker(value: _T) -> _T:
     """The target of a ``set_overlap_for_output`` node (removed before anything runs)."""
     return value
 
 
-def is_marker(target: Any) -> bool:
+def is_marker(target: object) -> bool:
     """Whether ``target`` is that of a marker node."""
     return target is input_marker or target is output_marker
 
@@ -62,8 +68,8 @@ class GraphMarkers:
     the arguments of the traced call by parameter name; ``forward``, ``args`` and
     ``kwargs`` number the input tensors as an eager forward would."""
 
-    def __init__(self, tracer: torch.fx.Tracer | None, example: dict[str, Any],
-                 forward: Any, args: tuple, kwargs: dict) -> None:
+    def __init__(self, tracer: torch.fx.Tracer | None, example: dict[str, UserInput],
+                 forward: Callable[..., UserOutput], args: tuple, kwargs: dict) -> None:
         self.tracer = tracer
         self.example = example
         self.tensors, self.names = input_tensors(forward, args, kwargs)
@@ -72,22 +78,23 @@ class GraphMarkers:
         self.untraced: list[int] = []  # call orders of input markers on untraced tensors
 
     # the markers (ops/hints.py) call these while the model is traced
-    def mark_input(self, structure: Any, mode: OverlapMode) -> Any:
+    def mark_input(self, structure: UserInput, mode: OverlapMode) -> UserInput:
         return self._mark(structure, input_marker, "input", mode)
 
-    def mark_output(self, structure: Any, mode: OverlapMode) -> Any:
+    def mark_output(self, structure: UserOutput, mode: OverlapMode) -> UserOutput:
         return self._mark(structure, output_marker, "output", mode)
 
-    def _mark(self, structure: Any, target: Any, kind: str, mode: OverlapMode) -> Any:
+    def _mark(self, structure: UserInput, target: Callable[..., object], kind: str,
+              mode: OverlapMode) -> UserInput:
         self.calls += 1
         order = self.calls
 
-        def mark(value: Any) -> Any:
+        def mark(value: _Leaf) -> _Leaf:
             return self._emit(value, target, kind, order, mode)
         return map_structure(structure, mark)
 
-    def _emit(self, value: Any, target: Any, kind: str, order: int,
-              mode: OverlapMode) -> Any:
+    def _emit(self, value: _Leaf, target: Callable[..., object], kind: str, order: int,
+              mode: OverlapMode) -> _Leaf:
         """The marked value: a marker node of the fx graph being traced."""
         if not isinstance(value, torch.fx.Proxy):  # a tensor no traced op made
             if kind == "input":  # ... is no input of the model
@@ -111,9 +118,9 @@ class GraphMarkers:
         for order in self.untraced:
             record.input_misplaced(order)
         raw: dict[torch.fx.Node, list[int]] = {}  # raw input nodes -> input tensors held
-        values: dict[torch.fx.Node, Any] = {}  # ... and their values in the example
+        values: dict[torch.fx.Node, UserInput] = {}  # ... and their values in the example
 
-        def hold(node: torch.fx.Node, value: Any) -> None:
+        def hold(node: torch.fx.Node, value: UserInput) -> None:
             values[node] = value
             raw[node] = [index[id(t)] for t in pytree.tree_leaves(value)
                          if isinstance(t, torch.Tensor) and id(t) in index]
@@ -167,15 +174,16 @@ class ExportMarkers(GraphMarkers):
     a ``capture_ops.overlap_marker`` call (``torch.export`` records operators only),
     which :meth:`adopt` replaces with the marker node the fx capture makes."""
 
-    def __init__(self, example: dict[str, Any], forward: Any, args: tuple,
-                 kwargs: dict) -> None:
+    def __init__(self, example: dict[str, UserInput], forward: Callable[..., UserOutput],
+                 args: tuple, kwargs: dict) -> None:
         super().__init__(None, example, forward, args, kwargs)
-        self._pending: dict[int, tuple[Any, str, OverlapMode]] = {}
+        self._pending: dict[int, tuple[Callable[..., object], str, OverlapMode]] = {}
 
-    def _emit(self, value: Any, target: Any, kind: str, order: int,
-              mode: OverlapMode) -> Any:
+    def _emit(self, value: _Leaf, target: Callable[..., object], kind: str, order: int,
+              mode: OverlapMode) -> _Leaf:
         self._pending[order] = (target, kind, mode)
-        return capture_ops.overlap_marker(value, order)
+        # (an exported forward's values are tensors, never fx proxies)
+        return capture_ops.overlap_marker(cast(torch.Tensor, value), order)
 
     def adopt(self, graph: torch.fx.Graph, order: int, marked: torch.fx.Node
               ) -> torch.fx.Node:
@@ -187,7 +195,7 @@ class ExportMarkers(GraphMarkers):
         return node
 
 
-def is_export_marker(target: Any) -> bool:
+def is_export_marker(target: object) -> bool:
     """Whether ``target`` is that of an exported marker (:class:`ExportMarkers`)."""
     return capture_ops.is_overlap_marker(target)
 
@@ -195,7 +203,7 @@ def is_export_marker(target: Any) -> bool:
 _NOTHING = object()
 
 
-def _picked(node: torch.fx.Node, values: dict[torch.fx.Node, Any]) -> Any:
+def _picked(node: torch.fx.Node, values: dict[torch.fx.Node, UserInput]) -> UserInput:
     """The value a ``getitem`` node picks out of a tuple, list or dict input (indexing
     a container is no op on a tensor); ``_NOTHING`` for any other node."""
     if node.op != "call_function" or node.target is not operator.getitem:

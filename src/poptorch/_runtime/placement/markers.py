@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any
+from typing import Protocol
 
 import torch
 
@@ -26,20 +26,36 @@ _annotation_counter = itertools.count()
 # wrapper form of BeginBlock and poptorch.IPU).
 STARTS_BLOCK_ATTR = "_poptorch_starts_block"
 
+#: a block's id as the user gives it (None: the next automatic id)
+BlockId = str | int | None
 
-def current_listener() -> Any:
+
+class BlockListener(Protocol):
+    """What the annotations report to (module docstring): the capture's tracers, the
+    block tracer of ``partition.py``, a :class:`~.stagerun.StageRun`."""
+
+    def reset_auto_id(self) -> None: ...
+
+    def begin_block(self, user_id: BlockId, ipu_id: int | None,
+                    layer: torch.nn.Module | None = None) -> None: ...
+
+    def checkpoint(self, tensors: list) -> list: ...
+
+
+def current_listener() -> BlockListener | None:
     """The block listener of this thread, or None outside a model-parallel run."""
     return getattr(_listener_state, "listener", None)
 
 
-def set_listener(listener: Any) -> Any:
+def set_listener(listener: BlockListener | None) -> BlockListener | None:
     """Install ``listener`` for this thread; returns the previous one (to restore)."""
     previous = getattr(_listener_state, "listener", None)
     _listener_state.listener = listener
     return previous
 
 
-def begin_block(user_id: Any, ipu_id: int | None, layer: Any = None) -> None:
+def begin_block(user_id: BlockId, ipu_id: int | None,
+                layer: torch.nn.Module | None = None) -> None:
     """Report the start of a block to the listener, if any."""
     listener = current_listener()
     if listener is not None:
@@ -49,7 +65,7 @@ def begin_block(user_id: Any, ipu_id: int | None, layer: Any = None) -> None:
 class BeginBlockHook:
     """Forward pre-hook starting a block each time the annotated layer is called."""
 
-    def __init__(self, user_id: Any, ipu_id: int | None, layer_name: str) -> None:
+    def __init__(self, user_id: BlockId, ipu_id: int | None, layer_name: str) -> None:
         self.user_id = user_id
         self.ipu_id = ipu_id
         self.order = next(_annotation_counter)
@@ -59,7 +75,8 @@ class BeginBlockHook:
         begin_block(self.user_id, self.ipu_id, layer=module)
 
 
-def attach_begin_block(module: torch.nn.Module, user_id: Any, ipu_id: int | None) -> None:
+def attach_begin_block(module: torch.nn.Module, user_id: BlockId,
+                       ipu_id: int | None) -> None:
     """Annotate ``module`` in place (replacing an earlier annotation): a
     :class:`BeginBlockHook` among its forward pre-hooks, which is where the annotation
     is found again (also on copies of the module, which copy their hooks)."""

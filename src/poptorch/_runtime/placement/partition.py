@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -37,7 +36,7 @@ class BlockNamer:
     def reset_auto_id(self) -> None:
         self._next_auto = 0
 
-    def name(self, user_id: Any) -> str:
+    def name(self, user_id: markers.BlockId) -> str:
         if user_id is None:
             user_id = self._next_auto
             self._next_auto += 1
@@ -51,7 +50,7 @@ class BlockTrace:
     ipu_of: dict[str, int | None] = field(default_factory=dict)
     users: dict[int, list[str]] = field(default_factory=dict)  # id(param/buffer) -> blocks
     tensor_names: dict[int, str] = field(default_factory=dict)
-    begin_block_layers: list[Any] = field(default_factory=list)  # hooks, in call order
+    begin_block_layers: list[markers.BeginBlockHook] = field(default_factory=list)  # in call order
 
 
 class _Tracer(TorchFunctionMode):
@@ -90,9 +89,9 @@ class _Tracer(TorchFunctionMode):
         return tensors
 
     # torch function mode
-    def __torch_function__(self, func: Callable[..., Any], types: Collection[type],
-                           args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(self, func: Callable[..., object], types: Collection[type],
+                           args: tuple[object, ...] = (),
+                           kwargs: dict[str, object] | None = None) -> object:
         kwargs = kwargs or {}
         for t in pytree.tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and id(t) in self._weights:

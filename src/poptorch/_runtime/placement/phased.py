@@ -19,7 +19,6 @@ off chip.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
 
 import torch
 
@@ -30,7 +29,7 @@ from .partition import Partition
 HOST = torch.device("cpu")
 
 
-def _location_off_chip(settings: Any, numel: int) -> bool:
+def _location_off_chip(settings: object, numel: int) -> bool:
     if not isinstance(settings, dict) or settings.get("onChip", True):
         return False
     return numel >= int(settings.get("minElementsForOffChip", 0))
@@ -118,7 +117,7 @@ class StreamingMemory:
                 t.grad = t.grad.to(device)
 
     def activation_scope(self, devices: list[torch.device]
-                         ) -> contextlib.AbstractContextManager[Any]:
+                         ) -> contextlib.AbstractContextManager[None]:
         """Saved activations go to host memory between forward and backward."""
         if self.stream_activations and any(d.type != "cpu" for d in devices):
             return torch.autograd.graph.save_on_cpu(pin_memory=False)

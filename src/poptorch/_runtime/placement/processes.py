@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from ..._typing import UserInput, UserOutput
 from ...enums import OutputMode
 from ...errors import Error
 from .. import context
@@ -35,16 +36,26 @@ from ..distributed import world as world_module
 from ..distributed.collectives import failures_as_errors
 from ..distributed.consistency import check_same_everywhere
 from ..distributed.output_broadcast import OutputBroadcast
+from ..program.overlapped_io import OverlapSettings
 from ..schedule import schedules
 from ..schedule.timeline import PROCESSES, ScheduleEvent, ScheduleRecord
 from ..torch_internals import pytree
 from . import recompute
 from .capture import CapturedModel, check_markers, trace_model
 from .partition import Partition, resolve_partition
-from .stages import StagedModel, split_stages
-from .strategy import PIPELINED, kind_of, publish_schedule, schedule_name
+from .stages import StagedModel, StageModule, split_stages
+from .strategy import (
+    PIPELINED,
+    ExecutionStrategy,
+    kind_of,
+    publish_schedule,
+    schedule_name,
+)
 
-LossOf = Callable[[Any], torch.Tensor]
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
+
+LossOf = Callable[[UserOutput], torch.Tensor]
 
 
 class _StageAdapter(torch.nn.Module):
@@ -53,7 +64,8 @@ class _StageAdapter(torch.nn.Module):
     the outputs are the values the next stage needs (the last stage: the tensors of the
     model's output and of its marked losses)."""
 
-    def __init__(self, stage: Any, in_plan: list, out_plan: list, recording: bool) -> None:
+    def __init__(self, stage: StageModule, in_plan: list, out_plan: list,
+                 recording: bool) -> None:
         super().__init__()
         self.stage = stage.module
         self.index = stage.index
@@ -61,7 +73,7 @@ class _StageAdapter(torch.nn.Module):
         self.out_plan = out_plan  # per output: ("own", pos), ("carry", i), ("arg", i)
         self.recording = recording  # recomputation checkpoints in this stage
 
-    def forward(self, *carried: Any, **inputs: Any) -> tuple:
+    def forward(self, *carried: torch.Tensor, **inputs: UserInput) -> tuple:
         args = [carried[x] if kind == "carry" else inputs[x] for kind, x in self.in_plan]
         if self.recording and torch.is_grad_enabled():
             with recompute.recording(self.stage):
@@ -123,7 +135,7 @@ class StageProcessRunner:
     """The step runner of a model whose stages run on processes (module docstring)."""
 
     def __init__(self, model: torch.nn.Module, config: RuntimeConfig, training: bool,
-                 example: tuple | None, overlap: Any = None) -> None:
+                 example: tuple | None, overlap: OverlapSettings | None = None) -> None:
         strategy = config.placement.strategy
         if kind_of(strategy) != PIPELINED:
             raise Error(
@@ -219,7 +231,8 @@ class StageProcessRunner:
         stage_processes.gather_stages(self.layout, self._stage_tensors)
 
     # ------------------------------------------------------------------ run
-    def __call__(self, microbatches: list[tuple], loss_of: LossOf | None) -> list[Any]:
+    def __call__(self, microbatches: list[tuple], loss_of: LossOf | None
+                 ) -> list[UserOutput]:
         inputs = []
         for args, kwargs in microbatches:
             values = self.captured.inputs_of(args, kwargs)
@@ -273,7 +286,7 @@ class StageProcessRunner:
             made = self._schedules[key] = (schedule, stage)
         return made
 
-    def _rebuild(self, values: Any) -> tuple:
+    def _rebuild(self, values: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple:
         """The model's output and its marked losses from the last stage's outputs."""
         values = (values, ) if isinstance(values, torch.Tensor) else tuple(values)
         it = iter(values)
@@ -282,7 +295,8 @@ class StageProcessRunner:
         losses = [src[1] if src[0] == "const" else next(it) for src in staged.loss_sources]
         return pytree.tree_unflatten(leaves, staged.output_spec), losses
 
-    def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+    def _loss(self, output: torch.Tensor | tuple[torch.Tensor, ...], target: torch.Tensor
+              ) -> torch.Tensor:
         """The last stage's loss function: PopTorch's loss of the model's output (also
         called once on copies while torch's schedule infers the shapes it sends)."""
         model_output, losses = self._rebuild(output)
@@ -292,7 +306,7 @@ class StageProcessRunner:
         assert loss_of is not None  # (set for the duration of a training step)
         return loss_of(model_output)
 
-    def _outputs(self, stage: Any, inputs: list[dict]) -> list[Any]:
+    def _outputs(self, stage: PipelineStage, inputs: list[dict]) -> list[UserOutput]:
         """Every micro-batch's output, on every process of the pipeline: the last stage
         has them and broadcasts them to the others (with ``OutputMode.Final``, only the
         last micro-batch's, the one the program returns)."""
@@ -348,8 +362,8 @@ class StageProcessRunner:
         publish_schedule(self.strategy, record)
 
 
-def _capture_or_explain(model: torch.nn.Module, example: tuple, strategy: Any,
-                        overlap: Any) -> CapturedModel:
+def _capture_or_explain(model: torch.nn.Module, example: tuple, strategy: ExecutionStrategy,
+                        overlap: OverlapSettings | None) -> CapturedModel:
     """The captured model (its overlap markers checked with the options' ``overlap``
     settings), or an error saying why it cannot be split over processes."""
     args, kwargs = example

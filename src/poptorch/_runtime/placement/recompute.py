@@ -24,9 +24,9 @@ import collections
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Collection
+from collections.abc import Collection, Hashable
 from types import FrameType
-from typing import Any
+from typing import Protocol, cast
 
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -52,6 +52,22 @@ _state = threading.local()
 _hooked_models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 _hook_lock = threading.Lock()
 _CALL_IMPL = MODULE_CALL_CODE
+
+
+class _Operator(Protocol):
+    """An ATen operator overload (``torch._ops.OpOverload``), as the tape reads it: its
+    schema and tags, its packet (the overloads of one name), and its call."""
+
+    @property
+    def _schema(self) -> torch.FunctionSchema: ...
+
+    @property
+    def tags(self) -> list[torch.Tag]: ...
+
+    @property
+    def overloadpacket(self) -> Hashable: ...
+
+    def __call__(self, *args: object, **kwargs: object) -> object: ...
 
 
 def checkpoint(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -83,20 +99,20 @@ class recording:
 
     def __init__(self, owner: torch.nn.Module | None) -> None:
         self.owner = owner
-        self.rec: Any = None
-        self.previous: Any = None
+        self.rec: ForwardRecording | _Swallow | None = None
+        self.previous: ForwardRecording | _Swallow | None = None
 
     def __enter__(self) -> recording:
         self.previous = getattr(_state, "recording", None)
         self.rec = _Swallow() if self.owner is None else ForwardRecording(self.owner)
         _state.recording = self.rec
-        if self.owner is not None:
+        if isinstance(self.rec, ForwardRecording):  # (self.owner is not None)
             self.rec.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         _state.recording = self.previous
-        if self.owner is not None:
+        if isinstance(self.rec, ForwardRecording):  # (self.owner is not None)
             self.rec.finish()
 
 
@@ -130,7 +146,7 @@ def hook_model(model: torch.nn.Module) -> None:
     model.register_forward_hook(_end_forward, always_call=True)
 
 
-def _start_forward(module: torch.nn.Module, args: Any) -> None:
+def _start_forward(module: torch.nn.Module, args: tuple) -> None:
     recording = getattr(_state, "recording", None)
     if recording is not None:
         if recording.owner is module:
@@ -141,7 +157,7 @@ def _start_forward(module: torch.nn.Module, args: Any) -> None:
         _state.recording.start()
 
 
-def _end_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
+def _end_forward(module: torch.nn.Module, args: tuple, output: object) -> None:
     recording = getattr(_state, "recording", None)
     if recording is None or recording.owner is not module:
         return
@@ -187,7 +203,7 @@ class ForwardRecording:
         self.segment.close(recompute=True)
         self.segment = _Segment(self.outer)
 
-    def _pack(self, tensor: torch.Tensor) -> Any:
+    def _pack(self, tensor: torch.Tensor) -> _Kept | _Pending:
         return self.segment.pack(tensor)
 
 
@@ -198,9 +214,9 @@ class _TapeMode(TorchDispatchMode):
         super().__init__()
         self.recording = recording
 
-    def __torch_dispatch__(self, func: Callable[..., Any], types: Collection[type],
-                           args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_dispatch__(self, func: _Operator, types: Collection[type],
+                           args: tuple[object, ...] = (),
+                           kwargs: dict[str, object] | None = None) -> object:
         kwargs = kwargs or {}
         if _leaves_no_tensor_trace(func):
             # Name scopes (push / pop_name_scope, NameScope's profiler range): they
@@ -221,9 +237,9 @@ class _Kept:
 
     __slots__ = ("payload", "tensor", "unpack", "version")
 
-    def __init__(self, tensor: Any, outer: tuple | None) -> None:
+    def __init__(self, tensor: torch.Tensor, outer: tuple | None) -> None:
         self.version = tensor._version
-        self.tensor: Any
+        self.tensor: torch.Tensor | None
         if outer is None:
             self.tensor, self.payload, self.unpack = tensor, None, None
         else:
@@ -232,12 +248,13 @@ class _Kept:
     def get(self) -> torch.Tensor:
         if self.unpack is not None:
             return self.unpack(self.payload)
-        if self.tensor._version != self.version:
+        tensor = cast(torch.Tensor, self.tensor)  # (kept itself: no enclosing hooks)
+        if tensor._version != self.version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified "
-                f"by an inplace operation: it is at version {self.tensor._version}; "
+                f"by an inplace operation: it is at version {tensor._version}; "
                 f"expected version {self.version} instead.")
-        return self.tensor
+        return tensor
 
 
 class _Pending:
@@ -260,7 +277,7 @@ class _Pending:
         return self.segment.recomputed(self.ref)
 
 
-def _unpack(saved: Any) -> torch.Tensor:
+def _unpack(saved: _Kept | _Pending) -> torch.Tensor:
     return saved.get()
 
 
@@ -285,7 +302,7 @@ class _Segment:
         self.drop_after: list[list[Ref]] = []
 
     # recording ------------------------------------------------------------------
-    def before(self, func: Any, args: tuple, kwargs: dict) -> tuple:
+    def before(self, func: _Operator, args: tuple, kwargs: dict) -> tuple:
         """Record the call of ``func`` (an aten operator overload: its schema and tags
         are read) before it runs; returns the tape entry (see :meth:`after`)."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -310,7 +327,7 @@ class _Segment:
             self.rng = (len(self.ops), torch.get_rng_state(), cuda)
         return func, refs, spec
 
-    def after(self, entry: tuple, out: Any) -> None:
+    def after(self, entry: tuple, out: object) -> None:
         i = len(self.ops)
         self.ops.append(entry)
         outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -333,7 +350,7 @@ class _Segment:
             self.external_index[id(tensor)] = index
         return index
 
-    def pack(self, tensor: torch.Tensor) -> Any:
+    def pack(self, tensor: torch.Tensor) -> _Kept | _Pending:
         ref = self.binding.get(tensor)
         if ref is None:
             return _Kept(tensor, self.outer)
@@ -351,7 +368,8 @@ class _Segment:
         """Decide for every tensor saved in this segment: keep it or recompute it."""
         for pending in self.pending:
             if not recompute or pending.ref in self.kept_refs:
-                pending.kept = _Kept(pending.tensor, self.outer)
+                # (its tensor is held until the segment closes)
+                pending.kept = _Kept(cast(torch.Tensor, pending.tensor), self.outer)
             else:
                 self.wanted[pending.ref] += 1
             pending.tensor = None
@@ -433,10 +451,10 @@ class _External:
         self.index = index
 
 
-_no_trace_cache: dict[Any, bool] = {}
+_no_trace_cache: dict[_Operator, bool] = {}
 
 
-def _leaves_no_tensor_trace(func: Any) -> bool:  # (an aten operator overload: its schema)
+def _leaves_no_tensor_trace(func: _Operator) -> bool:
     """True for an operator that returns no tensor and writes to none of its arguments
     (by its schema): nothing a replay computes can depend on it."""
     cached = _no_trace_cache.get(func)
@@ -450,16 +468,16 @@ def _leaves_no_tensor_trace(func: Any) -> bool:  # (an aten operator overload: i
     return cached
 
 
-_write_cache: dict[Any, tuple[frozenset, frozenset]] = {}
+_write_cache: dict[_Operator, tuple[frozenset, frozenset]] = {}
 # Ops that update their running statistics without saying so in their schema.
-_UNANNOTATED_WRITES = {
+_UNANNOTATED_WRITES: dict[Hashable, tuple[str, ...]] = {
     torch.ops.aten.native_batch_norm: ("running_mean", "running_var"),
     torch.ops.aten.cudnn_batch_norm: ("running_mean", "running_var"),
     torch.ops.aten.miopen_batch_norm: ("running_mean", "running_var"),
 }
 
 
-def _written_leaves(func: Any, args: tuple, kwargs: dict) -> set:  # (func: as above)
+def _written_leaves(func: _Operator, args: tuple, kwargs: dict) -> set:
     """Leaf positions (in the flattened ``(args, kwargs)``) of the arguments that
     ``func`` writes to (from its schema, e.g. ``self`` of ``add_``, ``out=``)."""
     cached = _write_cache.get(func)

@@ -21,18 +21,18 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
+from ..._typing import UserOutput
 from ..schedule.actions import Action, ActionKind
 from ..schedule.timeline import ScheduleEvent, ScheduleRecord
 from .partition import Partition
 from .phased import StreamingMemory
 from .stagerun import StageRun, listening
 
-LossOf = Callable[[Any], torch.Tensor]
-Forward = Callable[[tuple, dict], Any]  # the model's forward on (args, kwargs)
+LossOf = Callable[[UserOutput], torch.Tensor]
+Forward = Callable[[tuple, dict], UserOutput]  # the model's forward on (args, kwargs)
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 
@@ -48,7 +48,7 @@ def units_of(partition: Partition, phased: bool) -> list[int]:
 def run_in_calling_thread(ops: list[Action], forward: Forward, partition: Partition,
                           devices: list[torch.device], streaming: StreamingMemory | None,
                           microbatches: list[tuple], loss_of: LossOf | None,
-                          record: ScheduleRecord) -> list[Any]:
+                          record: ScheduleRecord) -> list[UserOutput]:
     """Run ``ops`` (units as stages) over ``microbatches``; the outputs per
     micro-batch, the executed actions appended to ``record`` (module docstring)."""
     unit_of_stage = units_of(partition, streaming is not None)
@@ -59,7 +59,7 @@ def run_in_calling_thread(ops: list[Action], forward: Forward, partition: Partit
             streaming.enter(unit, resident[0])
             resident[0] = unit
 
-    outputs: list[Any] = [None] * len(microbatches)
+    outputs: list[UserOutput] = [None] * len(microbatches)
     runs: dict[int, tuple[StageRun, list[int]]] = {}  # micro-batch -> its run, units
     scope = (streaming.activation_scope(devices) if streaming is not None
              else contextlib.nullcontext())
@@ -83,7 +83,8 @@ def run_in_calling_thread(ops: list[Action], forward: Forward, partition: Partit
 
 
 def _forward(run: StageRun, forward: Forward, microbatch: tuple, m: int,
-             loss_of: LossOf | None, record: ScheduleRecord) -> tuple[list[int], Any]:
+             loss_of: LossOf | None, record: ScheduleRecord
+             ) -> tuple[list[int], UserOutput]:
     """Micro-batch ``m``'s whole forward (and loss); the units it crossed, in order."""
     clock = time.perf_counter
     reached: list[tuple[int, float]] = []

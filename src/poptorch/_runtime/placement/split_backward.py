@@ -28,7 +28,6 @@ engine then runs the full backward.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
@@ -55,7 +54,7 @@ class SplitBackward:
         self.kept: dict[Node, tuple] = {}
         self.handles: list = []
 
-    def input_half(self, roots: list[torch.Tensor], grads: list[Any],
+    def input_half(self, roots: list[torch.Tensor], grads: list[torch.Tensor | None],
                    inputs: list[torch.Tensor]) -> None:
         """Gradients of ``inputs`` (into their ``.grad``); the joins' gradients kept."""
         kept = self.kept

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Collection
-from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -86,9 +85,9 @@ class StageRun(TorchFunctionMode):
         self._enter_stage(self.partition.block_stage[self.partition.sequence[0]])
 
     # ---------------------------------------------------------------- torch function mode
-    def __torch_function__(self, func: Callable[..., Any], types: Collection[type],
-                           args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(self, func: Callable[..., object], types: Collection[type],
+                           args: tuple[object, ...] = (),
+                           kwargs: dict[str, object] | None = None) -> object:
         kwargs = kwargs or {}
         args, kwargs = pytree.tree_map_only(torch.Tensor, self._adopt, (args, kwargs))
         out = func(*args, **kwargs)
@@ -127,7 +126,7 @@ class StageRun(TorchFunctionMode):
         forward pass ended in) and from the gradients that later units left on the
         copies of this unit's tensors."""
         roots: list[torch.Tensor] = []
-        grads: list[Any] = []
+        grads: list[torch.Tensor | None] = []
         if unit == self.unit and self.loss is not None:
             roots.append(self.loss)
             grads.append(None)
@@ -151,11 +150,11 @@ def _unknown_block(block: str, partition: Partition) -> Exception:
 class listening:
     """Context manager installing a block listener on this thread."""
 
-    def __init__(self, listener: Any) -> None:
+    def __init__(self, listener: markers.BlockListener) -> None:
         self.listener = listener
-        self.previous: Any = None
+        self.previous: markers.BlockListener | None = None
 
-    def __enter__(self) -> Any:
+    def __enter__(self) -> markers.BlockListener:
         self.previous = markers.set_listener(self.listener)
         return self.listener
 

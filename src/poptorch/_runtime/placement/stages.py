@@ -14,7 +14,6 @@ last stage: values of other stages that it needs cross into it like any boundary
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.fx
@@ -43,7 +42,7 @@ class StagedModel:
     """The model split into stages, and how the model's output is rebuilt."""
     stages: list[StageModule]
     # the output structure: pytree of ("stage", s, position) / ("const", value) leaves
-    output_spec: Any
+    output_spec: pytree.TreeSpec
     output_sources: list[tuple]
     loss_sources: list[tuple]
 
@@ -148,8 +147,8 @@ def _stage_module(gm: torch.fx.GraphModule, s: int, stage_of: dict[torch.fx.Node
     return module, sources
 
 
-def _fetch(gm: torch.nn.Module, target: str) -> Any:
-    value: Any = gm
+def _fetch(gm: torch.nn.Module, target: str) -> object:
+    value: object = gm
     for part in target.split("."):
         value = getattr(value, part)
     return value

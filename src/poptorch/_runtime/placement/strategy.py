@@ -8,9 +8,12 @@ this small protocol instead of importing them: each class names its schedule wit
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Protocol
 
+from ...enums import AutoStage, Liveness
 from ..schedule.schedules import DEFAULT
+from ..schedule.timeline import ScheduleRecord
 
 PIPELINED = "pipelined"
 SHARDED = "sharded"
@@ -19,22 +22,43 @@ PARALLEL_PHASED = "parallel_phased"
 PHASED_KINDS = (SERIAL_PHASED, PARALLEL_PHASED)
 
 
+class StageView(Protocol):
+    """A ``poptorch.Stage`` as the runtime reads it: its blocks, and its IPU (None:
+    placed automatically)."""
+
+    _ipu: int | None
+
+    @property
+    def blocks(self) -> list[str]: ...
+
+
+class PhaseView(Protocol):
+    """A ``poptorch.Phase`` as the runtime reads it: its stages."""
+
+    @property
+    def stages(self) -> Sequence[StageView]: ...
+
+
 class ExecutionStrategy(Protocol):
     """The attributes of a strategy object that the runtime reads."""
 
     schedule_kind: str
     # read per kind: pipelined / sharded (auto_stage), phased (phases, tensors_liveness);
     # last_schedule is written by the runner for inspection
-    auto_stage: Any
-    phases: Any
-    tensors_liveness: Any
-    last_schedule: Any
+    auto_stage: AutoStage | None
+    last_schedule: ScheduleRecord | None
+
+    @property
+    def phases(self) -> Sequence[PhaseView]: ...
+
+    @property
+    def tensors_liveness(self) -> Liveness: ...
 
     def onStartTracing(self) -> None: ...
 
     def onEndTracing(self) -> None: ...
 
-    def _explicit_stages(self) -> list[Any]: ...
+    def _explicit_stages(self) -> Sequence[StageView]: ...
 
 
 def kind_of(strategy: ExecutionStrategy) -> str:
@@ -53,7 +77,7 @@ def schedule_name(strategy: ExecutionStrategy) -> str:
     return getattr(strategy, "pipeline_schedule", DEFAULT)
 
 
-def publish_schedule(strategy: ExecutionStrategy, record: Any) -> None:
+def publish_schedule(strategy: ExecutionStrategy, record: ScheduleRecord) -> None:
     """Show the schedule just run as ``last_schedule`` on the strategy in force and on
     the strategy object the user made (the options hold a copy of it: ``_origin``)."""
     strategy.last_schedule = record
