@@ -139,6 +139,28 @@ def test_max_repeat_logs_none_shows_everything(caplog):
     assert _messages(caplog).count("again") == 6
 
 
+def test_once_per_model_warning_is_not_a_repeated_line(capfd):
+    """A log_once message (here: an input that requires grad, once per model) is printed
+    for every model, however many models in a row give it: the repeat limit is for one
+    source repeating itself, not for the same news about six different models."""
+    poptorch.setLogLevel("WARN")
+    text = "Input tensor has requires_grad=True set"
+    torch.manual_seed(0)
+    for _ in range(6):
+        layer = torch.nn.Linear(2, 2)
+        x = torch.randn(3, 2, requires_grad=True)
+        expected = layer(x.detach())
+        out = poptorch.inferenceModel(layer)(x)
+        torch.testing.assert_close(out, expected)
+        assert not out.requires_grad  # detached, as the message says
+        out_err = capfd.readouterr()
+        assert (out_err.out + out_err.err).count(text) == 1
+    poptorch.logger.warning("plain line")
+    for _ in range(5):
+        poptorch.logger.warning("plain line")
+    assert capfd.readouterr().err.count("plain line") == 4  # the limit still holds
+
+
 def test_log_dir_writes_a_log_file(tmp_path):
     poptorch.setLogLevel("INFO")
     log_dir = tmp_path / "logs"

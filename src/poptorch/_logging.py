@@ -40,6 +40,8 @@ TRACE_ALL = 1
 logging.addLevelName(TRACE, "TRACE")
 logging.addLevelName(TRACE_ALL, "TRACE_ALL")
 _OFF = logging.CRITICAL + 10
+# set on the records log_once emits: the repeat filter lets them through
+_ONCE_ATTR = "_poptorch_once"
 
 _LEVELS = {
     "OFF": _OFF,
@@ -107,6 +109,10 @@ class _RepeatFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "_poptorch_summary", False):
+            return True
+        if getattr(record, _ONCE_ATTR, False):
+            # a log_once message is printed once per thing it is about (a model, an
+            # option...): the same text for another thing is news, not a repeated line
             return True
         with self._lock:
             key = (record.levelno, record.getMessage())
@@ -184,7 +190,7 @@ def log_once(level: int, key: Hashable, msg: str, *args: object) -> bool:
         if key in _once_keys:
             return False
         _once_keys.add(key)
-    logger.log(level, msg, *args)
+    logger.log(level, msg, *args, extra={_ONCE_ATTR: True})
     return True
 
 
