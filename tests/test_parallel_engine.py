@@ -77,13 +77,15 @@ def _runner_of(model):
     return runner
 
 
-def _train_both(model, strategy, g, steps=3, loss_index=-1, mb=2):
+def _train_both(model, strategy, g, steps=3, loss_index=-1, mb=2, configure=None):
     """Train a poptorch copy and a plain PyTorch copy on the same data; return both
-    models and the poptorch training model."""
+    models and the poptorch training model (``configure(opts)``: more options)."""
     reference = copy.deepcopy(model)
     poptorch.removeBlocks(reference)
     opts = poptorch.Options()
     opts.Training.gradientAccumulation(g)
+    if configure is not None:
+        configure(opts)
     if strategy is not None:
         opts.setExecutionStrategy(strategy)
     training = poptorch.trainingModel(model, opts, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -258,6 +260,20 @@ def test_phased_on_the_engine_streams_weights_and_matches_pytorch(kind):
         assert mem.peak_resident_bytes == total
         assert {e.lane for e in strategy.last_schedule.events} == {0, 1}
     assert len(strategy.last_schedule.events) == 2 * 2 * 4
+
+
+def test_off_chip_weights_stream_in_phases_that_would_stay_live():
+    # ParallelPhasedExecution keeps every phase live; weights kept off chip
+    # (TensorLocations.setWeightLocation) stream in and out with their phase all the same
+    strategy = poptorch.ParallelPhasedExecution(
+        *[poptorch.Phase(poptorch.Stage(f"b{k}")) for k in range(4)])
+    model = Chain([None] * 4)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    off_chip = poptorch.TensorLocationSettings().useOnChipStorage(False)
+    training = _train_both(model, strategy, 2, configure=lambda opts:
+                           opts.TensorLocations.setWeightLocation(off_chip))
+    mem = _runner_of(training).streaming
+    assert 0 < mem.peak_resident_bytes < total
 
 
 class CheckpointedChain(Chain):

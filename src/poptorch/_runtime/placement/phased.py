@@ -19,6 +19,7 @@ off chip.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 
 import torch
 
@@ -30,7 +31,8 @@ HOST = torch.device("cpu")
 
 
 def _location_off_chip(settings: object, numel: int) -> bool:
-    if not isinstance(settings, dict) or settings.get("onChip", True):
+    # (the frozen configuration holds the settings as a read-only mapping)
+    if not isinstance(settings, Mapping) or settings.get("onChip", True):
         return False
     return numel >= int(settings.get("minElementsForOffChip", 0))
 
