@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 
@@ -13,6 +12,7 @@ from .._runtime.device_faults import translate as translate_device_fault
 from .._runtime.program.backend_choice import automatic_backend
 from .._runtime.program.undo import StateUndo
 from .._runtime.torch_internals import pytree
+from .._typing import UserInput, UserOutput
 from ..annotations.strategies import PipelinedExecution, ShardedExecution
 from ..errors import Error
 from ..options.options import Options
@@ -46,21 +46,21 @@ def backend_name(options: Options, device: torch.device) -> str:
     return name
 
 
-def to_device(structure: Any, device: torch.device) -> Any:
+def to_device(structure: UserInput, device: torch.device) -> UserInput:
     """Every tensor of ``structure`` on ``device`` (pinned, non-blocking copies)."""
-    def move(t: Any) -> Any:
+    def move(t: object) -> object:
         if not isinstance(t, torch.Tensor) or t.device == device:
             return t
         return t.pin_memory().to(device, non_blocking=True)
     return pytree.tree_map(move, structure)
 
 
-def count_tensors(structure: Any) -> int:
+def count_tensors(structure: object) -> int:
     """How many tensors ``structure`` holds."""
     return sum(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(structure))
 
 
-def to_cpu(structure: Any) -> Any:
+def to_cpu(structure: UserOutput) -> UserOutput:
     """Every tensor of ``structure`` on the CPU."""
     return pytree.tree_map(
         lambda t: t.to("cpu") if isinstance(t, torch.Tensor) else t, structure)

@@ -10,7 +10,7 @@ modules.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
@@ -53,6 +53,14 @@ from .processes import join_processes
 
 if TYPE_CHECKING:  # (imported where stages run on processes: torch's pipelining)
     from .._runtime.placement.processes import StageProcessRunner
+    from ..optim.base import Optimizer as PoptorchOptimizer
+    from ..options.options import Options
+
+
+class Progress(Protocol):
+    """The compile's progress bar (a ``tqdm``): one ``update()`` per stage."""
+
+    def update(self) -> object: ...
 
 
 @dataclass(frozen=True)
@@ -60,31 +68,34 @@ class ModelParts:
     """The executor's user-facing state a compile reads."""
     model: torch.nn.Module  # the executor's shallow copy (the device model)
     user_model: torch.nn.Module
-    options: Any  # the executor's own poptorch.Options
+    options: Options  # the executor's own
     training: bool
-    optimizer: Any  # the user's optimizer (training) or None
+    optimizer: torch.optim.Optimizer | None  # the user's optimizer (training) or None
     version: str
     groupings: dict  # replicaGrouping of parameters, by name
     name: str  # "<model>.training" / "<model>.inference", for messages
 
 
-def batch_plan(options: Any) -> BatchPlan:
+def batch_plan(options: Options) -> BatchPlan:
     """How a call's inputs split into device iterations and micro-batches."""
     return BatchPlan(options.device_iterations, options.Training.gradient_accumulation,
                      options.replication_factor, options.input_group_size,
                      CommGroupType(options.input_cgt))
 
 
-def optimizer_sync(user_optimizer: Any, device_optimizer: Any
+def optimizer_sync(user_optimizer: torch.optim.Optimizer,
+                   device_optimizer: torch.optim.Optimizer
                    ) -> DeviceOptimizerSync | None:
     """The sync of a user's optimizer with its device copy, None when not needed."""
     if DeviceOptimizerSync.needed(user_optimizer, device_optimizer):
-        return DeviceOptimizerSync(user_optimizer, device_optimizer)
+        # (``needed``: both are poptorch.optim optimizers)
+        return DeviceOptimizerSync(cast("PoptorchOptimizer", user_optimizer),
+                                   cast("PoptorchOptimizer", device_optimizer))
     return None
 
 
 def compile_model(parts: ModelParts, args: tuple, kwargs: dict,
-                  precompiled: dict | None, progress: Any) -> Compilation:
+                  precompiled: dict | None, progress: Progress) -> Compilation:
     """Compile ``parts`` for inputs like ``(args, kwargs)`` (docs/design.md, the data
     flow of a call); ``progress.update()`` marks each of four stages."""
     opts, model, training = parts.options, parts.model, parts.training
@@ -120,6 +131,7 @@ def compile_model(parts: ModelParts, args: tuple, kwargs: dict,
     progress.update()
     if binding is not None:  # what setOptimizer checks later optimizers against
         from ..optim.attributes import snapshot_constants
+        assert parts.optimizer is not None  # (a training model's)
         binding.constants = snapshot_constants(parts.optimizer)
     extras = program_setup.program_extras(
         plan, model=model, user_model=parts.user_model, config=config,
@@ -239,6 +251,7 @@ def _weights_and_optimizer(parts: ModelParts, config: RuntimeConfig, device: tor
     if not parts.training:
         return sync, None
     optimizer = parts.optimizer
+    assert optimizer is not None  # (a training model's)
     attached = attach_optimizer(optimizer, model, parts.user_model, sync)
     optimizer_rules.mark_compiled(optimizer, options)
     keys = optimizer_rules.attribute_keys(optimizer)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from .._runtime.export import read_payload
+from .._typing import UserInput, UserOutput
 from .._version import __version__
 from ..errors import Error
 from ..optim.optimizers import SGD
@@ -32,7 +32,7 @@ class _ModelWithLoss(torch.nn.Module):
         self.model = model
         self.loss = loss
 
-    def forward(self, *args: Any) -> tuple[Any, Any]:
+    def forward(self, *args: UserInput) -> tuple[UserOutput, UserOutput]:
         if len(args) < 2:
             raise Error("A model wrapped with loss= takes the inputs and then the label as "
                         "its last argument: poptorch_model(inputs, label).")
@@ -86,14 +86,14 @@ def _legacy_options(values: dict) -> Options:
     return opts
 
 
-def _unwrap(model: Any) -> torch.nn.Module:
+def _unwrap(model: torch.nn.Module | PoplarExecutor) -> torch.nn.Module:
     """A PoplarExecutor may be wrapped again: the new wrapper shares its weights."""
     if isinstance(model, PoplarExecutor):
         return model.model  # (the user's module, with the device's weights)
     return model
 
 
-def trainingModel(*args: Any, **kwargs: Any) -> PoplarExecutor:
+def trainingModel(*args: object, **kwargs: object) -> PoplarExecutor:
     """trainingModel(model, options=None, optimizer=None)
 
     Wrap ``model`` for training: each call runs forward, backward and the optimizer
@@ -116,7 +116,7 @@ def trainingModel(*args: Any, **kwargs: Any) -> PoplarExecutor:
     return PoplarExecutor(model, options, True, _VERSION, optimizer, user_model)
 
 
-def inferenceModel(*args: Any, **kwargs: Any) -> PoplarExecutor:
+def inferenceModel(*args: object, **kwargs: object) -> PoplarExecutor:
     """inferenceModel(model, options=None)
 
     Wrap ``model`` for inference: each call runs the forward pass on every micro-batch
@@ -135,7 +135,7 @@ trainingModel.__signature__ = _TRAINING  # type: ignore[attr-defined]  # (a func
 inferenceModel.__signature__ = _INFERENCE  # type: ignore[attr-defined]  # (likewise)
 
 
-def load(filename: str, edit_opts_fn: Callable[[Any], None] | None = None) -> PoplarExecutor:
+def load(filename: str, edit_opts_fn: Callable[[Options], None] | None = None) -> PoplarExecutor:
     """Rebuild the executor saved in ``filename`` (needs ``export_model=True``).
 
     ``edit_opts_fn(options)`` may change the options first, e.g. to pick a device.

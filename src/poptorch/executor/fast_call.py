@@ -24,13 +24,14 @@ model is compiled again, destroyed or detached, or gets another optimizer.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
 from .._runtime.compilation import Compilation
 from .._runtime.torch_internals import tensor_inputs_check
 from .._runtime.weights.modelcopy import TrainingMode
+from .._typing import UserOutput
 from .call_support import raise_device_fault
 
 MISS = object()  # FastCall's answer when the call must take the general path
@@ -81,7 +82,7 @@ class FastCall:
         self._casting = state.casting
         self._optimizer_sync = None if state.optimizer is None else state.optimizer.sync
 
-    def __call__(self, args: tuple, kwargs: dict) -> Any:
+    def __call__(self, args: tuple, kwargs: dict) -> UserOutput:
         if kwargs or len(args) != self._count or not self._check(*args):
             return MISS
         if self._constants is not None:
@@ -110,7 +111,7 @@ class FastCall:
 
 
 def make_fast_call(state: Compilation, mode: TrainingMode, args: tuple, kwargs: dict
-                   ) -> Callable[[tuple, dict], Any] | Literal[False] | None:
+                   ) -> Callable[[tuple, dict], UserOutput] | Literal[False] | None:
     """The fast path of a compiled model (``state``, run in the wrapper's training
     ``mode``) for calls like this one (just run on the general path): a
     :py:class:`FastCall`; None when it may qualify later (warm-up calls, casting rules

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from .._runtime.compilation import Compilation
 from ..errors import Error, PoptorchAssertionError
+
+if TYPE_CHECKING:
+    from ..options.options import Options
 
 
 class ExecutorInspection:
@@ -19,7 +22,7 @@ class ExecutorInspection:
 
     # provided by PoplarExecutor
     _require_compilation: Callable[[str], Compilation]
-    _options: Any
+    _options: Options
     _model: torch.nn.Module
     _training: bool
 

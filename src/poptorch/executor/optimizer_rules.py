@@ -14,7 +14,7 @@ compiling).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,13 +23,17 @@ from .._runtime.attributes import own_attribute_names
 from ..enums import MeanReductionStrategy
 from ..errors import PoptorchValueError
 
+if TYPE_CHECKING:
+    from .._runtime.program.optimizer import AttributeKeys
+    from ..options.options import Options
 
-def _needs_running_mean(optimizer: Any) -> bool:
+
+def _needs_running_mean(optimizer: object) -> bool:
     return getattr(optimizer, "accum_type", None) == torch.float16 and \
         not getattr(optimizer, "use_combined_accum", False)
 
 
-def apply_mean_reduction_rule(options: Any, optimizer: Any, compiled: bool) -> None:
+def apply_mean_reduction_rule(options: Options, optimizer: object, compiled: bool) -> None:
     """See module docstring; ``options`` is the model's own (unfrozen before compile)."""
     if not _needs_running_mean(optimizer):
         return
@@ -47,21 +51,21 @@ def apply_mean_reduction_rule(options: Any, optimizer: Any, compiled: bool) -> N
         MeanReductionStrategy.Running)
 
 
-def mark_compiled(optimizer: Any, options: Any) -> None:
+def mark_compiled(optimizer: object, options: Options) -> None:
     """Let a poptorch.optim optimizer show its device view in ``state_dict()``."""
     if hasattr(optimizer, "_compiled_on_device") and not options.exists("ipu_version"):
         optimizer._compiled_on_device = True
 
 
-def attribute_keys(optimizer: Any) -> tuple[frozenset, list[frozenset], set]:
+def attribute_keys(optimizer: torch.optim.Optimizer) -> AttributeKeys:
     """The optimizer's public attributes and each param group's keys (at compile), and
     the (empty) set of attributes already warned about for this model."""
     own = frozenset(k for k in own_attribute_names(optimizer) if not k.startswith("_"))
     return own, [frozenset(group) for group in optimizer.param_groups], set()
 
 
-def warn_unexpected_attributes(compiled: tuple[frozenset, list[frozenset], set],
-                               optimizer: Any, relaxed: bool) -> None:
+def warn_unexpected_attributes(compiled: AttributeKeys,
+                               optimizer: torch.optim.Optimizer, relaxed: bool) -> None:
     """As PopTorch: attributes that appear on an optimizer after its model was compiled
     are not part of the compiled update; say so once per attribute and model (WARNING),
     unless ``Options.relaxOptimizerAttributesChecks()`` was set."""

@@ -10,7 +10,7 @@ import contextlib
 import itertools
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -26,6 +26,7 @@ from .._runtime.program.undo import StateUndo
 from .._runtime.schedule.timeline import ScheduleRecord
 from .._runtime.torch_internals import pytree
 from .._runtime.weights.modelcopy import TrainingMode, shallow_copy_module
+from .._typing import UserInput, UserOutput
 from ..enums import OutputMode
 from ..errors import Error, PoptorchAssertionError
 from ..optim.optimizers import SGD
@@ -61,6 +62,15 @@ def isRunningOnIpu() -> bool:
 _EXECUTOR_IDS = itertools.count()
 
 
+class LoadedKeys(Protocol):
+    """What ``torch.nn.Module.load_state_dict`` returns: the keys it did not match."""
+
+    @property
+    def missing_keys(self) -> list[str]: ...
+    @property
+    def unexpected_keys(self) -> list[str]: ...
+
+
 class PoplarExecutor(ExecutorInspection):
     """A wrapped model that runs whole device programs per call.
 
@@ -69,7 +79,7 @@ class PoplarExecutor(ExecutorInspection):
     """
 
     def __init__(self, model: torch.nn.Module, options: Options | None, training: bool,
-                 poptorch_version: str, optimizer: Any = None,
+                 poptorch_version: str, optimizer: torch.optim.Optimizer | None = None,
                  user_model: torch.nn.Module | None = None) -> None:
         options = Options() if options is None else options
         if not isinstance(options, Options):
@@ -187,20 +197,20 @@ class PoplarExecutor(ExecutorInspection):
         name = opts.model_name if opts.exists("model_name") else type(self._user_model).__name__
         return f"{name}.{'training' if self._training else 'inference'}"
 
-    def compile(self, *args: Any, **kwargs: Any) -> None:
+    def compile(self, *args: UserInput, **kwargs: UserInput) -> None:
         """Compile the model for these inputs without running it (no-op if compiled)."""
         if self._compiled is None:
             with substitutions():  # (poptorch_geometric's ops in place of PyG's)
                 self._compile(args, kwargs)
 
     # ------------------------------------------------------------------ run
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: UserInput, **kwargs: UserInput) -> UserOutput:
         if substitutions_registered():  # poptorch_geometric's ops in place of PyG's
             with substitutions():
                 return self._call(args, kwargs)
         return self._call(args, kwargs)
 
-    def _call(self, args: tuple, kwargs: dict) -> Any:
+    def _call(self, args: tuple, kwargs: dict) -> UserOutput:
         """A call: the fast path, the first call, or checked inputs run under one undo
         guard; the fast path is decided after the first later call."""
         if self._training and not torch.is_grad_enabled():
@@ -223,7 +233,7 @@ class PoplarExecutor(ExecutorInspection):
             compiled.calls.fast = make_fast_call(compiled, self._mode, args, kwargs)
         return result
 
-    def _first_call(self, args: tuple, kwargs: dict) -> Any:
+    def _first_call(self, args: tuple, kwargs: dict) -> UserOutput:
         """Compile, then run: a failure leaves the model, the optimizer (compiling may
         create its state) and the buffers' registration as they were, and nothing
         compiled."""
@@ -239,7 +249,7 @@ class PoplarExecutor(ExecutorInspection):
         compiled.calls.io_counts = (count_tensors((args, kwargs)), count_tensors(result))
         return result
 
-    def _run(self, compiled: Compilation, args: tuple, kwargs: dict) -> Any:
+    def _run(self, compiled: Compilation, args: tuple, kwargs: dict) -> UserOutput:
         """One call of the compiled program on these (checked) inputs."""
         if not compiled.calls.attached:
             self.attachToDevice()
@@ -260,7 +270,7 @@ class PoplarExecutor(ExecutorInspection):
             opt_sync.after_run()
         return result
 
-    def _call_with_grad(self, args: tuple, kwargs: dict) -> Any:
+    def _call_with_grad(self, args: tuple, kwargs: dict) -> UserOutput:
         """A training call made under ``torch.no_grad()`` or ``torch.inference_mode()``:
         the device program keeps its own autograd state (on an IPU the host's grad
         mode does not reach the compiled training program), so the call trains as
@@ -314,7 +324,7 @@ class PoplarExecutor(ExecutorInspection):
         compiled.weights_to_device(params=False, buffers=True,
                                    buffer_names=None if names is None else set(names))
 
-    def load_state_dict(self, state_dict: dict, strict: bool = True) -> Any:
+    def load_state_dict(self, state_dict: dict, strict: bool = True) -> LoadedKeys:
         """Load a state dict into the wrapped model and synchronise the device; returns
         what ``torch.nn.Module.load_state_dict`` returns (the missing and unexpected
         keys)."""
@@ -337,7 +347,8 @@ class PoplarExecutor(ExecutorInspection):
         if compiled is not None:
             from ..optim.attributes import check_update
             binding = compiled.optimizer
-            assert binding is not None  # (a compiled training model has one)
+            # (a compiled training model has one, and its compile's constants)
+            assert binding is not None and binding.constants is not None
             options = self._options
             optimizer_rules.apply_mean_reduction_rule(options, optimizer, True)
             optimizer_rules.warn_unexpected_attributes(
@@ -441,8 +452,8 @@ class PoplarExecutor(ExecutorInspection):
                       rng_state=self.rng_state if save_rng_state else None,
                       export_model=export_model)
 
-    def compileAndExport(self, filename: str, *args: Any, export_model: bool = True,
-                         **kwargs: Any) -> None:
+    def compileAndExport(self, filename: str, *args: UserInput, export_model: bool = True,
+                         **kwargs: UserInput) -> None:
         """Compile for these inputs and save the result (with the compiled program and
         the input signature, see docs/precompilation.md) to ``filename``; the model's
         state is left as it was."""

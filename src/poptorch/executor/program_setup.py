@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -20,6 +20,15 @@ from .._runtime.executable.source import ProgramSource
 from .._runtime.placement.strategy import PIPELINED, kind_of
 from .._runtime.program.overlapped_io import OverlapSettings
 from .._runtime.tracing import CallProfiler, ExecutedSchedule, StepTrace, profile_directory
+from .._typing import OptionsView, UserOutput
+from ..enums import OutputMode
+
+if TYPE_CHECKING:
+    from .._runtime.distributed.replicas import DataParallelGroup
+    from .._runtime.distributed.stage_processes import StageReplicaGroup
+    from .._runtime.memory.sharding import ManagedStep
+    from .._runtime.numerics.autocast import AutocastRun
+    from .._runtime.numerics.precision import PrecisionPolicy
 
 
 @runtime_checkable
@@ -30,19 +39,26 @@ class ThreadLocalWrapper(Protocol):
     def thread_context(self) -> contextlib.AbstractContextManager[object]: ...
 
 
+class Removable(Protocol):
+    """A hook that can be taken off again (the casting's wrapped forwards)."""
+
+    def remove(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class ProgramExtras:
     """The pieces the options add to a device program (see module docstring)."""
-    precision: Any  # numerics.precision.PrecisionPolicy
-    casting: Any  # numerics.autocast.AutocastRun, entered around every call
-    hooks: tuple[Any, ...]  # the forwards the casting wrapped (removed when dropped)
-    wrappers: tuple[Any, ...]  # entered around the device loop of every call
+    precision: PrecisionPolicy
+    casting: AutocastRun  # entered around every call
+    hooks: tuple[Removable, ...]  # the forwards the casting wrapped (removed when dropped)
+    # entered around the device loop of every call
+    wrappers: tuple[contextlib.AbstractContextManager[object], ...]
     # the thread-local part of the casting and wrappers (torch function modes),
     # entered in every worker thread of runners that have some
     worker_contexts: list[ContextFactory]
-    finite_check: Callable[[Any, Any], None] | None
+    finite_check: Callable[[UserOutput, list[tuple[str, torch.nn.Parameter]]], None] | None
     named_params: tuple[tuple[str, torch.nn.Parameter], ...]
-    managed_step: Any  # memory.sharding.ManagedStep replacing the optimizer's step
+    managed_step: ManagedStep | None  # replacing the optimizer's step
     call_profiler: CallProfiler | None
     trace: StepTrace | None  # the profiler's ranges around steps and micro-batches
 
@@ -60,7 +76,7 @@ def check_precompiled_inputs(precompiled: dict | None, args: tuple, kwargs: dict
 
 
 def program_source(backend: str, args: tuple, kwargs: dict, precompiled: dict | None,
-                   options: Any, key_parts: dict) -> ProgramSource:
+                   options: OptionsView, key_parts: dict) -> ProgramSource:
     """The :py:class:`ProgramSource` of a model compiled for these inputs;
     ``key_parts`` name the model in the executable cache (training, model, optimizer,
     version; the options, as ``toDict()``, are added here when a cache is used)."""
@@ -73,7 +89,7 @@ def program_source(backend: str, args: tuple, kwargs: dict, precompiled: dict | 
                    **key_parts})
 
 
-def overlap_settings(options: Any, output_mode: Any) -> OverlapSettings:
+def overlap_settings(options: OptionsView, output_mode: OutputMode) -> OverlapSettings:
     """The options the rules of the ``set_overlap_for_input`` /
     ``set_overlap_for_output`` markers read (``_runtime/program/overlapped_io.py``),
     checked on the captured graph or on the first forward."""
@@ -84,7 +100,8 @@ def overlap_settings(options: Any, output_mode: Any) -> OverlapSettings:
 
 def program_extras(plan: BatchPlan, *, model: torch.nn.Module, user_model: torch.nn.Module,
                    config: RuntimeConfig, training: bool, device: torch.device,
-                   optimizer: Callable[[], Any], cross: Any, groupings: dict | None,
+                   optimizer: Callable[[], torch.optim.Optimizer | None],
+                   cross: DataParallelGroup | StageReplicaGroup | None, groupings: dict | None,
                    name: str, popart_options: dict,
                    executed: Callable[[], ExecutedSchedule | None]) -> ProgramExtras:
     """Precision policy, casting, strided group norm, tensor locations and profiling,
@@ -93,7 +110,8 @@ def program_extras(plan: BatchPlan, *, model: torch.nn.Module, user_model: torch
     from .._runtime.numerics.precision import PrecisionPolicy
     policy = PrecisionPolicy(config.precision, model, training, device)
     policy.prepare_optimizer(optimizer())
-    wrappers: list[Any] = [policy] if policy.active else []
+    wrappers: list[contextlib.AbstractContextManager[object]] = \
+        [policy] if policy.active else []
     from ..autocasting import prepare_model
     casting, hooks = prepare_model(model, user_model, config.precision)
     try:

@@ -8,7 +8,7 @@ inference). Every other attribute is the parameter's. The engine side is
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,12 +16,15 @@ from ..enums import CommGroupType, VariableRetrievalMode
 from ..errors import Error
 from ..options.store import check_enum, check_int
 
+if TYPE_CHECKING:
+    from .poplar_executor import PoplarExecutor
+
 
 class GroupableParameter:
     """A model parameter seen through a PopTorch model: ``replicaGrouping`` plus every
     attribute of the parameter itself."""
 
-    def __init__(self, executor: Any, groupings: dict, name: str,
+    def __init__(self, executor: PoplarExecutor, groupings: dict, name: str,
                  param: torch.nn.Parameter) -> None:
         object.__setattr__(self, "_executor", executor)
         object.__setattr__(self, "_groupings", groupings)  # the executor's, by name
@@ -48,7 +51,7 @@ class GroupableParameter:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._param, name)
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         setattr(self._param, name, value)
 
     def __repr__(self) -> str:

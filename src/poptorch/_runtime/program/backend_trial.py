@@ -24,6 +24,8 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ..._logging import logger
 from ..executable.decisions import Decision
 from .backends import Backend
@@ -140,7 +142,7 @@ class BackendSelector:
     ``on_decision(decision, reason)`` is told each choice (the decision store)."""
 
     def __init__(self, eager: Backend, compiled: CompiledBackend | None, *, label: str,
-                 measure: bool, params: list, buffers: list, device: Any,
+                 measure: bool, params: list, buffers: list, device: torch.device,
                  cross: Any = None, decided: Decision | None = None,
                  on_decision: Callable[[Decision, str], None] | None = None,
                  progress: bool = False) -> None:

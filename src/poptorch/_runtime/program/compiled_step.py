@@ -34,17 +34,21 @@ import os
 import sys
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 import torch
 
 from ..._logging import info_once
+from ..._typing import UserInput, UserOutput
 from .. import context
 from ..torch_internals import dynamo_config_patch, dynamo_eager_numerics, optimizer_hooks_registered
 from .fused_microbatch import FusedCompute, Uncapturable, fused_function
 from .interpreter import EagerCompute, Interpreter
 from .loss import LossNeedsEager, find_loss
 from .optimizer import OptimizerBinding
+
+ForwardLoss = Callable[[tuple, dict], tuple[UserOutput, torch.Tensor]]
+"""A micro-batch's forward pass and its loss: (args, kwargs) -> (output, loss)."""
 
 __all__ = ["MAX_UPDATE_TRACES", "CompiledBackend", "Uncapturable", "torch_compile_backend",
            "update_blocker"]
@@ -54,6 +58,8 @@ MAX_UPDATE_TRACES = 4
 
 _names = itertools.count()
 
+T = TypeVar("T")
+
 
 def torch_compile_backend() -> str:
     """torch.compile's backend: inductor; ``POPTORCH_TORCH_COMPILE_BACKEND`` may name
@@ -61,7 +67,7 @@ def torch_compile_backend() -> str:
     return os.environ.get("POPTORCH_TORCH_COMPILE_BACKEND", "inductor")
 
 
-def update_blocker(optimizer: Any, managed_step: bool) -> str | None:
+def update_blocker(optimizer: object, managed_step: bool) -> str | None:
     """Why the update of ``optimizer`` runs eagerly, or None when it is compiled."""
     if managed_step:
         return "the optimizer state is sharded over replicas or kept off chip"
@@ -74,7 +80,7 @@ def update_blocker(optimizer: Any, managed_step: bool) -> str | None:
     return None
 
 
-def _own_code(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+def _own_code(fn: Callable[..., T], label: str) -> Callable[..., T]:
     """``fn`` with a code object of its own: torch.compile caches per code object, and
     every model must have its own cache entries (and recompile limit)."""
     name = f"poptorch_{label}_{next(_names)}"
@@ -84,26 +90,25 @@ def _own_code(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
-def _compile(fn: Callable[..., Any], fullgraph: bool = False) -> Callable[..., Any]:
+def _compile(fn: Callable[..., T], fullgraph: bool = False) -> Callable[..., T]:
     backend = torch_compile_backend()
     if backend != "inductor":  # e.g. aot_eager: the same capture, eager kernels
         compiled = torch.compile(fn, backend=backend, fullgraph=fullgraph)
     else:
-        options: dict[str, Any] = {"fallback_random": True}
-        compiled = torch.compile(fn, backend="inductor", options=options,
+        compiled = torch.compile(fn, backend="inductor", options={"fallback_random": True},
                                  fullgraph=fullgraph)
     numerics = dynamo_eager_numerics()
     if not numerics:
         return compiled
 
-    def traced_as_eager_rounds(*args: Any, **kwargs: Any) -> Any:
+    def traced_as_eager_rounds(*args: UserInput, **kwargs: UserInput) -> T:
         # (the torch releases whose dynamo rewrites ops into other roundings)
         with dynamo_config_patch(**numerics):
             return compiled(*args, **kwargs)
     return traced_as_eager_rounds
 
 
-def _hyperparameters(optimizer: Any) -> tuple:
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> tuple:
     """The Python values of the optimizer's parameter groups (compiled in)."""
     return tuple(tuple(v for k, v in group.items() if k != "params")
                  for group in optimizer.param_groups)
@@ -118,7 +123,7 @@ class CompiledBackend:
 
     def __init__(self, model: torch.nn.Module, training: bool, device: torch.device,
                  label: str, binding: OptimizerBinding | None,
-                 update_eagerly: Callable[[], Any] | None,
+                 update_eagerly: Callable[[], object] | None,
                  update_reason: str | None) -> None:
         self.label = label
         self.device = device
@@ -128,6 +133,7 @@ class CompiledBackend:
         forward, forward_loss = self._microbatch_functions(model, training)
         buffers = tuple(model.buffers())
         if training:  # the forward, loss and backward of a micro-batch as one graph
+            assert forward_loss is not None  # (returned in training)
             fused = _compile(_own_code(fused_function(model), "fused"), fullgraph=True)
             self.compute: EagerCompute | FusedCompute = FusedCompute(
                 fused, forward_loss, [p for p in model.parameters() if p.requires_grad],
@@ -135,23 +141,23 @@ class CompiledBackend:
         else:
             self.compute = EagerCompute(forward)
         self.runner = Interpreter(self.compute, buffers=buffers)
-        self._update: Callable[[], Any] | None = None
+        self._update: Callable[[], object] | None = None
         # the optimizer the update is compiled for: the compile's (the model's first
         # call, eager, has created its state), then each one setOptimizer binds
-        self._update_for: Any = None if binding is None else binding.device
+        self._update_for: torch.optim.Optimizer | None = None if binding is None else binding.device
         self._traced_hyperparameters: tuple | None = None
         self._update_traces = 0
         self._changed_last_step = False
 
     def _microbatch_functions(self, model: torch.nn.Module, training: bool
-                              ) -> tuple[Callable[..., Any], Any]:
+                              ) -> tuple[Callable[..., UserOutput], ForwardLoss | None]:
         """The compiled forward (inference) and forward-with-loss (training)."""
-        def forward(*args: Any, **kwargs: Any) -> Any:
+        def forward(*args: UserInput, **kwargs: UserInput) -> UserOutput:
             out = model(*args, **kwargs)
             context.take_marked_losses()
             return out
 
-        def forward_loss(args: tuple, kwargs: dict) -> tuple[Any, torch.Tensor]:
+        def forward_loss(args: tuple, kwargs: dict) -> tuple[UserOutput, torch.Tensor]:
             out = model(*args, **kwargs)
             try:
                 loss = find_loss(out, context.take_marked_losses(), traced=True)

@@ -31,12 +31,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..._logging import info_once, logger
+from ..._typing import UserOutput
 from ..torch_internals import optimizer_hooks_registered, pytree, torch_function_stack_depth
+
+if TYPE_CHECKING:
+    from ..numerics.loss_scaling import LossScaler
+    from .backends import Backend
+    from .optimizer import OptimizerBinding
+    from .spec import ProgramSpec
 
 __all__ = ["WARMUP_CALLS", "CaptureFailed", "CudaGraphCall", "GraphKey", "capture_blocker",
            "cuda_graph_call"]
@@ -54,7 +61,7 @@ def _disabled_by_env() -> bool:
     return value in ("0", "false", "no", "off")
 
 
-def capture_blocker(spec: Any, binding: Any) -> str | None:
+def capture_blocker(spec: ProgramSpec, binding: OptimizerBinding | None) -> str | None:
     """Why the calls of a program (its ``ProgramSpec`` and ``OptimizerBinding``) cannot
     be one CUDA graph, or None if they can. Needs no GPU: every reason is read from the
     program's configuration."""
@@ -75,11 +82,12 @@ def capture_blocker(spec: Any, binding: Any) -> str | None:
         return ("precision casting, strided group norm, profiling or weights sharded over "
                 "the processes wrap every call")
     if spec.training:
+        assert binding is not None  # (a training program has its optimizer)
         return optimizer_blocker(binding.device, binding.scaler)
     return None
 
 
-def optimizer_blocker(optimizer: Any, scaler: Any) -> str | None:
+def optimizer_blocker(optimizer: object, scaler: LossScaler | None) -> str | None:
     """Why a training step with ``optimizer`` (and loss scaler) cannot be captured."""
     if scaler is not None:
         return "loss scaling decides on the host whether each step is taken"
@@ -94,7 +102,7 @@ def optimizer_blocker(optimizer: Any, scaler: Any) -> str | None:
     return None
 
 
-def _hyperparameters(optimizer: Any) -> tuple:
+def _hyperparameters(optimizer: torch.optim.Optimizer | None) -> tuple:
     """The Python values of the optimizer's parameter groups: a graph bakes them in."""
     if optimizer is None:
         return ()
@@ -106,8 +114,8 @@ class GraphKey:
     """What a captured graph depends on besides its static inputs; a call whose key
     differs records the graph again (inputs of new shapes run without it instead)."""
 
-    def __init__(self, backend: Any, binding: Any, tensors: list[torch.Tensor],
-                 args: tuple, kwargs: dict) -> None:
+    def __init__(self, backend: Backend, binding: OptimizerBinding | None,
+                 tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> None:
         self.backend = backend
         self.inputs = self.input_layout(args, kwargs)
         self.storage = self.storage_of(tensors)
@@ -128,7 +136,8 @@ class GraphKey:
         """Whether a call with these inputs can replay the graph."""
         return self.input_layout(args, kwargs) == self.inputs
 
-    def stale(self, backend: Any, binding: Any, tensors: list[torch.Tensor]) -> str | None:
+    def stale(self, backend: Backend, binding: OptimizerBinding | None,
+              tensors: list[torch.Tensor]) -> str | None:
         """Why the graph must be recorded again, or None."""
         if backend is not self.backend:
             return "another backend"
@@ -142,7 +151,7 @@ class GraphKey:
         return None
 
 
-Loop = Callable[[Any, tuple, dict], Any]  # (backend, args, kwargs) -> device outputs
+Loop = Callable[["Backend", tuple, dict], UserOutput]  # (backend, args, kwargs) -> device outputs
 
 
 class CudaGraphCall:
@@ -150,7 +159,7 @@ class CudaGraphCall:
     a call goes through it, calling it runs the call (raising :py:class:`CaptureFailed`
     when this call cannot: it then runs without the graph)."""
 
-    def __init__(self, label: str, binding: Any, tensors: list[torch.Tensor],
+    def __init__(self, label: str, binding: OptimizerBinding | None, tensors: list[torch.Tensor],
                  micro_batches: int) -> None:
         self.label = label
         self.binding = binding
@@ -160,10 +169,10 @@ class CudaGraphCall:
         self.replays = 0
         self.captures = 0
         self._warmup_left = WARMUP_CALLS
-        self._graph: Any = None
+        self._graph: torch.cuda.CUDAGraph | None = None
         self._key: GraphKey | None = None
         self._static_inputs: list[torch.Tensor] = []
-        self._static_output: Any = None
+        self._static_output: UserOutput = None
 
     def ready(self) -> bool:
         """Whether this call goes through :py:meth:`__call__` (warm-up calls too)."""
@@ -180,7 +189,7 @@ class CudaGraphCall:
                 return False
         return True
 
-    def __call__(self, backend: Any, loop: Loop, args: tuple, kwargs: dict) -> Any:
+    def __call__(self, backend: Backend, loop: Loop, args: tuple, kwargs: dict) -> UserOutput:
         key = self._key
         if key is not None:
             stale = key.stale(backend, self.binding, self.tensors)
@@ -209,7 +218,7 @@ class CudaGraphCall:
 
     # ------------------------------------------------------------------ internals
     @staticmethod
-    def _side_stream(backend: Any, loop: Loop, args: tuple, kwargs: dict) -> Any:
+    def _side_stream(backend: Backend, loop: Loop, args: tuple, kwargs: dict) -> UserOutput:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -217,7 +226,7 @@ class CudaGraphCall:
         torch.cuda.current_stream().wait_stream(stream)
         return result
 
-    def _capture(self, backend: Any, loop: Loop, args: tuple, kwargs: dict) -> None:
+    def _capture(self, backend: Backend, loop: Loop, args: tuple, kwargs: dict) -> None:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         static = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in leaves]
         static_args, static_kwargs = pytree.tree_unflatten(static, spec)
@@ -233,10 +242,11 @@ class CudaGraphCall:
                     "graph, replayed once per call.", self.label, self.micro_batches,
                     backend.name)
 
-    def _replay(self, args: tuple, kwargs: dict) -> Any:
+    def _replay(self, args: tuple, kwargs: dict) -> UserOutput:
         leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         for static, value in zip(self._static_inputs, leaves, strict=False):
             static.copy_(value, non_blocking=True)
+        assert self._graph is not None  # (replayed after a capture)
         self._graph.replay()
         self.replays += 1
         # The next replay overwrites the static outputs: the caller gets copies.
@@ -248,7 +258,7 @@ class CudaGraphCall:
         self._static_inputs = []
 
 
-def cuda_graph_call(spec: Any, binding: Any) -> CudaGraphCall | None:
+def cuda_graph_call(spec: ProgramSpec, binding: OptimizerBinding | None) -> CudaGraphCall | None:
     """The CUDA-graph call of a program where it can have one (module docstring); logs
     once at INFO why not on a GPU where it cannot."""
     reason = capture_blocker(spec, binding)

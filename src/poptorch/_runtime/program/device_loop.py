@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
+from ..._typing import UserOutput
 from .. import context
-from ..batching.plan import OutputCollector, split_inputs
+from ..batching.plan import BatchPlan, OutputCollector, split_inputs
 from ..batching.structures import register_mapping_outputs
 from ..torch_internals import optimizer_post_hooks_registered, pytree, set_grad_enabled
 from .backend_trial import BackendSelector
@@ -25,6 +26,7 @@ from .cuda_graphs import CaptureFailed, CudaGraphCall, cuda_graph_call
 from .optimizer import OptimizerBinding
 from .perf import PerfCounters
 from .rng import RngScope
+from .runner import StepRunner
 from .spec import ProgramSpec
 from .step import CrossProcess, GradientScaling, LossRule, train_step
 from .undo import StateUndo
@@ -32,7 +34,7 @@ from .undo import StateUndo
 __all__ = ["DeviceProgram", "detach", "detach_needed"]
 
 
-def detach(output: Any) -> Any:
+def detach(output: UserOutput) -> UserOutput:
     """Detach every tensor of an output structure (fast paths for common shapes)."""
     if isinstance(output, torch.Tensor):
         return output.detach()
@@ -43,7 +45,7 @@ def detach(output: Any) -> Any:
                            output)
 
 
-def detach_needed(output: Any) -> Any:
+def detach_needed(output: UserOutput) -> UserOutput:
     """:py:func:`detach` for an inference output: tensors computed without gradients
     are returned as they are (the common single tensor / tuple of tensors without a
     copy of the tuple)."""
@@ -83,7 +85,7 @@ class DeviceProgram:
 
     # ------------------------------------------------------------------ read-only views
     @property
-    def plan(self) -> Any:
+    def plan(self) -> BatchPlan:
         return self.spec.plan
 
     @property
@@ -103,11 +105,11 @@ class DeviceProgram:
         return self.spec.buffers
 
     @property
-    def rng(self) -> Any:
+    def rng(self) -> RngScope:
         return self.spec.rng
 
     @property
-    def runner(self) -> Any:
+    def runner(self) -> StepRunner:
         return self.spec.runner
 
     @property
@@ -115,7 +117,7 @@ class DeviceProgram:
         return self.stats.perf
 
     @property
-    def managed_step(self) -> Any:
+    def managed_step(self) -> Callable[[], object] | None:
         """The managed optimizer step of sharded or off-chip optimizer state
         (``memory/sharding.ManagedStep``), or None."""
         return getattr(self.selector.eager, "managed_step", None)
@@ -176,7 +178,7 @@ class DeviceProgram:
                          optimizer=binding.device if weights and binding else None)
 
     # ------------------------------------------------------------------ a call
-    def run(self, args: tuple, kwargs: dict) -> Any:
+    def run(self, args: tuple, kwargs: dict) -> UserOutput:
         """Run one call on inputs already on the device; return host outputs."""
         profiler = self.spec.call_profiler
         if profiler is None:
@@ -184,7 +186,7 @@ class DeviceProgram:
         with profiler.call():
             return self._run(args, kwargs)
 
-    def _run(self, args: tuple, kwargs: dict) -> Any:
+    def _run(self, args: tuple, kwargs: dict) -> UserOutput:
         spec = self.spec
         t_start = time.perf_counter()
         backend = self.selector.for_call()
@@ -214,7 +216,7 @@ class DeviceProgram:
         return result
 
     def _device_call(self, backend: Backend, args: tuple, kwargs: dict,
-                     t_start: float) -> tuple[Any, float]:
+                     t_start: float) -> tuple[UserOutput, float]:
         """The device work of one call (outputs on the device) and when it ended."""
         spec = self.spec
         steps = split_inputs(spec.plan, args, kwargs)  # raises before anything runs
@@ -224,12 +226,12 @@ class DeviceProgram:
         return (result if spec.training else detach_needed(result)), t_prev
 
     def _replayed(self, graphs: CudaGraphCall, backend: Backend, args: tuple,
-                  kwargs: dict, t_start: float) -> Any:
+                  kwargs: dict, t_start: float) -> UserOutput:
         """One call replayed as a CUDA graph (None: this call cannot, run it as usual);
         perf counters as one bulk iteration."""
         spec = self.spec
 
-        def loop(backend: Backend, args: tuple, kwargs: dict) -> Any:
+        def loop(backend: Backend, args: tuple, kwargs: dict) -> UserOutput:
             return self._device_call(backend, args, kwargs, t_start)[0]
         context.take_marked_losses()
         try:
@@ -310,7 +312,7 @@ class DeviceProgram:
         spec = self.spec
         return spec.cross is None and spec.to_host is None
 
-    def run_single(self, args: tuple, kwargs: dict) -> Any:
+    def run_single(self, args: tuple, kwargs: dict) -> UserOutput:
         """:py:meth:`run` for a program where :py:meth:`single_ready` holds: the same
         results, perf counters and errors, without the batching and output machinery
         that one micro-batch does not need."""
@@ -339,7 +341,7 @@ class DeviceProgram:
         return output
 
     def _single_step(self, backend: Backend, args: tuple, kwargs: dict,
-                     marked: list) -> Any:
+                     marked: list) -> UserOutput:
         """The step of :py:meth:`run_single`: a training step, or the forward pass
         without gradients (``_infer`` for one micro-batch, switching grad mode itself)."""
         if self.spec.training:

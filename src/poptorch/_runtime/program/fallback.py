@@ -32,16 +32,20 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ..._logging import logger
+from ..._typing import UserOutput
 from ...errors import Error
 from ..torch_internals import dynamo, pytree
 from .compiled_step import CompiledBackend, Uncapturable
 from .runner import LossOf
 from .undo import RandomState, StateUndo
+
+if TYPE_CHECKING:
+    from .backends import Backend
 
 __all__ = ["PROBATION_CALLS", "TRIAL_PROBATION_CALLS", "Probation", "compile_budget"]
 
@@ -85,8 +89,14 @@ def _finite(tensors: list[torch.Tensor]) -> bool:
     return bool(torch.stack([torch.isfinite(t).all() for t in floating]).all())
 
 
-def _tensors(structure: Any) -> list[torch.Tensor]:
+def _tensors(structure: UserOutput) -> list[torch.Tensor]:
     return [t.detach() for t in pytree.tree_leaves(structure) if isinstance(t, torch.Tensor)]
+
+
+class _ProgressBar(Protocol):
+    """A ``tqdm`` bar, as the compile's progress shows it."""
+
+    def close(self) -> None: ...
 
 
 class _RecordingLoss:
@@ -97,7 +107,7 @@ class _RecordingLoss:
         self.multiplier = rule.multiplier
         self.losses: list[torch.Tensor] = []
 
-    def __call__(self, output: Any) -> torch.Tensor:
+    def __call__(self, output: UserOutput) -> torch.Tensor:
         loss = self.rule(output)
         self.losses.append(loss.detach())
         return loss
@@ -116,7 +126,7 @@ class Probation:
 
     name = "compiled"
 
-    def __init__(self, compiled: CompiledBackend, eager: Any, *, params: list,
+    def __init__(self, compiled: CompiledBackend, eager: Backend, *, params: list,
                  buffers: list, device: torch.device, budget: float,
                  eager_microbatch_seconds: float, leave: Callable[[str, str], None],
                  active: Callable[[], bool], progress: bool = False) -> None:
@@ -182,7 +192,7 @@ class Probation:
             return again
         return outputs
 
-    def _progress_bar(self) -> Any:
+    def _progress_bar(self) -> _ProgressBar:
         """The bar shown while the first compiled call compiles (its step's pieces)."""
         from tqdm import tqdm
         return tqdm(total=1, desc=f"Compiling the device program ({self.compiled.label})",

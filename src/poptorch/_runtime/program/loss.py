@@ -27,10 +27,11 @@ gradients are zero (see ``DeviceProgram``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TypeGuard
 
 import torch
 
+from ..._typing import UserOutput
 from ...errors import Error
 from ..torch_internals import pytree
 
@@ -45,7 +46,7 @@ class LossNeedsEager(Exception):
     when the choice needs the autograd graph, which a capture cannot read."""
 
 
-def find_loss(output: Any, marked: list, traced: bool = False) -> torch.Tensor:
+def find_loss(output: UserOutput, marked: list, traced: bool = False) -> torch.Tensor:
     """Return the loss tensor of one forward pass (see module docstring)."""
     if marked:
         returned = {id(t) for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)}
@@ -93,15 +94,15 @@ def _final_losses(losses: list) -> list:
     return [t for t in losses if t.grad_fn is None or t.grad_fn not in below]
 
 
-def _is_scalar(value: Any) -> bool:
+def _is_scalar(value: object) -> TypeGuard[torch.Tensor]:
     return isinstance(value, torch.Tensor) and value.dim() == 0
 
 
-def _tuple_loss(output: Any) -> Any:
+def _tuple_loss(output: tuple | list) -> UserOutput:
     """The loss of a returned tuple or list (rule 3 of the module docstring)."""
     first, last = output[0], output[-1]
 
-    def with_grad(v: Any) -> bool:
+    def with_grad(v: object) -> bool:
         return _is_scalar(v) and v.requires_grad
 
     for candidate in (last, first):
@@ -116,7 +117,7 @@ def _tuple_loss(output: Any) -> Any:
     return last
 
 
-def _raise_no_loss(output: Any) -> torch.Tensor:
+def _raise_no_loss(output: object) -> torch.Tensor:
     if isinstance(output, torch.Tensor):
         what = f"a tensor of shape {tuple(output.shape)} (not a 0-dim loss)"
     elif isinstance(output, (tuple, list)):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -20,8 +20,17 @@ from ..config import RuntimeConfig
 from ..torch_internals import step_needs_wrapper
 from ..weights.sync import WeightSync
 
+if TYPE_CHECKING:
+    from ...optim.attributes import OptimizerSnapshot
+    from ...optim.base import Optimizer as PoptorchOptimizer
+    from ..numerics.loss_scaling import LossScaler
 
-def _check_params(optimizer: Any, user_model: torch.nn.Module) -> None:
+AttributeKeys = tuple[frozenset, list[frozenset], set]
+"""An optimizer's public attributes and each param group's keys at compile time, and the
+attributes already warned about (``executor/optimizer_rules.attribute_keys``)."""
+
+
+def _check_params(optimizer: object, user_model: torch.nn.Module) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise Error(f"The optimizer must be a torch.optim.Optimizer (or poptorch.optim), "
                     f"not {type(optimizer).__name__}.")
@@ -35,14 +44,15 @@ def _check_params(optimizer: Any, user_model: torch.nn.Module) -> None:
                     "the optimizer from model.parameters() of the model you wrap.")
 
 
-def attach_optimizer(optimizer: Any, device_model: torch.nn.Module,
+def attach_optimizer(optimizer: torch.optim.Optimizer, device_model: torch.nn.Module,
                      user_model: torch.nn.Module, sync: WeightSync,
-                     previous: Any = None) -> torch.optim.Optimizer:
+                     previous: torch.optim.Optimizer | None = None) -> torch.optim.Optimizer:
     """Return the optimizer that steps the device parameters (see module docstring)."""
     _check_params(optimizer, user_model)
     carry_state = previous is not None and previous is not optimizer and not optimizer.state
     if sync.shared:
         if carry_state:
+            assert previous is not None  # (carry_state says so)
             optimizer.state = previous.state
         return optimizer
     names = {id(p): n for n, p in user_model.named_parameters()}
@@ -50,11 +60,13 @@ def attach_optimizer(optimizer: Any, device_model: torch.nn.Module,
     mapping = {id(p): device_params[names[id(p)]] for p in user_model.parameters()}
     device_opt = copy.copy(optimizer)
     if hasattr(device_opt, "host_state_is_dirty"):  # poptorch.optim: the copy is the device
-        device_opt.host_state_is_dirty = device_opt.ipu_state_is_dirty = False
-        device_opt._device_state_reader = None
+        view = cast("PoptorchOptimizer", device_opt)
+        view.host_state_is_dirty = view.ipu_state_is_dirty = False
+        view._device_state_reader = None
     device_opt.param_groups = [dict(g, params=[mapping[id(p)] for p in g["params"]])
                                for g in optimizer.param_groups]
     if carry_state:
+        assert previous is not None  # (carry_state says so)
         device_opt.state = previous.state
     else:
         device_opt.state = defaultdict(dict, {
@@ -64,7 +76,8 @@ def attach_optimizer(optimizer: Any, device_model: torch.nn.Module,
     return device_opt
 
 
-def make_loss_scaler(optimizer: Any, config: RuntimeConfig, previous: Any = None) -> Any:
+def make_loss_scaler(optimizer: torch.optim.Optimizer, config: RuntimeConfig,
+                     previous: LossScaler | None = None) -> LossScaler | None:
     """A LossScaler when the optimizer scales the loss or automatic loss scaling is on;
     None otherwise (the common case costs nothing)."""
     automatic = config.training.automatic_loss_scaling
@@ -89,12 +102,13 @@ class DeviceOptimizerSync:
     state back (``host_state_is_dirty`` and ``_device_state_reader``).
     """
 
-    def __init__(self, user_optimizer: Any, device_optimizer: Any) -> None:
+    def __init__(self, user_optimizer: PoptorchOptimizer,
+                 device_optimizer: PoptorchOptimizer) -> None:
         self.user = user_optimizer
         self.device = device_optimizer
 
     @staticmethod
-    def needed(user_optimizer: Any, device_optimizer: Any) -> bool:
+    def needed(user_optimizer: object, device_optimizer: object) -> bool:
         """Whether a sync is needed: a poptorch.optim optimizer with a device copy."""
         return device_optimizer is not user_optimizer and \
             hasattr(user_optimizer, "ipu_state_is_dirty")
@@ -111,7 +125,7 @@ class DeviceOptimizerSync:
         self.user._device_state_reader = self.device.state_dict
 
 
-def fast_step(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
+def fast_step(optimizer: torch.optim.Optimizer) -> Callable[[], object]:
     """``optimizer.step`` without torch.optim's per-call wrapper when it has nothing to do.
 
     ``Optimizer.step`` is wrapped in a profiler range and a hook dispatcher that cost
@@ -123,7 +137,7 @@ def fast_step(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
     inner = getattr(type(optimizer).step, "__wrapped__", None)
     if inner is None:
         return wrapped
-    def step() -> Any:
+    def step() -> object:
         if step_needs_wrapper(optimizer):
             return wrapped()
         return inner(optimizer)
@@ -137,17 +151,18 @@ class OptimizerBinding:
     compile (PopTorch checks later optimizers against the compiled one)."""
 
     def __init__(self, device: torch.optim.Optimizer, sync: DeviceOptimizerSync | None,
-                 keys: Any, scaler: Any = None) -> None:
+                 keys: AttributeKeys, scaler: LossScaler | None = None) -> None:
         self.keys = keys  # the optimizer attributes known at compile time
-        self.constants: Any = None  # their constant values (recorded after the compile)
+        # their constant values (recorded after the compile)
+        self.constants: OptimizerSnapshot | None = None
         self.device = device
         self.sync = sync
         self.scaler = scaler
-        self.step: Callable[[], Any] = fast_step(device)
+        self.step: Callable[[], object] = fast_step(device)
         self.version = 0  # counts the bindings (``bind``)
 
     def bind(self, device: torch.optim.Optimizer, sync: DeviceOptimizerSync | None,
-             scaler: Any) -> None:
+             scaler: LossScaler | None) -> None:
         """Step ``device`` from the next call on (``setOptimizer``)."""
         self.device, self.sync, self.scaler = device, sync, scaler
         self.step = fast_step(device)

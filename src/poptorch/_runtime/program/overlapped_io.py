@@ -35,11 +35,11 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 
+from ..._typing import UserOutput
 from ...enums import OutputMode, OverlapMode
 from ...errors import Error
 from .. import context
@@ -180,7 +180,8 @@ def _alias(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.view_as(tensor)
 
 
-def map_structure(structure: Any, fn: Callable[[Any], Any]) -> Any:
+def map_structure(structure: UserOutput, fn: Callable[[UserOutput], UserOutput]
+                  ) -> UserOutput:
     """``structure`` (a leaf, or tuples / lists / dicts / namedtuples of them) with
     ``fn`` applied to every leaf."""
     if isinstance(structure, dict):
@@ -205,9 +206,9 @@ class _ForwardRecord(TorchFunctionMode):
         self.record = MarkerRecord(names, [id(t) for t in inputs])
         self._kept: list[torch.Tensor] = []  # marked outputs and their aliases, alive
 
-    def __torch_function__(self, func: Callable[..., Any], types: Collection[type],
-                           args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
+    def __torch_function__(self, func: Callable[..., object], types: Collection[type],
+                           args: tuple[object, ...] = (),
+                           kwargs: dict[str, object] | None = None) -> object:
         kwargs = kwargs or {}
         if func not in _METADATA:
             for leaf in pytree.tree_leaves((args, kwargs)):
@@ -219,7 +220,7 @@ class _ForwardRecord(TorchFunctionMode):
         return func(*args, **kwargs)
 
     # the markers (ops/hints.py) call these while this forward runs
-    def mark_input(self, structure: Any, mode: OverlapMode) -> Any:
+    def mark_input(self, structure: UserOutput, mode: OverlapMode) -> UserOutput:
         order = self.record.next_call()
 
         def mark(t: torch.Tensor) -> torch.Tensor:
@@ -231,7 +232,7 @@ class _ForwardRecord(TorchFunctionMode):
             return _alias(t)
         return map_structure(structure, mark)
 
-    def mark_output(self, structure: Any, mode: OverlapMode) -> Any:
+    def mark_output(self, structure: UserOutput, mode: OverlapMode) -> UserOutput:
         order = self.record.next_call()
 
         def mark(t: torch.Tensor) -> torch.Tensor:
@@ -242,7 +243,7 @@ class _ForwardRecord(TorchFunctionMode):
         return map_structure(structure, mark)
 
 
-def input_tensors(forward: Callable[..., Any], args: tuple,
+def input_tensors(forward: Callable[..., UserOutput], args: tuple,
                   kwargs: dict) -> tuple[list[torch.Tensor], list[str]]:
     """The tensors ``forward`` receives, in its parameters' order, and their names."""
     try:
@@ -270,7 +271,8 @@ class FirstForwardCheck:
         self.settings = settings
         self.done = False
 
-    def run(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def run(self, forward: Callable[..., UserOutput], args: tuple, kwargs: dict
+            ) -> UserOutput:
         """``forward(*args, **kwargs)``, checked the first time (``poptorch.Error`` when
         a rule is broken: the next call checks again). A ``torch.compile``'d forward
         runs eagerly for the check (the markers are Python)."""

@@ -1,8 +1,6 @@
 """The device program's own random stream (``Options.randomSeed``)."""
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 __all__ = ["RngScope"]
@@ -42,7 +40,7 @@ class RngScope:
             self._saved_cuda = torch.cuda.get_rng_state(self.device)
             torch.cuda.set_rng_state(self.cuda_state, self.device)
 
-    def __exit__(self, exc_type: Any = None, *exc: Any) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None = None, *exc: object) -> None:
         if not self.enabled:
             return
         if exc_type is None:  # a failed call keeps the state it started from

@@ -8,14 +8,16 @@ backends), and the device program is built from this spec in one go: nothing out
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from ..._typing import UserOutput
 from ...enums import OutputMode
 from ..batching.plan import BatchPlan
 from ..config import TrainingConfig
+from ..context import ContextFactory
 from ..tracing import CallProfiler, StepTrace
 from .rng import RngScope
 from .runner import StepRunner
@@ -42,16 +44,16 @@ class ProgramSpec:
     training_config: TrainingConfig
     rng: RngScope
     device: torch.device  # where inputs go
-    to_host: Callable[[Any], Any] | None = None  # outputs to the CPU (accelerators)
+    to_host: Callable[[UserOutput], UserOutput] | None = None  # outputs to the CPU (accelerators)
     anchors: Callable[[int], None] | None = None  # records anchored tensors after a step
     cross: CrossProcess | None = None  # several processes (``step.CrossProcess``)
     # context managers entered around the device loop of every call (precision,
     # strided group norm, profiling), and thread-local context factories for runners
     # with worker threads
-    wrappers: tuple[Any, ...] = ()
-    thread_contexts: tuple[Callable[[], Any], ...] = ()
+    wrappers: tuple[AbstractContextManager[object], ...] = ()
+    thread_contexts: tuple[ContextFactory, ...] = ()
     # the floating-point exception check run after every step (outputs, named params)
-    finite_check: Callable[[Any, Any], None] | None = None
+    finite_check: Callable[[UserOutput, list[tuple[str, torch.nn.Parameter]]], None] | None = None
     named_params: tuple[tuple[str, torch.nn.Parameter], ...] = ()
     call_profiler: CallProfiler | None = None  # a range around the whole call
     trace: StepTrace | None = None  # ... and around each runner call (profiling)

@@ -22,11 +22,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from ..._logging import log_once
+from ..._typing import UserOutput
 from ...enums import MeanReductionStrategy, ReductionType
 from ...errors import Error
 from .. import context
@@ -120,7 +121,7 @@ class LossRule:
         self.binding = binding
         self.multiplier = 1.0
 
-    def __call__(self, output: Any) -> torch.Tensor:
+    def __call__(self, output: UserOutput) -> torch.Tensor:
         """The loss to back-propagate from ``output`` (a runner that runs the model)."""
         return self.finish(find_loss(output, context.take_marked_losses()))
 
@@ -162,7 +163,7 @@ def scale_gradients(params: list[torch.nn.Parameter], scaling: GradientScaling) 
 
 def train_step(program: StepProgram, microbatches: list, backward: Backward,
                loss_rule: LossRule,
-               update: Callable[[], Any]) -> list:
+               update: Callable[[], object]) -> list:
     """One optimizer step of ``program`` (a ``DeviceProgram``) over ``microbatches``
     (module docstring); returns the micro-batches' outputs (not detached)."""
     cross = program.cross
@@ -188,7 +189,8 @@ def train_step(program: StepProgram, microbatches: list, backward: Backward,
     return outputs
 
 
-def infer_step(forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def infer_step(forward: Callable[..., UserOutput], args: tuple, kwargs: dict
+               ) -> UserOutput:
     """The forward of one inference micro-batch, without gradients whatever the host's
     grad mode."""
     grad = torch.is_grad_enabled()

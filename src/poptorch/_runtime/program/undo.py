@@ -10,9 +10,12 @@ object undoes a whole call (the executor), one step whose compiled attempt faile
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ..numerics.loss_scaling import LossScaler
 
 __all__ = ["RandomState", "StateUndo"]
 
@@ -46,8 +49,9 @@ class StateUndo:
     __slots__ = ("_groups", "_modules", "_optimizer", "_rng", "_scaler", "_scaler_state",
                  "_state", "_tensors")
 
-    def __init__(self, tensors: Iterable[torch.Tensor] = (), *, optimizer: Any = None,
-                 scaler: Any = None, modules: torch.nn.Module | None = None,
+    def __init__(self, tensors: Iterable[torch.Tensor] = (), *,
+                 optimizer: torch.optim.Optimizer | None = None,
+                 scaler: LossScaler | None = None, modules: torch.nn.Module | None = None,
                  rng: RandomState | None = None) -> None:
         saved = list(tensors)
         self._optimizer = optimizer
@@ -107,6 +111,7 @@ class StateUndo:
             for group, values in zip(optimizer.param_groups, self._groups, strict=False):
                 group.update(values)
         if self._scaler is not None:
+            assert self._scaler_state is not None  # (saved with the scaler)
             self._scaler.load_state_dict(self._scaler_state)
         if self._rng is not None:
             self._rng.restore()
