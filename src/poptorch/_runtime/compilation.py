@@ -16,13 +16,16 @@ decision).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 import torch
 
 if TYPE_CHECKING:  # (types only: importing them here would load the whole engine)
+    from typing_extensions import Unpack
+
+    from .._typing import UserOutput
     from .batching.anchors import AnchorRecorder
     from .batching.signature import InputSignature
     from .batching.synthetic import SyntheticInputs
@@ -30,12 +33,22 @@ if TYPE_CHECKING:  # (types only: importing them here would load the whole engin
     from .executable.source import ProgramSource
     from .numerics.autocast import AutocastRun
     from .numerics.precision import PrecisionPolicy
+    from .program.concurrent_replicas import ReplicaCopies
     from .program.device_loop import DeviceProgram
     from .program.optimizer import OptimizerBinding
+    from .program.runner import ReplicaBuffers
     from .weights.constants import TensorConstants
     from .weights.sync import WeightSync
 
 __all__ = ["CallState", "Compilation"]
+
+
+class WeightsCopied(TypedDict, total=False):
+    """Which host values :py:meth:`Compilation.weights_to_device` copies
+    (``WeightSync.to_device``)."""
+    params: bool
+    buffers: bool
+    buffer_names: Collection[str] | None
 
 
 @dataclass(eq=False)
@@ -45,7 +58,7 @@ class CallState:
     io_counts: tuple[int, int] = (0, 0)  # tensors in and out of the first call
     # The per-call fast path (executor/fast_call.py): None = not decided yet (decided
     # after the next general call), False = never, else the callable.
-    fast: Callable[[tuple, dict], Any] | Literal[False] | None = None
+    fast: Callable[[tuple, dict], UserOutput] | Literal[False] | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,7 +76,8 @@ class Compilation:
     precision: PrecisionPolicy
     casting: AutocastRun  # float16 rules and autocast, entered around each call
     optimizer: OptimizerBinding | None  # training only
-    replica_buffers: Any = None  # per-replica buffers of local replicas, or None
+    # per-replica buffers (or model copies) of local replicas, or None
+    replica_buffers: ReplicaBuffers | ReplicaCopies | None = None
     synthetic: SyntheticInputs | None = None  # Options.enableSyntheticData
     anchors: AnchorRecorder | None = None  # Options.anchorTensor
     compile_seconds: float = 0.0
@@ -74,7 +88,7 @@ class Compilation:
     gather_weights: Callable[[], None] | None = None
     calls: CallState = field(default_factory=CallState)
 
-    def weights_to_device(self, **which: Any) -> None:
+    def weights_to_device(self, **which: Unpack[WeightsCopied]) -> None:
         """Host -> device copy (``WeightSync.to_device``); every local replica then holds
         the host's buffers."""
         self.weights.to_device(**which)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -14,6 +15,7 @@ from .._runtime.torch_internals import (
     dispatch_has_kernel_for_dispatch_key,
     fake_impl_entry,
 )
+from .._typing import UserInput
 from ..errors import Error, PoptorchValueError
 
 __all__ = ["ATTR_PREFIX", "accessAttributes", "attributes_lists", "custom_op"]
@@ -74,7 +76,30 @@ def _registered(namespace: str) -> list[str]:
                    if n.startswith(prefix)})
 
 
-def _resolve(name: str, domain: str) -> Any:
+class _Schema(Protocol):
+    @property
+    def returns(self) -> Sequence[object]: ...
+
+
+class _Overload(Protocol):
+    @property
+    def _schema(self) -> _Schema: ...
+
+
+class Operator(Protocol):
+    """``torch.ops.<namespace>.<name>``: an operator packet, as custom_op reads and calls
+    it (its qualified name, overloads and default overload's schema)."""
+
+    @property
+    def _qualified_op_name(self) -> str: ...
+    @property
+    def default(self) -> _Overload: ...
+    def overloads(self) -> list[str]: ...
+    def __call__(self, *args: object, **kwargs: object
+                 ) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
+
+
+def _resolve(name: str, domain: str) -> Operator:
     """``torch.ops.<domain>.<name>`` (an operator packet, found by name); dots in the
     domain become underscores (a torch namespace cannot contain dots)."""
     namespace = domain.replace(".", "_")
@@ -111,7 +136,7 @@ def _has_fake(qualname: str) -> bool:
     return entry.fake_impl.kernel is not None
 
 
-def _ensure_shape_inference(operator: Any, example_outputs: list[torch.Tensor]) -> None:
+def _ensure_shape_inference(operator: Operator, example_outputs: list[torch.Tensor]) -> None:
     """Give an operator without a fake (meta) kernel one built from ``example_outputs``
     (their shapes and dtypes), so that compiled backends (torch.compile, torch.export)
     can trace it: upstream likewise took output shapes from ``example_outputs``."""
@@ -125,7 +150,7 @@ def _ensure_shape_inference(operator: Any, example_outputs: list[torch.Tensor]) 
         specs = [(tuple(e.shape), e.dtype) for e in example_outputs]
         single = len(operator.default._schema.returns) == 1
 
-        def fake(*args: Any, **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        def fake(*args: object, **kwargs: object) -> torch.Tensor | tuple[torch.Tensor, ...]:
             device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
             # the dtypes the kernel was seen to return, where an eager call differed
             # from example_outputs: a traced graph then holds the conversion too
@@ -138,7 +163,7 @@ def _ensure_shape_inference(operator: Any, example_outputs: list[torch.Tensor]) 
         _made_fakes.add(qualname)
 
 
-def _record(operator: Any, attributes: dict, example_outputs: list[torch.Tensor]) -> None:
+def _record(operator: Operator, attributes: dict, example_outputs: list[torch.Tensor]) -> None:
     """Bookkeeping of a call: its attributes (``accessAttributes``), the one-time log
     and the operator's shape inference."""
     if attributes:
@@ -190,7 +215,7 @@ def _follow_examples(outputs: list[torch.Tensor], example_outputs: list[torch.Te
 def custom_op(inputs: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...],
               name: str, domain: str, domain_version: int,
               example_outputs: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...],
-              attributes: dict[str, Any] | None = None) -> list[torch.Tensor]:
+              attributes: dict[str, UserInput] | None = None) -> list[torch.Tensor]:
     """Call the ``torch.library`` operator ``torch.ops.<domain>.<name>``.
 
     Upstream this ran a PopART C++ op; here a custom op is any operator registered with
@@ -226,7 +251,7 @@ def custom_op(inputs: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ..
         _record(operator, attributes, list(example_outputs))
     elif operator._qualified_op_name not in _fake_registered:
         _record_eagerly(operator, attributes, list(example_outputs))
-    outputs = operator(*inputs, **attributes)
-    outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+    returned = operator(*inputs, **attributes)
+    outputs = [returned] if isinstance(returned, torch.Tensor) else list(returned)
     return _follow_examples(outputs, list(example_outputs), operator._qualified_op_name,
                             f"{domain}::{name}")

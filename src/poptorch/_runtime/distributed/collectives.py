@@ -77,7 +77,8 @@ def _views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> Iterator[torch.T
         offset += n
 
 
-def broadcast_(tensors: Sequence[torch.Tensor], group: Any, src: int = 0) -> None:
+def broadcast_(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None,
+               src: int = 0) -> None:
     """Overwrite ``tensors`` on every process with process ``src``'s values."""
     if not tensors:
         return
@@ -89,7 +90,8 @@ def broadcast_(tensors: Sequence[torch.Tensor], group: Any, src: int = 0) -> Non
             foreach_copy_(members, list(_views(flat, members)))
 
 
-def all_reduce_sum(tensors: Sequence[torch.Tensor], group: Any) -> list[torch.Tensor]:
+def all_reduce_sum(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None
+                   ) -> list[torch.Tensor]:
     """The sums over all processes of ``tensors``, as views into flat buffers (the
     inputs are not modified). All buckets are in flight at once."""
     if not tensors:

@@ -6,7 +6,7 @@ same :py:class:`poptorch.Error` everywhere.
 """
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 import torch.distributed as dist
 
@@ -15,7 +15,7 @@ from .collectives import failures_as_errors
 from .world import World
 
 
-def check_same_everywhere(world: World, values: dict[str, Any]) -> None:
+def check_same_everywhere(world: World, values: Mapping[str, object]) -> None:
     """Raise on every process when some entry of ``values`` differs between processes;
     the message names the entry and each process's value."""
     if not world.distributed:

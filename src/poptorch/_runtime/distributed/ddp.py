@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..._devices import env_setting
 from ...errors import Error
@@ -52,7 +53,7 @@ def _no_buffer_sync() -> dict[str, Any]:
 _NO_BUFFER_SYNC = _no_buffer_sync()
 
 
-def make_ddp(model: torch.nn.Module, group: Any, device: torch.device,
+def make_ddp(model: torch.nn.Module, group: dist.ProcessGroup | None, device: torch.device,
              find_unused: bool) -> torch.nn.parallel.DistributedDataParallel:
     """DDP over ``model`` as the module docstring describes (called on every process at
     the same point: construction checks the parameter shapes collectively)."""

@@ -11,11 +11,11 @@ before its next send), so the last stage starts its next step at once.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..._typing import UserOutput
 from ..torch_internals import pytree
 from .collectives import failures_as_errors
 
@@ -23,14 +23,14 @@ from .collectives import failures_as_errors
 class OutputBroadcast:
     """Broadcasts lists of output structures from global rank ``src`` over ``group``."""
 
-    def __init__(self, src: int, group: Any, device: torch.device) -> None:
+    def __init__(self, src: int, group: dist.ProcessGroup | None, device: torch.device) -> None:
         self.src = src
         self.group = group
         self.device = device
         self._layouts: dict = {}  # key -> (spec, leaves: tensor meta or constant)
         self._sending: list = []  # the sender's broadcasts in flight (work, buffer)
 
-    def __call__(self, key: Hashable, outputs: list[Any] | None) -> list[Any]:
+    def __call__(self, key: Hashable, outputs: list[UserOutput] | None) -> list[UserOutput]:
         """``outputs`` on the sender (None elsewhere); the outputs on every process."""
         with failures_as_errors("Sending the pipeline's outputs"):
             self.wait()
@@ -45,7 +45,7 @@ class OutputBroadcast:
             work, _ = self._sending.pop(0)
             work.wait()
 
-    def _first(self, key: Hashable, outputs: list[Any] | None) -> list[Any]:
+    def _first(self, key: Hashable, outputs: list[UserOutput] | None) -> list[UserOutput]:
         box: list = [None]
         if outputs is not None:
             box[0] = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), outputs)
@@ -59,7 +59,8 @@ class OutputBroadcast:
             return outputs
         return pytree.tree_map_only(torch.Tensor, lambda t: t.to(self.device), box[0])
 
-    def _tensors(self, layout: tuple, outputs: list[Any] | None) -> list[Any]:
+    def _tensors(self, layout: tuple, outputs: list[UserOutput] | None
+                 ) -> list[UserOutput]:
         spec, metas = layout
         dtypes = sorted({m[2] for m in metas if m[0] == "tensor"}, key=str)
         if outputs is not None:

@@ -12,7 +12,7 @@ this: they run on each process on their own.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from .world import World
 
 if TYPE_CHECKING:
     from ..memory.fsdp import ShardedModel
+    from ..program.backend_trial import CrossProcessAgreement
 
 _live: weakref.WeakSet[DataParallelGroup] = weakref.WeakSet()
 
@@ -47,7 +48,7 @@ class DataParallelGroup:
         self.world = world
         self.model = model
         self.params = params
-        self.reducer: Any = GradientReducer(world, params)
+        self.reducer: GradientReducer | None = GradientReducer(world, params)
         self.buffers = list(model.buffers()) if broadcast_buffers else []
         self.ddp_sync: DdpSync | None = None
         # Weights / accumulators sharded over the processes (FSDP2, memory.fsdp): their
@@ -62,9 +63,9 @@ class DataParallelGroup:
         # attached: every step reduces with the reducer, the one collective both
         # backends share, with the agreement's values, and DDP is not attached. The
         # agreement detaches itself once every process has left the compiled backend.
-        self.agreement: Any = None
+        self.agreement: CrossProcessAgreement | None = None
 
-    def attach_agreement(self, agreement: Any) -> None:
+    def attach_agreement(self, agreement: CrossProcessAgreement | None) -> None:
         """Reduce with the reducer and ``agreement``'s values (None: let DDP take the
         reduction over once the processes have run eager steps)."""
         self.agreement = agreement
@@ -104,7 +105,7 @@ class DataParallelGroup:
         if self.sharded is not None:
             self.sharded.begin_step()
 
-    def start_identical(self, optimizer: Any | None) -> None:
+    def start_identical(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Give every process process 0's weights, buffers and optimizer state."""
         tensors = list(self.model.parameters()) + list(self.model.buffers())
         broadcast_([t.data for t in tensors], self.world.group)
@@ -118,7 +119,8 @@ class DataParallelGroup:
         if state[0] is not None and self.world.rank != 0:
             optimizer.load_state_dict(state[0])
 
-    def shard_weights(self, sharded: ShardedModel, optimizer: Any | None) -> None:
+    def shard_weights(self, sharded: ShardedModel, optimizer: torch.optim.Optimizer | None
+                      ) -> None:
         """Take over the weights / accumulators ``sharded`` over the processes
         (``memory.fsdp``; made after :py:meth:`start_identical`: each process keeps its
         rows of process 0's weights). No DDP: FSDP2 reduce-scatters the sharded

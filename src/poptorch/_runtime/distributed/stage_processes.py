@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,7 +36,8 @@ class StageLayout:
     stages: int
     stage: int  # the stage this process runs
     replica: int  # the pipeline replica it belongs to
-    pipeline_group: Any  # the processes of this replica, stage order (None: the world)
+    # the processes of this replica, stage order (None: the world)
+    pipeline_group: dist.ProcessGroup | None
     stage_world: World  # this stage's processes over the replicas (rank: the replica)
 
     @property
@@ -133,7 +133,7 @@ class StageReplicaGroup:
     def begin_step(self) -> None:
         return None
 
-    def start_identical(self, optimizer: Any | None) -> None:
+    def start_identical(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Nothing left to do: the weights came from process 0 at compile time, and the
         optimizer holds state only for this stage's parameters once it steps."""
         return None

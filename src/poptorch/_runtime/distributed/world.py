@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,7 @@ class World:
 
     rank: int
     size: int
-    group: Any | None = None
+    group: dist.ProcessGroup | None = None
 
     @property
     def distributed(self) -> bool:
@@ -106,7 +107,7 @@ _leave_callbacks: list = []
 _created_here = False
 
 
-def on_leave(callback: Any) -> None:
+def on_leave(callback: Callable[[], object]) -> None:
     """Run ``callback()`` at interpreter exit, before the process group is left."""
     _leave_callbacks.append(callback)
 

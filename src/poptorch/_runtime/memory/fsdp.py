@@ -34,16 +34,20 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from types import TracebackType
+from typing import cast
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
+from torch.utils.hooks import RemovableHandle
 
 from ..._logging import info_once
+from ..._typing import OptionValue, StateDict
 from ..distributed.world import World
 from ..schedule.actions import Action, ActionKind
 from .layout import DEFAULT_MIN_ELEMENTS
@@ -62,7 +66,7 @@ class WeightPlacement:
     min_elements: int
 
     @classmethod
-    def of(cls, weight: Mapping[str, Any], accumulator: Mapping[str, Any]
+    def of(cls, weight: Mapping[str, OptionValue], accumulator: Mapping[str, OptionValue]
            ) -> WeightPlacement:
         """From the weight and accumulator settings (``TensorLocationSettings.toDict()``);
         the threshold is the weights' (the accumulators' when only they are sharded)."""
@@ -235,21 +239,21 @@ class ShardedModel:
     def _prefetch(self) -> None:
         """Explicit prefetch: each unit gathers the next one's weights in its forward
         and the previous one's in its backward."""
-        units: list[Any] = self.units
+        units = cast("list[FSDPModule]", self.units)  # (made FSDP modules by fully_shard)
         for before, after in itertools.pairwise(units):
             before.set_modules_to_forward_prefetch([after])
             after.set_modules_to_backward_prefetch([before])
 
-    def _watch(self, u: int, unit: torch.nn.Module) -> Iterator[Any]:
+    def _watch(self, u: int, unit: torch.nn.Module) -> Iterator[RemovableHandle]:
         """Hooks sampling the accounting at the unit's forward and backward."""
         n = len(self.units)
         accounting = self.accounting
         units = self.units
 
-        def forward_pre(*_: Any) -> None:
+        def forward_pre(*_: object) -> None:
             accounting.sample(units, u + 1 if u + 1 < n else -1)
 
-        def backward_pre(*_: Any) -> None:
+        def backward_pre(*_: object) -> None:
             accounting.sample(units, u - 1)
         yield unit.register_forward_pre_hook(forward_pre)
         yield unit.register_full_backward_pre_hook(backward_pre)
@@ -265,7 +269,7 @@ class ShardedModel:
         self.count = 0
         self.accounting.reset()
 
-    def _before_forward(self, *_: Any) -> None:
+    def _before_forward(self, *_: object) -> None:
         """Before a forward of the model: a training micro-batch's backward
         reduce-scatters with sharded accumulators, else only the step's last one does
         (the others accumulate whole gradients locally, as unsharded accumulators)."""
@@ -303,31 +307,32 @@ class WholeAsReplicated:
     which the whole parameters are (``implicit_replication``)."""
 
     def __init__(self) -> None:
-        self._active: list[Any] = []
+        self._active: list[AbstractContextManager[object]] = []
 
     def __enter__(self) -> None:
         scope = implicit_replication()
         scope.__enter__()
         self._active.append(scope)
 
-    def __exit__(self, *exc: object) -> None:
-        self._active.pop().__exit__(*exc)
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._active.pop().__exit__(exc_type, exc, tb)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
-def _whole_state(module: torch.nn.Module, state: dict[str, Any], prefix: str,
-                 local_metadata: Any) -> None:
+def _whole_state(module: torch.nn.Module, state: StateDict, prefix: str,
+                 local_metadata: object) -> None:
     """State-dict post hook of a unit: its sharded entries as whole tensors."""
     for key, value in list(state.items()):
         if key.startswith(prefix) and isinstance(value, DTensor):
             state[key] = value.full_tensor()
 
 
-def _sharded_state(module: torch.nn.Module, state: dict[str, Any], prefix: str,
-                   *args: Any) -> None:
+def _sharded_state(module: torch.nn.Module, state: StateDict, prefix: str,
+                   *args: object) -> None:
     """Load-state-dict pre hook of a unit: whole tensors become this process's shard
     of the parameter they load into (each process cuts its own rows)."""
     params = dict(module.named_parameters())

@@ -12,7 +12,8 @@ weights before its next forward.
 """
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -20,6 +21,10 @@ from torch.distributed.tensor import DTensor
 from ..numerics.loss_scaling import PENDING_UNSCALE_ATTR
 from .layout import Piece, ShardLayout
 from .sharding import ManagedStep
+
+if TYPE_CHECKING:
+    from ..distributed.world import World
+    from .offload import StateStorage
 
 
 def shard_layout(params: list[torch.nn.Parameter], processes: int) -> ShardLayout:
@@ -46,8 +51,9 @@ def shard_layout(params: list[torch.nn.Parameter], processes: int) -> ShardLayou
 class ShardedStep(ManagedStep):
     """``ManagedStep`` over the local shards of DTensor parameters (module docstring)."""
 
-    def __init__(self, optimizer_of: Any, params: list[torch.nn.Parameter], world: Any,
-                 storage: Any) -> None:
+    def __init__(self, optimizer_of: Callable[[], torch.optim.Optimizer | None],
+                 params: list[torch.nn.Parameter], world: World,
+                 storage: StateStorage) -> None:
         super().__init__(optimizer_of, params, shard_layout(params, world.size), world,
                          storage, flatten=False)
         self.gather_plan = []

@@ -20,12 +20,14 @@ changes nothing.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..._logging import info_once
+from ..._typing import OptionValue
 from ...enums import CommGroupType, VariableRetrievalMode
 from ..config import LocationsConfig
 from ..distributed.world import SINGLE_PROCESS
@@ -36,19 +38,23 @@ from .layout import DEFAULT_MIN_ELEMENTS, plan_layout
 from .offload import ActivationsOffChip, StateStorage
 from .sharding import ManagedStep, take_over
 
+if TYPE_CHECKING:
+    from ..distributed.replicas import DataParallelGroup
+    from ..distributed.stage_processes import StageReplicaGroup
+
 # Optimizers whose update of each element depends on that element only (piece by piece
 # is the same update); others are sharded tensor by tensor.
 _ELEMENTWISE = {"SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "NAdam", "RAdam"}
 
 
-def elementwise(optimizer: Any) -> bool:
+def elementwise(optimizer: object) -> bool:
     """Whether ``optimizer``'s update may run on any piece of a tensor on its own."""
     cls = type(optimizer)
     return cls.__name__ in _ELEMENTWISE and cls.__module__.startswith(
         ("poptorch.optim", "torch.optim"))
 
 
-def _settings(locations: LocationsConfig, kind: str) -> dict[str, Any]:
+def _settings(locations: LocationsConfig, kind: str) -> dict[str, OptionValue]:
     return dict(getattr(locations, kind))
 
 
@@ -79,12 +85,15 @@ def slot_members(params: list[torch.nn.Parameter], names: dict[int, str],
 class LocationEffects:
     """What the tensor locations add to a device program."""
     managed_step: ManagedStep | None = None  # replaces the optimizer's own step
-    wrappers: tuple[Any, ...] = ()  # entered around every call (activations off chip)
+    # entered around every call (activations off chip)
+    wrappers: tuple[AbstractContextManager[object], ...] = ()
 
 
 def install(model: torch.nn.Module, locations: LocationsConfig, groupings: dict | None,
-            device: torch.device, *, training: bool, optimizer: Callable[[], Any],
-            cross: Any, replicas: int) -> LocationEffects:
+            device: torch.device, *, training: bool,
+            optimizer: Callable[[], torch.optim.Optimizer | None],
+            cross: DataParallelGroup | StageReplicaGroup | None, replicas: int
+            ) -> LocationEffects:
     """Make the tensor ``locations`` (``Options.TensorLocations`` as compiled) act on a
     program of ``model`` (module docstring). ``optimizer()`` returns the optimizer in
     force (``setOptimizer`` may bind another), ``cross`` the program's cross-process
@@ -94,7 +103,7 @@ def install(model: torch.nn.Module, locations: LocationsConfig, groupings: dict 
     cpu = device.type == "cpu"
     if getattr(cross, "sharded", None) is None:
         _log_recorded(locations, cpu, phased)
-    wrappers: tuple[Any, ...] = ()
+    wrappers: tuple[AbstractContextManager[object], ...] = ()
     activation_loc = _settings(locations, "activation")
     if activation_loc.get("onChip") is False and training and not phased:
         if cpu:

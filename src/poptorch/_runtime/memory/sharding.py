@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..._typing import StateValue
 from ..distributed.collectives import failures_as_errors
 from ..distributed.world import World
 from ..numerics.loss_scaling import PENDING_UNSCALE_ATTR
 from ..torch_internals import foreach_copy_
-from .layout import Piece, ShardLayout
+from .layout import Bucket, Piece, ShardLayout
 from .offload import StateStorage, chunks
 
 # Parameters whose off-chip state moves to the device together, in elements.
@@ -43,16 +45,17 @@ _GATHER_HINT = ("optimizer.state_dict() of a sharded optimizer gathers the state
 # The managed step in force for each optimizer: its state_dict hook finds it here, and
 # the entry keeps the pieces alive as long as the optimizer (a program compiled again
 # takes them over).
-_MANAGERS: weakref.WeakKeyDictionary[Any, ManagedStep] = weakref.WeakKeyDictionary()
+_MANAGERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, ManagedStep] = \
+    weakref.WeakKeyDictionary()
 
 
-def _gather_before_state_dict(optimizer: Any) -> None:
+def _gather_before_state_dict(optimizer: torch.optim.Optimizer) -> None:
     managed = _MANAGERS.get(optimizer)
     if managed is not None:
         managed.gather_into(optimizer)
 
 
-def take_over(optimizer: Any) -> None:
+def take_over(optimizer: torch.optim.Optimizer) -> None:
     """Before a program compiled again for ``optimizer`` steps it: the pieces held by
     the previous program become ``optimizer``'s whole state (a collective)."""
     previous = _MANAGERS.pop(optimizer, None)
@@ -60,7 +63,7 @@ def take_over(optimizer: Any) -> None:
         previous.gather_into(optimizer)
 
 
-def state_bytes(state: dict[Any, dict[str, Any]]) -> int:
+def state_bytes(state: dict[torch.Tensor, dict[str, StateValue]]) -> int:
     """Bytes of the tensors of an optimizer ``state`` (each storage counted once)."""
     seen = set()
     total = 0
@@ -96,14 +99,14 @@ class ManagedStep:
             for piece in self.local}
         self.replicated = set(layout.replicated)
         self.piece_index = {piece: j for j, piece in enumerate(layout.pieces)}
-        self.state: dict[Any, dict[str, Any]] = defaultdict(dict)
+        self.state: dict[torch.Tensor, dict[str, StateValue]] = defaultdict(dict)
         self.moved_on = False  # the pieces stepped since the state was last gathered
         self.opt: Any = None
         self.inner: Any = None
-        self.groups: list[list[Any]] = []
+        self.groups: list[list[torch.nn.Parameter]] = []
         self.group_ids: list[tuple] = []
-        self.bucket_groups: list[list[list[Any]]] = []
-        self.rest_groups: list[list[Any]] = []
+        self.bucket_groups: list[list[list[torch.nn.Parameter]]] = []
+        self.rest_groups: list[list[torch.nn.Parameter]] = []
         # The buckets' weights, each in one tensor (the parameters are views into it)
         # so that a bucket is gathered in place; only across processes.
         self.flats: list[torch.Tensor] = []
@@ -132,7 +135,7 @@ class ManagedStep:
             by_param.setdefault(piece.param, []).append(piece)
         self.groups, self.group_ids = [], []
         for group in opt.param_groups:
-            members: list[Any] = []
+            members: list[torch.nn.Parameter] = []
             for p in group["params"]:
                 i = self.index[id(p)]
                 if i in self.replicated:
@@ -197,7 +200,8 @@ class ManagedStep:
             self._all_gather_weights()
         return result
 
-    def _step_on(self, opt: Any, groups: list[dict], members: list[list[Any]]) -> Any:
+    def _step_on(self, opt: Any, groups: list[dict], members: list[list[torch.nn.Parameter]]
+                 ) -> Any:
         """The optimizer's step over ``members`` (per param group) with their state."""
         opt.param_groups = [dict(g, params=m) for g, m in zip(groups, members, strict=False) if m]
         opt.state = self.state
@@ -236,7 +240,7 @@ class ManagedStep:
                 [p for p in members if id(p) in streamed], OFFLOAD_CHUNK_ELEMENTS)
             for part in parts:
                 moving = [p for p in part if id(p) in streamed]
-                state: dict[Any, dict[str, Any]] = defaultdict(dict)
+                state: dict[torch.Tensor, dict[str, StateValue]] = defaultdict(dict)
                 for p in part:
                     if p in self.state:
                         state[p] = (storage.fetch(self.state[p], p.device)
@@ -290,14 +294,16 @@ class ManagedStep:
         return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
     @staticmethod
-    def _clipped_gradients(opt: Any, coef: torch.Tensor) -> Any:
+    def _clipped_gradients(opt: Any, coef: torch.Tensor
+                           ) -> Callable[[dict[torch.Tensor, torch.Tensor]],
+                                         dict[torch.Tensor, torch.Tensor]]:
         def clipped(grads: dict[torch.Tensor, torch.Tensor]
                     ) -> dict[torch.Tensor, torch.Tensor]:
             return {p: g * coef.to(device=g.device, dtype=g.dtype) for p, g in grads.items()}
         return clipped
 
     # --- weights after the update ---------------------------------------------------
-    def _flatten(self, bucket: Any) -> torch.Tensor:
+    def _flatten(self, bucket: Bucket) -> torch.Tensor:
         """One tensor holding ``bucket``'s parameters; they become views into it."""
         first = self.params[bucket.params[0]]
         flat = torch.zeros(bucket.length, dtype=first.dtype, device=first.device)
@@ -355,7 +361,7 @@ class ManagedStep:
                 foreach_copy_(targets, sources)
 
     # --- the state dictionary ------------------------------------------------------
-    def _split(self, full: dict[Any, dict[str, Any]]) -> None:
+    def _split(self, full: dict[torch.Tensor, dict[str, StateValue]]) -> None:
         """Take this process's pieces of a whole state (loaded or gathered)."""
         self.state = defaultdict(dict)
         for i, p in enumerate(self.params):
@@ -370,10 +376,10 @@ class ManagedStep:
             if not entry:
                 continue
             self.state[shard] = {k: _slice(v, p, piece) for k, v in entry.items()}
-        for p in [p for p in self.state if self.storage.streams(p)]:
-            host: dict[str, Any] = {}
-            self.storage.store(host, self.state[p])
-            self.state[p] = host
+        for t in [t for t in self.state if self.storage.streams(t)]:
+            host: dict[str, StateValue] = {}
+            self.storage.store(host, self.state[t])
+            self.state[t] = host
         self.storage.wait([p.device for p in self.params])
 
     def gather_into(self, opt: Any) -> None:
@@ -393,10 +399,10 @@ class ManagedStep:
             gathered = [None] * self.world.size
             with failures_as_errors(f"Gathering the optimizer state ({_GATHER_HINT})"):
                 dist.all_gather_object(gathered, local, group=self.world.group)
-        states: dict[int, dict[str, Any]] = {}
+        states: dict[int, dict[str, StateValue]] = {}
         for part in gathered:
             states.update(part)
-        full: dict[Any, dict[str, Any]] = defaultdict(dict)
+        full: dict[torch.Tensor, dict[str, StateValue]] = defaultdict(dict)
         for i in self.layout.replicated:
             p = self.params[i]
             if self.state.get(p):
@@ -416,7 +422,7 @@ class ManagedStep:
         return state_bytes(self.state)
 
 
-def _slice(value: Any, p: torch.Tensor, piece: Piece) -> Any:
+def _slice(value: StateValue, p: torch.Tensor, piece: Piece) -> StateValue:
     if not isinstance(value, torch.Tensor):
         return value
     if piece.whole or value.dim() == 0 or value.numel() != p.numel():
@@ -424,10 +430,10 @@ def _slice(value: Any, p: torch.Tensor, piece: Piece) -> Any:
     return value.detach().reshape(-1)[piece.start:piece.end].to(p.device, copy=True)
 
 
-def _join(found: list[dict[str, Any]], pieces: list[Piece], p: torch.Tensor
-          ) -> dict[str, Any]:
+def _join(found: list[dict[str, StateValue]], pieces: list[Piece], p: torch.Tensor
+          ) -> dict[str, StateValue]:
     """One parameter's whole state from its pieces' states."""
-    entry: dict[str, Any] = {}
+    entry: dict[str, StateValue] = {}
     for key, first in found[0].items():
         values = [f.get(key) for f in found]
         elementwise = all(isinstance(v, torch.Tensor) and v.dim() >= 1
