@@ -164,12 +164,15 @@ class PlacementConfig:
     when none was set; ``strategy_given`` tells which): an object, because the runner
     publishes the schedule it ran on it (``last_schedule``). ``device_options`` is a
     copy of the options taken now, handed only to ``poptorch._devices`` to pick the
-    devices that play the IPUs (IPU model, ids, rounding, replicas)."""
+    devices that play the IPUs (IPU model, ids, rounding, replicas).
+    ``module_calls_rewritten``: a torch function mode rewrites module calls at run time
+    (PopART's strided group norm), so the stage graph keeps the calls (torch.fx first)."""
     strategy: ExecutionStrategy
     strategy_given: bool
     weight_locations: Mapping[str, OptionValue]
     activation_locations: Mapping[str, OptionValue]
     device_options: OptionsView
+    module_calls_rewritten: bool = False
 
     @classmethod
     def of(cls, options: OptionsView) -> PlacementConfig:
@@ -182,4 +185,7 @@ class PlacementConfig:
                 dict(getattr(locations, "location_weight", {}) or {})),
             activation_locations=types.MappingProxyType(
                 dict(getattr(locations, "location_activation", {}) or {})),
-            device_options=options.clone())
+            device_options=options.clone(),
+            module_calls_rewritten=bool(
+                getattr(getattr(options, "_Popart", None), "options", {}).get(
+                    "groupNormStridedChannelGrouping", False)))

@@ -170,7 +170,8 @@ class ModelParallelRunner:
         cannot be captured (the first call then finds its blocks by running it)."""
         self._capture_tried = True
         try:
-            captured = capture(self.model, args, kwargs, self.strategy, self.overlap)
+            captured = capture(self.model, args, kwargs, self.strategy, self.overlap,
+                               fx_first=self.config.placement.module_calls_rewritten)
         except CaptureUnsupported as exc:
             self._why_sequential = f"it cannot be captured as a graph ({exc})"
             return None

@@ -135,13 +135,15 @@ class _BlockTracer(torch.fx.Tracer):
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict, strategy: ExecutionStrategy,
-            overlap: OverlapSettings | None = None) -> CapturedModel:
+            overlap: OverlapSettings | None = None, fx_first: bool = False) -> CapturedModel:
     """Capture ``model`` for arguments like ``(args, kwargs)`` (only whether each one is a
     tensor, and the non-tensor values, matter). Raises :class:`CaptureUnsupported`
     (why) when it cannot be captured, and ``poptorch.Error`` when its overlap markers
     break PopTorch's rules (checked with the options' ``overlap`` settings given)."""
     tracers = [("torch.export", export_model), ("torch.fx", trace_model)]
-    if _has_call_hooks(model):  # fx keeps the hooked calls as calls: hooks run each time
+    # fx keeps the hooked calls as calls: hooks (and run-time rewrites of module calls,
+    # ``fx_first``) apply on every call
+    if fx_first or _has_call_hooks(model):
         tracers.reverse()
     failures = []
     for name, tracer in tracers:
@@ -158,11 +160,16 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict, strategy: Executi
 
 def _has_call_hooks(model: torch.nn.Module) -> bool:
     """Whether a module of ``model`` has a user's forward / backward hook (or forward
-    pre-hook other than PopTorch's own): an exported graph would run it once, on fake
-    tensors, where the fx graph calls the hooked leaf module on every call."""
+    pre-hook other than PopTorch's own, or ``Module.autocast()``'s casting): an exported
+    graph would run it once, on fake tensors, where the fx graph calls the hooked leaf
+    module on every call."""
     own = (recompute.start_forward_hook, recompute.end_forward_hook)
     for module in model.modules():
         if any(h not in own for h in call_hooks(module)):
+            return True
+        # ``Module.autocast()``: its casting hooks are installed on the module after
+        # the capture, and run only where the graph calls the module
+        if getattr(module, "_poptorch_autocast", None):
             return True
         if any(h not in own and not isinstance(h, markers.BeginBlockHook)
                for h in forward_pre_hooks(module).values()):
