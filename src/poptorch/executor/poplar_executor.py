@@ -30,6 +30,7 @@ from .._typing import UserInput, UserOutput
 from ..enums import OutputMode
 from ..errors import Error, PoptorchAssertionError
 from ..optim.optimizers import SGD
+from ..optim.subclassing import warn_if_subclassed
 from ..options.options import Options
 from . import hooks as _hooks
 from . import optimizer_rules
@@ -97,6 +98,8 @@ class PoplarExecutor(ExecutorInspection):
             raise Error(f"The model must be a torch.nn.Module, not {type(model).__name__}.")
         if training and optimizer is None:
             optimizer = SGD(model.parameters(), lr=0.01)  # PopTorch's default
+        elif training:
+            warn_if_subclassed(optimizer)  # (upstream's warning; here step() does run)
         self._init_state(model, options, training, poptorch_version, optimizer,
                          user_model or model)
 
@@ -343,6 +346,7 @@ class PoplarExecutor(ExecutorInspection):
         if not self._training:
             raise PoptorchAssertionError("setOptimizer: this is an inference model; only a "
                                          "trainingModel has an optimizer.")
+        warn_if_subclassed(optimizer)
         compiled = self._compiled
         if compiled is not None:
             from ..optim.attributes import check_update
