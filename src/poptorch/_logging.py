@@ -14,11 +14,12 @@ both take effect when a model is compiled with those options (see
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import threading
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
@@ -246,3 +247,16 @@ def _read_env_level() -> None:
 
 
 _read_env_level()
+
+
+@contextlib.contextmanager
+def quiet_logger(name: str) -> Iterator[None]:
+    """Silence another library's logger ``name`` for a while (a failed attempt of ours
+    whose report the user should not see: we say why in one line of our own)."""
+    other = logging.getLogger(name)
+    level = other.level
+    other.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        other.setLevel(level)

@@ -349,23 +349,24 @@ class PoplarExecutor(ExecutorInspection):
         warn_if_subclassed(optimizer)
         compiled = self._compiled
         if compiled is not None:
-            from ..optim.attributes import check_update
+            from ..optim.attributes import OptimizerSnapshot, check_update
             binding = compiled.optimizer
             # (a compiled training model has one, and its compile's constants)
-            assert binding is not None and binding.constants is not None
+            assert binding is not None and isinstance(binding.constants, OptimizerSnapshot)
+            constants = binding.constants
             options = self._options
             optimizer_rules.apply_mean_reduction_rule(options, optimizer, True)
             optimizer_rules.warn_unexpected_attributes(
                 binding.keys, optimizer, options.relax_optimizer_attributes_checks)
             try:
-                check_update(binding.constants, optimizer,
+                check_update(constants, optimizer,
                              options.relax_optimizer_attributes_checks)
             except Error:
                 if optimizer is self._optimizer or optimizer is binding.device:
                     # the refused change was made in the optimizer in force: undo it,
                     # so that the compiled value stays in force (as on an IPU)
                     from ..optim.attributes import restore_constants
-                    restore_constants(binding.constants, optimizer)
+                    restore_constants(constants, optimizer)
                 raise
             attached = attach_optimizer(optimizer, self._model, self._user_model,
                                         compiled.weights, previous=binding.device)

@@ -8,7 +8,7 @@ inference). Every other attribute is the parameter's. The engine side is
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -16,15 +16,18 @@ from ..enums import CommGroupType, VariableRetrievalMode
 from ..errors import Error
 from ..options.store import check_enum, check_int
 
-if TYPE_CHECKING:
-    from .poplar_executor import PoplarExecutor
+
+class CompiledOrNot(Protocol):
+    """The PopTorch model a parameter is seen through (``PoplarExecutor``)."""
+
+    def isCompiled(self) -> bool: ...
 
 
 class GroupableParameter:
     """A model parameter seen through a PopTorch model: ``replicaGrouping`` plus every
     attribute of the parameter itself."""
 
-    def __init__(self, executor: PoplarExecutor, groupings: dict, name: str,
+    def __init__(self, executor: CompiledOrNot, groupings: dict, name: str,
                  param: torch.nn.Parameter) -> None:
         object.__setattr__(self, "_executor", executor)
         object.__setattr__(self, "_groupings", groupings)  # the executor's, by name

@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
-import logging
 import operator
 from collections.abc import Callable, Iterator
 from typing import cast
@@ -44,8 +43,10 @@ import torch.fx.traceback as fx_traceback
 from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, InputSpec, OutputKind, OutputSpec
 
+from ..._logging import quiet_logger
 from ..._typing import UserInput, UserOutput
 from .. import context
+from ..attributes import attribute_table
 from ..torch_internals import pytree
 from . import capture_ops, io_markers, markers, recompute
 from .captured import (
@@ -191,28 +192,23 @@ def _same_attributes(model: torch.nn.Module) -> Iterator[None]:
     """Give every module of ``model`` its own attribute objects back after the export:
     non-strict export puts copies of the containers it finds (a ``self.flags`` dict,
     a list) in their place, which would cut them off from the user's references."""
-    before = [(m, dict(m.__dict__)) for m in model.modules()]
+    before = [(m, attribute_table(m)) for m in model.modules()]
     try:
         yield
     finally:
         for module, attributes in before:
+            now = attribute_table(module)
             for name, value in attributes.items():
-                if module.__dict__.get(name, value) is not value:
-                    module.__dict__[name] = value
+                if now.get(name, value) is not value:
+                    object.__setattr__(module, name, value)
 
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """Keep a failed export's report (its partial graph, printed to stderr, and its
     error log) from the user: the capture says why in one INFO line instead."""
-    logger = logging.getLogger("torch.export._trace")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        logger.setLevel(level)
+    with quiet_logger("torch.export._trace"), contextlib.redirect_stderr(io.StringIO()):
+        yield
 
 
 def _batch_dims(values: tuple) -> tuple[object, ...]:

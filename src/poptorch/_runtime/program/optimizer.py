@@ -11,19 +11,33 @@ from __future__ import annotations
 import copy
 from collections import defaultdict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
+from ..._typing import StateDict
 from ...errors import Error
 from ..config import RuntimeConfig
 from ..torch_internals import step_needs_wrapper
 from ..weights.sync import WeightSync
 
 if TYPE_CHECKING:
-    from ...optim.attributes import OptimizerSnapshot
-    from ...optim.base import Optimizer as PoptorchOptimizer
     from ..numerics.loss_scaling import LossScaler
+
+
+class DeviceStateView(Protocol):
+    """What the engine reads and writes of a ``poptorch.optim`` optimizer
+    (``optim/base.py``, above the engine): its state flags and its state."""
+    host_state_is_dirty: bool
+    ipu_state_is_dirty: bool
+    _device_state_reader: Callable[[], StateDict] | None
+
+    def get_state_dict(self) -> StateDict: ...
+
+    def state_dict(self) -> StateDict: ...
+
+    def load_state_dict(self, state_dict: StateDict) -> None: ...
+
 
 AttributeKeys = tuple[frozenset, list[frozenset], set]
 """An optimizer's public attributes and each param group's keys at compile time, and the
@@ -60,7 +74,7 @@ def attach_optimizer(optimizer: torch.optim.Optimizer, device_model: torch.nn.Mo
     mapping = {id(p): device_params[names[id(p)]] for p in user_model.parameters()}
     device_opt = copy.copy(optimizer)
     if hasattr(device_opt, "host_state_is_dirty"):  # poptorch.optim: the copy is the device
-        view = cast("PoptorchOptimizer", device_opt)
+        view = cast(DeviceStateView, device_opt)
         view.host_state_is_dirty = view.ipu_state_is_dirty = False
         view._device_state_reader = None
     device_opt.param_groups = [dict(g, params=[mapping[id(p)] for p in g["params"]])
@@ -102,8 +116,8 @@ class DeviceOptimizerSync:
     state back (``host_state_is_dirty`` and ``_device_state_reader``).
     """
 
-    def __init__(self, user_optimizer: PoptorchOptimizer,
-                 device_optimizer: PoptorchOptimizer) -> None:
+    def __init__(self, user_optimizer: DeviceStateView,
+                 device_optimizer: DeviceStateView) -> None:
         self.user = user_optimizer
         self.device = device_optimizer
 
@@ -154,7 +168,8 @@ class OptimizerBinding:
                  keys: AttributeKeys, scaler: LossScaler | None = None) -> None:
         self.keys = keys  # the optimizer attributes known at compile time
         # their constant values (recorded after the compile)
-        self.constants: OptimizerSnapshot | None = None
+        # (an ``optim.attributes.OptimizerSnapshot``: optim/ is above the engine)
+        self.constants: object | None = None
         self.device = device
         self.sync = sync
         self.scaler = scaler
