@@ -38,6 +38,7 @@ from .._runtime.program.optimizer import (
     make_loss_scaler,
 )
 from .._runtime.program.overlapped_io import FirstForwardCheck
+from .._runtime.program.replica_groups import GroupedParameter
 from .._runtime.program.rng import RngScope
 from .._runtime.program.runner import StepRunner
 from .._runtime.program.spec import ProgramSpec
@@ -126,8 +127,12 @@ def compile_model(parts: ModelParts, args: tuple, kwargs: dict,
     replica_buffers = runners.concurrent or replica_lanes(
         model, config, parts.groupings, runners.plain, plan, first_replica, processes)
     if cross is not None:
+        # (replica-grouped weights change shape per replica: DDP cannot reduce them;
+        # groupings of CommGroupType.All are plain weights and make no lane state)
+        grouped = runners.plain is not None and any(
+            isinstance(state, GroupedParameter) for state in runners.plain.states)
         cross.attach_sync(None if runners.concurrent else runners.plain, runners.compute,
-                          bool(parts.groupings) and runners.plain is not None, device)
+                          grouped, device)
     progress.update()
     if binding is not None:  # what setOptimizer checks later optimizers against
         from ..optim.attributes import snapshot_constants
