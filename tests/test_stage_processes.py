@@ -200,11 +200,14 @@ def _adapters(model, x, y):
 
 
 def _chain(adapters, inputs):
+    # as torch's schedule.step() hands them: each micro-batch's inputs with a leading
+    # unit dimension (its chunk of the stacked step); the last stage's outputs have one
     carried: tuple = ()
     for adapter in adapters:
-        needs = {name: inputs[name] for kind, name in adapter.in_plan if kind == "input"}
+        needs = {name: inputs[name].unsqueeze(0)
+                 for kind, name in adapter.in_plan if kind == "input"}
         carried = adapter(*carried, **needs)
-    return carried
+    return tuple(value[0] for value in carried)
 
 
 def test_stage_adapters_pass_skipped_values_through_the_stages_between():

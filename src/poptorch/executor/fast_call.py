@@ -32,7 +32,7 @@ from .._runtime.compilation import Compilation
 from .._runtime.torch_internals import tensor_inputs_check
 from .._runtime.weights.modelcopy import TrainingMode
 from .._typing import UserOutput
-from .call_support import raise_device_fault
+from .program_call import ProgramCall
 
 MISS = object()  # FastCall's answer when the call must take the general path
 
@@ -71,43 +71,16 @@ class FastCall:
         program = state.program
         # one micro-batch per call: the driver's single-micro-batch entry
         self._run = program.run_single if program.single_ready() else program.run
-        # (a call undoes its buffers' and loss scale's changes when it fails)
-        self._undo_for_call = program.undo_for_call if program.undo_for_call() is not None \
-            else None
+        self._call = ProgramCall(state, mode)
         self._count = len(args)
         self._check = _input_check(args)
-        constants = state.tensor_constants
-        self._constants = constants if constants else None
-        self._mode = mode
-        self._casting = state.casting
-        self._optimizer_sync = None if state.optimizer is None else state.optimizer.sync
 
     def __call__(self, args: tuple, kwargs: dict) -> UserOutput:
         if kwargs or len(args) != self._count or not self._check(*args):
             return MISS
-        if self._constants is not None:
-            self._constants.restore()
-        opt_sync = self._optimizer_sync
-        if opt_sync is not None:
-            opt_sync.before_run()
-        undo = None if self._undo_for_call is None else self._undo_for_call()
-        mode, casting = self._mode, self._casting
-        mode.__enter__()
-        casting.enter_run()  # (the float16 rules are settled: nothing to cast)
-        try:
-            result = self._run(args, kwargs)
-        except BaseException as error:
-            if undo is not None:
-                undo.restore()
-            raise_device_fault(error)
-            raise
-        finally:
-            casting.exit_run()
-            mode.__exit__(None, None, None)
-        # (the CPU shares the weights with the host: nothing to mark as newer)
-        if opt_sync is not None:
-            opt_sync.after_run()
-        return result
+        # (the float16 rules are settled: nothing to cast; the CPU shares the weights
+        # with the host: nothing to mark as newer)
+        return self._call(self._run, args, kwargs, settled=True)
 
 
 def make_fast_call(state: Compilation, mode: TrainingMode, args: tuple, kwargs: dict

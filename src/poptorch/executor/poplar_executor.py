@@ -44,6 +44,7 @@ from .call_support import (
 from .compiler import ModelParts, compile_model, optimizer_sync
 from .fast_call import MISS, make_fast_call
 from .inspection import ExecutorInspection
+from .program_call import ProgramCall
 from .replica_grouping import GroupableParameter
 
 __all__ = ["PoplarExecutor", "isRunningOnIpu"]
@@ -228,10 +229,7 @@ class PoplarExecutor(ExecutorInspection):
         if compiled is None:
             return self._first_call(args, kwargs)
         self._check_signature(compiled, args, kwargs)  # before anything runs
-        if compiled.tensor_constants:
-            compiled.tensor_constants.restore()
-        with undone_on_failure(compiled.program.undo_for_call()):
-            result = self._run(compiled, args, kwargs)
+        result = self._run(compiled, args, kwargs)
         if fast is None:
             compiled.calls.fast = make_fast_call(compiled, self._mode, args, kwargs)
         return result
@@ -247,30 +245,28 @@ class PoplarExecutor(ExecutorInspection):
             self._compile(args, kwargs)
             compiled = self._compiled
             assert compiled is not None
-            result = self._run(compiled, args, kwargs)
+            result = self._run(compiled, args, kwargs, undo=False)
             check_buffers(undo)  # PopTorch's rule for the compiling call
         compiled.calls.io_counts = (count_tensors((args, kwargs)), count_tensors(result))
         return result
 
-    def _run(self, compiled: Compilation, args: tuple, kwargs: dict) -> UserOutput:
-        """One call of the compiled program on these (checked) inputs."""
+    def _run(self, compiled: Compilation, args: tuple, kwargs: dict, undo: bool = True
+             ) -> UserOutput:
+        """One call of the compiled program on these (checked) inputs, in the sequence
+        every call runs (``program_call.ProgramCall``; ``undo``: take the call's undo
+        copies, as every call but the first does)."""
         if not compiled.calls.attached:
             self.attachToDevice()
         if compiled.synthetic is not None:
             args, kwargs = compiled.synthetic(args, kwargs)
         elif compiled.device.type != "cpu":
             args, kwargs = to_device((args, kwargs), compiled.device)
-        opt_sync = None if compiled.optimizer is None else compiled.optimizer.sync
-        if opt_sync is not None:
-            opt_sync.before_run()
-        source, casting = compiled.source, compiled.casting
-        with self._mode, (source.first_call() if source.fresh else _NO_CONTEXT):
-            casting.observe(args, kwargs)
-            with casting:
-                result = compiled.program.run(args, kwargs)
+        source = compiled.source
+        compiled.casting.observe(args, kwargs)
+        with source.first_call() if source.fresh else _NO_CONTEXT:
+            result = ProgramCall(compiled, self._mode)(compiled.program.run, args, kwargs,
+                                                       undo=undo)
         compiled.weights.mark_device_newer()
-        if opt_sync is not None:
-            opt_sync.after_run()
         return result
 
     def _call_with_grad(self, args: tuple, kwargs: dict) -> UserOutput:

@@ -65,15 +65,19 @@ class _StageAdapter(torch.nn.Module):
     model's output and of its marked losses)."""
 
     def __init__(self, stage: StageModule, in_plan: list, out_plan: list,
-                 recording: bool) -> None:
+                 recording: bool, last: bool) -> None:
         super().__init__()
         self.stage = stage.module
         self.index = stage.index
         self.in_plan = in_plan  # per stage-module input: ("carry", i) or ("input", name)
         self.out_plan = out_plan  # per output: ("own", pos), ("carry", i), ("arg", i)
         self.recording = recording  # recomputation checkpoints in this stage
+        self.last = last
 
     def forward(self, *carried: torch.Tensor, **inputs: UserInput) -> tuple:
+        # the schedule's ``step()`` hands each micro-batch's inputs with a leading unit
+        # dimension (its chunk of the stacked step, see ``StageProcessRunner.__call__``)
+        inputs = pytree.tree_map_only(torch.Tensor, lambda t: t.squeeze(0), inputs)
         args = [carried[x] if kind == "carry" else inputs[x] for kind, x in self.in_plan]
         if self.recording and torch.is_grad_enabled():
             with recompute.recording(self.stage):
@@ -96,6 +100,8 @@ class _StageAdapter(torch.nn.Module):
                     "block boundary so that a stage passes on tensors only, or compute "
                     "the value in the stage that uses it.")
             result.append(value)
+        if self.last:  # a leading unit dimension: torch concatenates the chunks on it
+            return tuple(value.unsqueeze(0) for value in result)
         return tuple(result)
 
 
@@ -127,7 +133,8 @@ def _plan_adapters(staged: StagedModel) -> list[_StageAdapter]:
                     out_plan.append(("arg", src[1]))
                 elif src[0] == "stage":
                     out_plan.append(("own", src[2]))
-        adapters.append(_StageAdapter(stage, in_plan, out_plan, stage.checkpoints))
+        adapters.append(_StageAdapter(stage, in_plan, out_plan, stage.checkpoints,
+                                      last=k == n - 1))
     return adapters
 
 
@@ -246,19 +253,20 @@ class StageProcessRunner:
         training = loss_of is not None
         schedule, stage = self._schedule(len(inputs), training)
         s = self.layout.stage
+        # torch's public step() splits a whole batch on dimension 0: the micro-batches'
+        # inputs are stacked on a new one (the adapter takes it off again)
         kwarg_mbs = [{name: values[name] for name in self._needs[s]} for values in inputs]
-        kwarg_mbs = [pytree.tree_map_only(torch.Tensor, lambda t: t.to(self.device), kw)
-                     for kw in kwarg_mbs]
+        stacked = pytree.tree_map(
+            lambda *leaves: (torch.stack(leaves).to(self.device)
+                             if isinstance(leaves[0], torch.Tensor) else leaves[0]),
+            *kwarg_mbs)
         # torch's last stage wants a target per micro-batch: the loss needs none
-        targets = [torch.zeros(()) for _ in inputs] if training else None
+        target = torch.zeros(len(inputs)) if training else None
         self._loss_of = loss_of
         try:
             with failures_as_errors("Running the pipeline stages", runs_model=True):
-                stage.has_backward = training
-                stage.clear_runtime_states()
                 try:
-                    schedule._step_microbatches([()] * len(inputs), kwarg_mbs, targets,
-                                                None, return_outputs=True)
+                    schedule.step(target=target, **stacked)
                 except RuntimeError as exc:  # torch wraps the stage's errors: ours back
                     if isinstance(exc.__cause__, Error):
                         raise exc.__cause__ from None
@@ -299,7 +307,8 @@ class StageProcessRunner:
               ) -> torch.Tensor:
         """The last stage's loss function: PopTorch's loss of the model's output (also
         called once on copies while torch's schedule infers the shapes it sends)."""
-        model_output, losses = self._rebuild(output)
+        model_output, losses = self._rebuild(pytree.tree_map_only(
+            torch.Tensor, lambda t: t[0], output))
         for loss in losses:
             context.mark_loss(loss)
         loss_of = self._loss_of
@@ -312,7 +321,9 @@ class StageProcessRunner:
         last micro-batch's, the one the program returns)."""
         outputs = all_outputs = None
         if stage.is_last:
-            outputs = all_outputs = [self._rebuild(chunk)[0] for chunk in stage.output_chunks]
+            outputs = all_outputs = [
+                self._rebuild(pytree.tree_map_only(torch.Tensor, lambda t: t[0], chunk))[0]
+                for chunk in stage.output_chunks]
             stage.output_chunks.clear()
         key = (len(inputs), stage.has_backward, tuple(
             (name, tuple(t.shape), t.dtype) for name in sorted(inputs[0])
