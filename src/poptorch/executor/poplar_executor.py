@@ -229,7 +229,8 @@ class PoplarExecutor(ExecutorInspection):
         if compiled is None:
             return self._first_call(args, kwargs)
         self._check_signature(compiled, args, kwargs)  # before anything runs
-        result = self._run(compiled, args, kwargs)
+        with undone_on_failure(None):  # (device faults moving the inputs, too)
+            result = self._run(compiled, args, kwargs)
         if fast is None:
             compiled.calls.fast = make_fast_call(compiled, self._mode, args, kwargs)
         return result
