@@ -124,6 +124,7 @@ class RuntimeConfig:
     random_seed: int | None
     anchored_tensors: Mapping[str, Mapping[str, OptionValue]]
     profile_dir: str | None
+    synthetic_mode: int  # PopART's synthetic data: 0 off, 1 zeros, 2 random normal
     training: TrainingConfig
     precision: PrecisionConfig
     locations: LocationsConfig
@@ -144,6 +145,7 @@ class RuntimeConfig:
                 {k: types.MappingProxyType(dict(v))
                  for k, v in options.anchored_tensors.items()}),
             profile_dir=options.profile_dir,
+            synthetic_mode=int(options._synthetic_data_mode()),
             training=TrainingConfig(
                 gradient_accumulation=int(training.gradient_accumulation),
                 reduction=ReductionType(training.accumulation_and_replication_reduction_type),

@@ -77,11 +77,11 @@ class ModelParts:
     name: str  # "<model>.training" / "<model>.inference", for messages
 
 
-def batch_plan(options: Options) -> BatchPlan:
+def batch_plan(config: RuntimeConfig) -> BatchPlan:
     """How a call's inputs split into device iterations and micro-batches."""
-    return BatchPlan(options.device_iterations, options.Training.gradient_accumulation,
-                     options.replication_factor, options.input_group_size,
-                     CommGroupType(options.input_cgt))
+    return BatchPlan(config.device_iterations, config.training.gradient_accumulation,
+                     config.replication_factor, config.distributed.input_group_size,
+                     CommGroupType(config.distributed.input_cgt))
 
 
 def optimizer_sync(user_optimizer: torch.optim.Optimizer,
@@ -100,15 +100,15 @@ def compile_model(parts: ModelParts, args: tuple, kwargs: dict,
     """Compile ``parts`` for inputs like ``(args, kwargs)`` (docs/design.md, the data
     flow of a call); ``progress.update()`` marks each of four stages."""
     opts, model, training = parts.options, parts.model, parts.training
-    plan = batch_plan(opts)
+    if training:  # (adjusts the options; never raises before a model is compiled)
+        optimizer_rules.apply_mean_reduction_rule(opts, parts.optimizer, False)
+    config = RuntimeConfig.of(opts)  # what the compile and the engine read from here on
+    plan = batch_plan(config)
     split_inputs(plan, args, kwargs)  # check batch sizes before anything else
     program_setup.check_precompiled_inputs(precompiled, args, kwargs)
     signature = InputSignature(model.forward, args, kwargs)
     tensor_constants = TensorConstants(model)
     buffers = list(model.buffers())
-    if training:
-        optimizer_rules.apply_mean_reduction_rule(opts, parts.optimizer, False)
-    config = RuntimeConfig.of(opts)  # what the engine reads from here on
     progress.update()
     runners = _build_runners(parts, config, plan, (args, kwargs))
     device = runners.input_device
@@ -126,6 +126,10 @@ def compile_model(parts: ModelParts, args: tuple, kwargs: dict,
     first_replica = 0 if cross is None else cross.world.rank * plan.replication_factor
     replica_buffers = runners.concurrent or replica_lanes(
         model, config, parts.groupings, runners.plain, plan, first_replica, processes)
+    if binding is not None and runners.plain is not None:
+        optimizer_rules.mark_grouped(parts.optimizer, (parts.model, parts.user_model), {
+            state.name: state.group_count for state in runners.plain.states
+            if isinstance(state, GroupedParameter)})
     if cross is not None:
         # (replica-grouped weights change shape per replica: DDP cannot reduce them;
         # groupings of CommGroupType.All are plain weights and make no lane state)
@@ -156,10 +160,9 @@ def compile_model(parts: ModelParts, args: tuple, kwargs: dict,
             {"training": training, "model": model, "optimizer": parts.optimizer,
              "version": parts.version})
         synthetic = None
-        synthetic_mode = opts._synthetic_data_mode()  # PopART's: 1 zeros, 2 random normal
-        if synthetic_mode:
+        if config.synthetic_mode:
             from .._runtime.batching.synthetic import SyntheticInputs
-            synthetic = SyntheticInputs(device, synthetic_mode)
+            synthetic = SyntheticInputs(device, config.synthetic_mode)
     except BaseException:
         for handle in extras.hooks:
             handle.remove()
@@ -297,7 +300,7 @@ def _build_program(parts: ModelParts, config: RuntimeConfig, plan: BatchPlan,
         to_host=None if device.type == "cpu" else to_cpu, anchors=anchors, cross=cross,
         wrappers=extras.wrappers, finite_check=extras.finite_check,
         named_params=extras.named_params, call_profiler=extras.call_profiler,
-        trace=extras.trace, synthetic=bool(parts.options._synthetic_data_mode()))
+        trace=extras.trace, synthetic=bool(config.synthetic_mode))
     return DeviceProgram(spec, selector, binding), anchors
 
 
