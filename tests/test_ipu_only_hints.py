@@ -57,8 +57,8 @@ def test_ipu_only_options_log_what_they_would_do(info_logs):
     opts.Precision.setPartialsType(torch.half)
     layer = torch.nn.Linear(3, 3)
     x = torch.randn(2, 3)
-    out = poptorch.inferenceModel(layer, opts)(x)
-    assert torch.equal(out, layer(x))
+    # an offline target compiles but does not run, as upstream
+    poptorch.inferenceModel(layer, opts).compile(x)
     offline = info_logs("ipu_version")
     assert len(offline) == 1 and "offline IPU" in offline[0] and "no effect" in offline[0]
     tiles = info_logs("num_io_tiles")

@@ -34,6 +34,7 @@ class _ThreadState(threading.local):
 
     def __init__(self) -> None:
         self.depth = 0      # executor calls running in this thread
+        self.training = 0   # those of them that run a training model
         self.losses: list = []  # losses marked by identity_loss in the current forward
         # the marker checker of a capture or a first forward, if one runs
         self.overlap: OverlapChecker | None = None
@@ -47,15 +48,27 @@ def is_running_on_ipu() -> bool:
     return _state.depth > 0
 
 
+def is_running_training() -> bool:
+    """True only while an executor runs the wrapped model of a ``trainingModel`` (in
+    the thread that runs its forward and backward passes)."""
+    return _state.training > 0
+
+
 class running_on_ipu:
-    """Context manager marking the model as running on the IPU (re-entrant, per thread)."""
+    """Context manager marking the model as running on the IPU (re-entrant, per thread);
+    ``training``: the model is a training model's."""
+
+    def __init__(self, training: bool = False) -> None:
+        self._training = 1 if training else 0
 
     def __enter__(self) -> running_on_ipu:
         _state.depth += 1
+        _state.training += self._training
         return self
 
     def __exit__(self, *exc: object) -> None:
         _state.depth -= 1
+        _state.training -= self._training
 
 
 ContextFactory = Callable[[], AbstractContextManager[Any]]

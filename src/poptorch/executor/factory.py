@@ -14,6 +14,7 @@ import torch
 from .._runtime.export import read_payload
 from .._typing import UserInput, UserOutput
 from .._version import __version__
+from ..enums import ConnectionType
 from ..errors import Error
 from ..optim.optimizers import SGD
 from ..options.options import Options
@@ -146,6 +147,10 @@ def load(filename: str, edit_opts_fn: Callable[[Options], None] | None = None) -
                     "poptorch.trainingModel / inferenceModel and call "
                     "loadExecutable(filename) on it instead.")
     options = payload["options"].clone()
+    # as upstream: the loaded model runs, whatever offline target it was compiled for
+    options.deleteIfExists("ipu_version")
+    if options.connection_type == ConnectionType.Never.value:
+        options.connectionType(ConnectionType.Always)
     if edit_opts_fn is not None:
         edit_opts_fn(options)
     model = payload["model"]

@@ -10,7 +10,7 @@ compiling).
   another strategy raises ``ValueError``.
 * ``optimizer.state_dict()`` shows the device view (``ipu_state`` / ``ipu_param``, see
   ``optim/ipu_state.py``) once the model is compiled for a device (not for an offline
-  target).
+  target); a replica-grouped parameter's state has one value per group.
 """
 from __future__ import annotations
 
@@ -55,6 +55,26 @@ def mark_compiled(optimizer: object, options: Options) -> None:
     """Let a poptorch.optim optimizer show its device view in ``state_dict()``."""
     if hasattr(optimizer, "_compiled_on_device") and not options.exists("ipu_version"):
         optimizer._compiled_on_device = True
+
+
+def mark_grouped(optimizer: object, models: tuple[torch.nn.Module, ...],
+                 groups: dict[str, int]) -> None:
+    """Tell a poptorch.optim optimizer which of its parameters are replica-grouped
+    (``{name: number of groups}``), so that its device view holds one value per group
+    of every state tensor (``optim/ipu_state.py``), as PopTorch's does."""
+    if not hasattr(optimizer, "_compiled_on_device"):
+        return
+    params = [p for group in getattr(optimizer, "param_groups", ())
+              for p in group["params"]]
+    index = {id(p): i for i, p in enumerate(params)}
+    grouped: dict[int, int] = {}
+    for model in models:
+        named = dict(model.named_parameters())
+        for name, count in groups.items():
+            p = named.get(name)
+            if p is not None and id(p) in index:
+                grouped[index[id(p)]] = count
+    setattr(optimizer, "_grouped_params", grouped)  # noqa: B010  # (poptorch.optim's)
 
 
 def attribute_keys(optimizer: torch.optim.Optimizer) -> AttributeKeys:

@@ -27,7 +27,7 @@ from .._runtime.schedule.timeline import ScheduleRecord
 from .._runtime.torch_internals import pytree
 from .._runtime.weights.modelcopy import TrainingMode, shallow_copy_module
 from .._typing import UserInput, UserOutput
-from ..enums import OutputMode
+from ..enums import ConnectionType, OutputMode
 from ..errors import Error, PoptorchAssertionError
 from ..optim.optimizers import SGD
 from ..optim.subclassing import warn_if_subclassed
@@ -124,6 +124,7 @@ class PoplarExecutor(ExecutorInspection):
         self._mode = TrainingMode(self._model, training, keep_eval)
         self._once_key = next(_EXECUTOR_IDS)  # per-model "log once" messages
         self._compiled: Compilation | None = None
+        self._offline = False  # compiled for an offline IPU: it does not run
         self._replica_groupings: dict = {}  # replicaGrouping(), before compiling
         # poptorch.load / loadExecutable: handed to the next compile
         self._pending_precompiled: dict | None = None
@@ -177,6 +178,7 @@ class PoplarExecutor(ExecutorInspection):
         finally:
             bar.close()
         self._pending_precompiled = None  # (installed by the program's source)
+        self._offline = opts.connection_type == ConnectionType.Never.value
         try:
             opts._freeze()
             opts._apply_effects()  # logging options; logs the options without effect
@@ -209,6 +211,19 @@ class PoplarExecutor(ExecutorInspection):
 
     # ------------------------------------------------------------------ run
     def __call__(self, *args: UserInput, **kwargs: UserInput) -> UserOutput:
+        if self._offline or (self._compiled is None and self._options.connection_type
+                             == ConnectionType.Never.value):
+            # upstream: an assert (so AssertionError)
+            raise PoptorchAssertionError(
+                "Trying to run a model on an offline device (ConnectionType.Never): use "
+                "model.compile(inputs) instead of model(inputs), or create the model "
+                "without useOfflineIpuTarget() / connectionType(ConnectionType.Never) to "
+                "run it.")
+        return self._call_any(args, kwargs)
+
+    def _call_any(self, args: tuple, kwargs: dict) -> UserOutput:
+        """A call, whatever the connection type (``compileAndExport`` runs an offline
+        model's first calls to compile it)."""
         if substitutions_registered():  # poptorch_geometric's ops in place of PyG's
             with substitutions():
                 return self._call(args, kwargs)
@@ -317,12 +332,16 @@ class PoplarExecutor(ExecutorInspection):
         self._require_compilation("copyWeightsToDevice").weights_to_device()
 
     def copyNamedBuffersToDevice(self) -> None:
-        """Copy the user's model buffers (only) to the device: those named by
-        ``Options.updatableNamedBuffers``, or all of them when it is not set."""
+        """Copy the user's model buffers named by ``Options.updatableNamedBuffers`` (only
+        those) to the device; without that option it raises, as upstream."""
         compiled = self._require_compilation("copyNamedBuffersToDevice")
         names = self._options.updatable_named_buffers
-        compiled.weights_to_device(params=False, buffers=True,
-                                   buffer_names=None if names is None else set(names))
+        if names is None:
+            raise Error("copyNamedBuffersToDevice: No named buffers marked as updatable via "
+                        "updatableNamedBuffers option. Name the buffers to copy with "
+                        "options.updatableNamedBuffers([...]), or copy all weights and "
+                        "buffers with copyWeightsToDevice().")
+        compiled.weights_to_device(params=False, buffers=True, buffer_names=set(names))
 
     def load_state_dict(self, state_dict: dict, strict: bool = True) -> LoadedKeys:
         """Load a state dict into the wrapped model and synchronise the device; returns
@@ -418,6 +437,11 @@ class PoplarExecutor(ExecutorInspection):
     def attachToDevice(self) -> None:
         """Attach to the device again; the host weights are copied to the device."""
         compiled = self._require_compilation("attachToDevice")
+        if self._offline:
+            raise PoptorchAssertionError(
+                "Trying to attach to an offline device (ConnectionType.Never): a model "
+                "compiled for an offline IPU target cannot run; save it "
+                "(compileAndExport) and run it with poptorch.load.")
         if compiled.calls.attached:
             raise Error("attachToDevice: the model is already attached to a device.")
         compiled.weights_to_device()
@@ -462,7 +486,7 @@ class PoplarExecutor(ExecutorInspection):
         from .._runtime.export import compile_by_running
         self.compile(*args, **kwargs)
         compiled = self._require_compilation("compileAndExport")
-        compile_by_running(compiled, self._model, lambda: self(*args, **kwargs))
+        compile_by_running(compiled, self._model, lambda: self._call_any(args, kwargs))
         self.save(filename, export_model=export_model)
 
     def loadExecutable(self, filename: str) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 
+from .._runtime import context
 from ..errors import Error
 
 __all__ = ["cond", "for_loop"]
@@ -27,6 +28,15 @@ def _as_list(outputs: object, op: str) -> list[torch.Tensor]:
 class ControlFlowArgumentError(Error, ValueError):
     """A ``for_loop`` / ``cond`` argument of the wrong kind (a ``poptorch.Error`` and,
     as in PopTorch, a ``ValueError``)."""
+
+
+def _refuse_in_training(op: str) -> None:
+    """PopTorch compiles ``cond`` / ``for_loop`` for inference only: a training model
+    that calls one fails (outside a PopTorch model both run as plain Python)."""
+    if context.is_running_training():
+        raise Error(f"poptorch.{op}() is only supported in inference. Wrap the model with "
+                    f"poptorch.inferenceModel, or write the {op} as plain Python control "
+                    "flow in a training model.")
 
 
 def _check_inputs(inputs: object, op: str, name: str) -> list[torch.Tensor]:
@@ -57,6 +67,7 @@ def for_loop(count: int, body: Callable[..., object],
     # Inputs are passed by value, as upstream: in-place updates inside the body do not
     # reach the caller's tensors.
     state = [t.clone() for t in _check_inputs(inputs, "for_loop", "inputs")]
+    _refuse_in_training("for_loop")
     for _ in range(count):
         outputs = _as_list(body(*state), "for_loop")
         if len(outputs) != len(state):
@@ -86,6 +97,7 @@ def cond(condition: torch.Tensor, then_body: Callable[..., object],
                     f"{condition!r}.")
     then_inps = _check_inputs(then_inps, "cond", "then_inps")
     else_inps = _check_inputs(else_inps, "cond", "else_inps")
+    _refuse_in_training("cond")
     if torch.compiler.is_compiling():
         split = len(then_inps)
         return list(torch.cond(condition.reshape(()).bool(),

@@ -119,6 +119,12 @@ def dynamic_slice(tensor: torch.Tensor, dim: int, start: int | torch.Tensor, siz
     dim = _check_dim(tensor, dim, op)
     _check_slice_size(size, op)
     _check_static_int(step, "step", op, 1)
+    if isinstance(start, torch.Tensor) and context.is_running_on_ipu() \
+            and tensor.shape[dim] % size:
+        # PopTorch's rule for a slice at a tensor (dynamic) start, in a PopTorch model
+        raise Error(f"{op}: The size of the slice ({size}) must be a factor of the slicing "
+                    f"dimension ({tensor.shape[dim]}). Pick a size that divides it, or pad "
+                    f"dimension {dim} to a multiple of {size}.")
     begin = _start_index(start, size, tensor.shape[dim], op)
     if isinstance(begin, int):
         return tensor.narrow(dim, begin, size)[(slice(None),) * dim + (slice(None, None, step),)]

@@ -98,6 +98,8 @@ class Optimizer:
         # Set by the executor when a model using this optimizer is compiled for a
         # device: state_dict() then shows the device view (ipu_state / ipu_param).
         self._compiled_on_device = False
+        # {parameter index: number of groups} of the replica-grouped parameters there
+        self._grouped_params: dict[int, int] = {}
         # ipu_state / ipu_param as last loaded, shown until the next step uses them.
         self._loaded_ipu: tuple[StateValue, StateValue] | None = None
 

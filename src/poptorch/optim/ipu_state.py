@@ -13,7 +13,10 @@ state, e.g. ``exp_avg``), ``ipu_param["<hyperparameter>___group<i>"]`` for param
 hyperparameters and ``ipu_param["<attribute>"]`` for optimizer-level ones. Only numbers
 appear (flags and dtypes fix the compiled program and are not device values);
 hyperparameters are float64 tensors so that a round trip keeps Python's values exactly.
-A state tensor that does not exist yet shows its initial value.
+A state tensor that does not exist yet shows its initial value. A replica-grouped
+parameter (``replicaGrouping``) has one value per group of every state tensor: its state
+tensors have the parameter's leading group dimension, and its step count is shown once
+per group (``[groups]``), as on PopTorch.
 """
 from __future__ import annotations
 
@@ -40,12 +43,16 @@ def _is_number(value: object) -> bool:
 def ipu_view(optimizer: PoptorchOptimizer) -> IpuView:
     """``(ipu_state, ipu_param)`` of an optimizer whose model is compiled."""
     state: dict[str, torch.Tensor] = {}
+    grouped: dict[int, int] = getattr(optimizer, "_grouped_params", {})
     for index, p in enumerate(_params(optimizer)):
         current = optimizer.state.get(p, {})
+        groups = grouped.get(index)
         for key, initial in optimizer._initial_state(p).items():
             value = current.get(key)
             if not isinstance(value, torch.Tensor):
                 value = initial if value is None else torch.tensor(float(value))
+            if groups is not None and value.dim() == 0:
+                value = value.expand(groups)  # (every group takes the same steps)
             state[f"{key}___{index}"] = value.detach().clone()
     param: dict[str, torch.Tensor] = {}
     for i, group in enumerate(optimizer.param_groups):
@@ -76,6 +83,8 @@ def load_ipu_view(optimizer: PoptorchOptimizer, ipu_state: dict[str, torch.Tenso
             raise Error(f"load_state_dict: {type(optimizer).__name__} has no state "
                         f"{key!r} (ipu_state entry {name!r}); its state keys are "
                         f"{', '.join(initial)}.")
+        if initial[key].dim() == 0 and value.dim() == 1:
+            value = value[0]  # a replica-grouped parameter's step, one per group
         optimizer.state[p][key] = value.detach().to(
             device=p.device, dtype=initial[key].dtype, copy=True)
     for name, value in (ipu_param or {}).items():

@@ -293,8 +293,10 @@ class Options(OptionsDict):
         return self
 
     def useOfflineIpuTarget(self, ipu_version: int = 2) -> Options:
-        """Upstream: compile for an absent IPU of this version (1, 2 or 21) without
-        running. Recorded only: our devices can always compile and run."""
+        """Compile for an absent IPU of this version (1, 2 or 21) without running: as
+        upstream, it sets ``connectionType(ConnectionType.Never)``, so the model may be
+        compiled (``compile``, ``compileAndExport``) but not run; ``poptorch.load``
+        of its file runs."""
         version = check_int("useOfflineIpuTarget", ipu_version)
         # Programs write useOfflineIpuTarget(poptorch.ipuHardwareVersion()): whatever
         # that returns on this machine is a valid target too.
@@ -302,11 +304,13 @@ class Options(OptionsDict):
             raise OptionValueError(f"useOfflineIpuTarget: ipu_version must be 1, 2, 21 or this "
                         f"machine's poptorch.ipuHardwareVersion() "
                         f"({_devices.ipuHardwareVersion()}), got {version}.")
+        self.connectionType(enums.ConnectionType.Never)
         self.createOrSet(ipu_version=version)
         return self
 
     def connectionType(self, connection_type: enums.ConnectionType) -> Options:
-        """When to attach to the device (recorded only)."""
+        """When to attach to the device. ``ConnectionType.Never``: the model may be
+        compiled but not run (as upstream); the others are recorded only."""
         self.set(connection_type=check_enum("connectionType", connection_type,
                                             enums.ConnectionType).value)
         return self

@@ -155,6 +155,7 @@ class Engine:
         self._ensure_workers()
         step = _Step(self, inputs, loss_of, cut=True, record=record)
         step.before, step.contexts = before, list(contexts)
+        step.training = context.is_running_training()  # (the caller's: a training run)
         grad = torch.is_grad_enabled()
         busy = [(d, lane) for d, lane in enumerate(lanes) if lane]
         step.lanes = len(busy)
@@ -204,13 +205,14 @@ class _Step:
         self.lanes = 0
         self.before: Callable | None = None
         self.contexts: list = []
+        self.training = False
         self.all_finished = threading.Event()  # the driver waits on this alone
 
     # ------------------------------------------------------------ worker side
     def run_lane(self, d: int, lane: list[Action], grad: bool) -> None:
         worker = self.engine.workers[d]
         try:
-            with torch.set_grad_enabled(grad), context.running_on_ipu(), \
+            with torch.set_grad_enabled(grad), context.running_on_ipu(self.training), \
                     context.worker_scope(self.engine.worker_contexts + self.contexts), \
                     _on_stream(worker):
                 for op in lane:

@@ -119,7 +119,8 @@ class ReplicaCopies:
         """``lane(k)`` for every replica ``k`` at once (``k > 0`` in its worker thread,
         on its device); each lane's outputs, or the first error once all are done (the
         other copies' gradients then dropped)."""
-        futures = [self.pool.submit(self._worker, lane, k)
+        training = context.is_running_training()  # (the caller's: a training run)
+        futures = [self.pool.submit(self._worker, lane, k, training)
                    for k in range(1, len(self.replicas))]
         errors: list[BaseException] = []
         results: list[Result] = []
@@ -137,9 +138,9 @@ class ReplicaCopies:
             raise errors[0]
         return results
 
-    def _worker(self, lane: Callable[[int], Result], k: int) -> Result:
+    def _worker(self, lane: Callable[[int], Result], k: int, training: bool) -> Result:
         device = self.devices[k]
-        with context.worker_scope(self.worker_contexts), context.running_on_ipu(), \
+        with context.worker_scope(self.worker_contexts), context.running_on_ipu(training), \
                 (torch.cuda.device(device) if device.type == "cuda"
                  else contextlib.nullcontext()):
             return lane(k)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from ..._typing import UserOutput
+from ...errors import Error
 from .. import context
 from ..batching.plan import BatchPlan, OutputCollector, split_inputs
 from ..batching.structures import register_mapping_outputs
@@ -57,6 +58,29 @@ def detach_needed(output: UserOutput) -> UserOutput:
                 return detach(output)
         return output
     return detach(output)
+
+
+def _backward_refused(*_args: object, **_kwargs: object) -> None:
+    raise Error(
+        "backward() cannot be called explicitly on outputs of a PopTorch model. If "
+        "you're using a trainingModel, the backwards pass is performed automatically "
+        "when invoking the model. If you're using an inferenceModel, you should use a "
+        "trainingModel instead.")
+
+
+def refuse_backward(output: UserOutput, args: tuple) -> UserOutput:
+    """As PopTorch: ``output.backward()`` on a tensor a model returned raises (the
+    model's own backward pass has already run, or it is an inference model). A tensor
+    the caller passed in and got back is left alone."""
+    if isinstance(output, torch.Tensor):
+        if not any(output is a for a in args):
+            output.backward = _backward_refused  # type: ignore[method-assign]
+        return output
+    leaves = output if type(output) is tuple else pytree.tree_leaves(output)
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and not any(t is a for a in args):
+            t.backward = _backward_refused  # type: ignore[method-assign]
+    return output
 
 
 class CallStats:
@@ -182,9 +206,9 @@ class DeviceProgram:
         """Run one call on inputs already on the device; return host outputs."""
         profiler = self.spec.call_profiler
         if profiler is None:
-            return self._run(args, kwargs)
+            return refuse_backward(self._run(args, kwargs), args)
         with profiler.call():
-            return self._run(args, kwargs)
+            return refuse_backward(self._run(args, kwargs), args)
 
     def _run(self, args: tuple, kwargs: dict) -> UserOutput:
         spec = self.spec
@@ -199,7 +223,7 @@ class DeviceProgram:
             for stamps in perf.values():
                 stamps.clear()
             context.take_marked_losses()  # drop marks left by runs outside the executor
-            with context.running_on_ipu(), spec.rng:
+            with context.running_on_ipu(spec.training), spec.rng:
                 if spec.wrappers:
                     with contextlib.ExitStack() as stack:
                         for wrapper in spec.wrappers:
@@ -235,7 +259,7 @@ class DeviceProgram:
             return self._device_call(backend, args, kwargs, t_start)[0]
         context.take_marked_losses()
         try:
-            with context.running_on_ipu(), spec.rng:
+            with context.running_on_ipu(spec.training), spec.rng:
                 result = graphs(backend, loop, args, kwargs)
         except CaptureFailed:
             return None
@@ -323,7 +347,9 @@ class DeviceProgram:
         rng: RngScope | None = self.spec.rng
         selector = self.selector
         backend = selector.for_call()
+        training = 1 if self.spec.training else 0
         state.depth += 1
+        state.training += training
         t_start = time.perf_counter()
         try:
             if rng is None or not rng.enabled:
@@ -333,12 +359,13 @@ class DeviceProgram:
                     output = self._single_step(backend, args, kwargs, marked)
         finally:
             state.depth -= 1
+            state.training -= training
         t_end = time.perf_counter()
         stats = self.stats
         stats.perf.record_single(t_start, t_end)
         stats.last_compute_seconds = t_end - t_start
         selector.record(backend, t_end - t_start, 1)
-        return output
+        return refuse_backward(output, args)
 
     def _single_step(self, backend: Backend, args: tuple, kwargs: dict,
                      marked: list) -> UserOutput:

@@ -23,6 +23,12 @@ therefore never depends on the micro-batch size (a model that forgets its loss r
 
 A loss that depends on no trainable parameter is accepted, as in PopTorch: its
 gradients are zero (see ``DeviceProgram``).
+
+A model that marks no loss must compute one final loss, as in PopTorch: two torch.nn
+losses of which neither is computed from the other (``nll_loss(a) + mse_loss(b)``)
+raise "Multiple independent losses found in graph" at its first call
+(:py:func:`check_single_loss`); wrapping their combination in ``identity_loss`` is the
+fix PopTorch asks for.
 """
 from __future__ import annotations
 
@@ -46,8 +52,61 @@ class LossNeedsEager(Exception):
     when the choice needs the autograd graph, which a capture cannot read."""
 
 
-def find_loss(output: UserOutput, marked: list, traced: bool = False) -> torch.Tensor:
-    """Return the loss tensor of one forward pass (see module docstring)."""
+# The autograd nodes of PyTorch's loss kernels (F.nll_loss / cross_entropy, mse_loss,
+# binary_cross_entropy[_with_logits], smooth_l1 / huber, soft / multi margin, ctc):
+# PopTorch makes each of these losses a loss of the graph, as identity_loss does.
+_LOSS_NODES = frozenset({
+    "NllLossBackward0", "NllLoss2DBackward0", "MseLossBackward0",
+    "BinaryCrossEntropyBackward0", "BinaryCrossEntropyWithLogitsBackward0",
+    "SmoothL1LossBackward0", "HuberLossBackward0", "SoftMarginLossBackward0",
+    "MultiMarginLossBackward0", "MultilabelMarginLossBackward0", "CtcLossBackward0"})
+
+_SEVERAL_LOSSES = (
+    "Multiple independent losses found in graph. Graph must have one final loss. Wrap "
+    "final graph loss in poptorch.identity_loss. This model computes {count} losses "
+    "({names}) of which none is computed from the others: return "
+    "poptorch.identity_loss(total, reduction='sum') of their combination instead.")
+
+
+def check_single_loss(output: UserOutput) -> None:
+    """As PopTorch, for a model that marks no loss with ``identity_loss``: its torch.nn
+    losses (``_LOSS_NODES``) must form one final loss; two that are not computed one
+    from the other (``loss_a + loss_b``, or both returned) raise ``poptorch.Error``."""
+    stack: list = [t.grad_fn for t in pytree.tree_leaves(output)
+                   if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set = set()
+    losses = []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ in _LOSS_NODES:
+            losses.append(node)
+        stack.extend(fn for fn, _ in node.next_functions)
+    if len(losses) < 2:
+        return
+    below: set = set()  # nodes some loss is computed from
+    stack = [fn for loss in losses for fn, _ in loss.next_functions]  # (None: no grad)
+    while stack:
+        node = stack.pop()
+        if node is None or node in below:
+            continue
+        below.add(node)
+        stack.extend(fn for fn, _ in node.next_functions)
+    final = [loss for loss in losses if loss not in below]
+    if len(final) > 1:
+        names = ", ".join(sorted({type(n).__name__.removesuffix("Backward0") for n in final}))
+        raise Error(_SEVERAL_LOSSES.format(count=len(final), names=names))
+
+
+def find_loss(output: UserOutput, marked: list, traced: bool = False,
+              check: bool = False) -> torch.Tensor:
+    """Return the loss tensor of one forward pass (see module docstring); ``check``:
+    also apply PopTorch's one-final-loss rule (:py:func:`check_single_loss`) to a model
+    that marks no loss (done once per model: the rule is about its graph)."""
+    if check and not marked and not traced:
+        check_single_loss(output)
     if marked:
         returned = {id(t) for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)}
         in_output = [t for t in marked if id(t) in returned]

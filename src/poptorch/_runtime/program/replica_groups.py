@@ -56,6 +56,7 @@ class GroupedParameter:
                         f"{replicas} replicas form {groups} groups, so the weight needs a "
                         f"first dimension of {count} (one slice per {unit}), but its shape "
                         f"is {tuple(param.shape)}.")
+        self.name = name
         self.param = param
         self.full = param.data
         local = range(first_replica, first_replica + local_replicas)

@@ -120,10 +120,15 @@ class LossRule:
         self.params = params
         self.binding = binding
         self.multiplier = 1.0
+        self._checked = False  # PopTorch's one-final-loss rule, checked at the first call
 
     def __call__(self, output: UserOutput) -> torch.Tensor:
         """The loss to back-propagate from ``output`` (a runner that runs the model)."""
-        return self.finish(find_loss(output, context.take_marked_losses()))
+        if self._checked:
+            return self.finish(find_loss(output, context.take_marked_losses()))
+        loss = find_loss(output, context.take_marked_losses(), check=True)
+        self._checked = True
+        return self.finish(loss)
 
     def finish(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` (found by the caller) scaled for its backward pass."""
