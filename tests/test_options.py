@@ -364,8 +364,10 @@ def test_check_is_frozen():
 def test_ignored_options_are_reported_and_logged_once(caplog, monkeypatch):
     # start from an empty "already logged" registry: other tests may have logged these
     monkeypatch.setattr(poptorch._logging, "_once_keys", set())
-    opts = poptorch.Options().connectionType(poptorch.ConnectionType.Never)
-    opts.enableStableNorm(True).logCycleCount(True).useOfflineIpuTarget(2)
+    # (connectionType(Never), which useOfflineIpuTarget sets, has an effect: no run)
+    opts = poptorch.Options().connectionType(poptorch.ConnectionType.OnDemand)
+    opts.enableStableNorm(True).logCycleCount(True)
+    opts.createOrSet(ipu_version=2)  # the version useOfflineIpuTarget(2) records
     opts.setAvailableMemoryProportion({"IPU0": 0.2}).disableModuleNamescope()
     opts.sourceLocationExcludes(["x"]).syncPattern(poptorch.SyncPattern.ReplicaAndLadder)
     opts.Training.setConvolutionDithering(True)
@@ -375,7 +377,7 @@ def test_ignored_options_are_reported_and_logged_once(caplog, monkeypatch):
     opts.Jit.traceModel(True)
     opts._Popart.set("virtualGraphMode", 1)
     expected = {
-        "connection_type": 2, "enable_stable_norm": True, "log_cycle_count": True,
+        "connection_type": 1, "enable_stable_norm": True, "log_cycle_count": True,
         "ipu_version": 2, "available_memory_proportion": {"IPU0": 0.2},
         "module_namescope": False, "source_location_excludes": ["x"], "sync_pattern": 2,
         "Training.convolution_dithering": True, "TensorLocations.num_io_tiles": 32,
@@ -392,7 +394,7 @@ def test_ignored_options_are_reported_and_logged_once(caplog, monkeypatch):
         poptorch.setLogLevel("WARN")
     logged = [r.getMessage() for r in caplog.records if "has no effect and is ignored" in r.getMessage()]
     assert len(logged) == len(expected)
-    assert any("connection_type=2" in m for m in logged)
+    assert any("connection_type=1" in m for m in logged)
 
 
 def test_meaningful_options_are_not_reported_as_ignored():

@@ -5,7 +5,8 @@ from __future__ import annotations
 # Option name (or prefix ending in ".") -> what it does on an IPU.
 _IPU_MEANING = {
     "ipu_version": "compiles for an offline IPU of this version without attaching to "
-                   "one (useOfflineIpuTarget); our devices always compile and run",
+                   "one (useOfflineIpuTarget); here the model compiles and does not run "
+                   "(ConnectionType.Never), and the version itself",
     "connection_type": "chooses when PopTorch attaches to the IPU",
     "sync_pattern": "sets how IPUs synchronise with each other and the host",
     "available_memory_proportion": "bounds the tile memory matmuls and convolutions may "

@@ -47,13 +47,10 @@ __all__ = ["Options"]
 _DEFAULT_SOURCE_LOCATION_EXCLUDES = ["install/poptorch", "site-packages/torch",
                                      "site-packages/poptorch"]
 
-
-
-# Options-level values with no meaning on our devices, and their "not set" value.
+# Options-level values with no meaning on our devices (but connection_type Never).
 _IGNORED_TOP_LEVEL = ("connection_type", "sync_pattern", "available_memory_proportion",
                       "enable_stable_norm", "log_cycle_count", "module_namescope",
                       "source_location_excludes", "ipu_version")
-
 
 _SYNTHETIC_RANDOM_NORMAL = 2
 """PopART's ``SyntheticDataMode.RandomNormal`` (0: off, 1: zeros)."""
@@ -293,10 +290,8 @@ class Options(OptionsDict):
         return self
 
     def useOfflineIpuTarget(self, ipu_version: int = 2) -> Options:
-        """Compile for an absent IPU of this version (1, 2 or 21) without running: as
-        upstream, it sets ``connectionType(ConnectionType.Never)``, so the model may be
-        compiled (``compile``, ``compileAndExport``) but not run; ``poptorch.load``
-        of its file runs."""
+        """Compile for an absent IPU of this version (1, 2 or 21), not run: as upstream,
+        ``connectionType(ConnectionType.Never)`` (``poptorch.load`` of its file runs)."""
         version = check_int("useOfflineIpuTarget", ipu_version)
         # Programs write useOfflineIpuTarget(poptorch.ipuHardwareVersion()): whatever
         # that returns on this machine is a valid target too.
@@ -309,8 +304,8 @@ class Options(OptionsDict):
         return self
 
     def connectionType(self, connection_type: enums.ConnectionType) -> Options:
-        """When to attach to the device. ``ConnectionType.Never``: the model may be
-        compiled but not run (as upstream); the others are recorded only."""
+        """When to attach to the device: ``Never`` compiles but does not run (as
+        upstream); the others are recorded only."""
         self.set(connection_type=check_enum("connectionType", connection_type,
                                             enums.ConnectionType).value)
         return self
@@ -545,6 +540,8 @@ class Options(OptionsDict):
         """``{name: value}`` of the options set that have no meaning on our devices."""
         ignored = {name: self._values[name] for name in _IGNORED_TOP_LEVEL
                    if self._changed_from_default(name)}
+        if ignored.get("connection_type") == enums.ConnectionType.Never.value:
+            del ignored["connection_type"]
         for sub in self._sub_objects().values():
             ignored.update(sub._ignored())
         return ignored
