@@ -19,7 +19,9 @@ plain-PyTorch loop on the global batches (fp32, max abs difference). Ratios agai
 ``torch fsdp2``. Targets: ``all rts`` live bytes <= 1.10x FSDP2's, steps/s >= 0.90x,
 weights within 1e-6.
 
-Run: ``python benchmarks/bench_memory.py [--procs 2 4] [--steps 8]``.
+Run: ``python benchmarks/bench_memory.py [--procs 2 4] [--steps 8] [--repeat 1]``.
+``--repeat N`` runs the configurations N times round-robin and keeps each one's best
+steps/s (on a shared, loaded machine one run's rates move by 2x with the load).
 """
 from __future__ import annotations
 
@@ -176,14 +178,21 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--procs", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--repeat", type=int, default=1)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.out, args.steps)
         return
     for procs in args.procs:
-        results = {c: launch(c, procs, args.steps) for c in CONFIGS}
+        results: dict[str, dict] = {}
+        for _ in range(args.repeat):
+            for c in CONFIGS:
+                r = launch(c, procs, args.steps)
+                if c not in results or r["rate"] > results[c]["rate"]:
+                    results[c] = r
         peer = results["torch fsdp2"]
-        print(f"\n{procs} processes (per process, worst; ratios vs torch fsdp2)")
+        print(f"\n{procs} processes (per process, worst; ratios vs torch fsdp2; steps/s "
+              f"the best of {args.repeat} run(s) of {args.steps - CHECK_STEPS} timed steps)")
         print(f"{'config':14} {'live MiB':>9} {'x fsdp2':>8} {'RSS MiB':>8} "
               f"{'steps/s':>8} {'x fsdp2':>8} {'max|w-ref|':>11}")
         for config, r in results.items():

@@ -21,12 +21,18 @@
 # those first and then the rest of the suite, until the budget. (4)
 # benchmarks/gpu_bench.py, one section per step: throughput (eager loop, torch.compile
 # loop, poptorch default, poptorch CUDA graphs), GPT-2 small in bf16 (tokens/s, MFU),
-# torchrun with NCCL (needs 2 GPUs: with one, it says so and is skipped).
+# torchrun with NCCL (needs 2 GPUs: with one, it says so and is skipped). (5)
+# benchmarks/gpu_memory_check.py: peak CUDA memory per GPU (max_memory_allocated) of
+# GPT-2 small trained a few AdamW steps with default options, weights + accumulators +
+# optimizer state replicated-tensor-sharded (under torchrun, one process per GPU: needs
+# 2 GPUs, with one that row says so and is skipped) and off chip; one row each, with the
+# ratio to default.
 #
 # Environment: PYTHON (the interpreter, default python3: the machine's own, with torch,
 # pytest, hypothesis, psutil), GPU_CHECK_SKIP (comma list of: install,tests,bench),
 # GPU_CHECK_TESTS (test files instead of the size's own list), GPU_CHECK_BUDGETS (other
-# budgets, e.g. "tests=60,gpt2=30"; names: total gpus install tests workloads gpt2 ddp),
+# budgets, e.g. "tests=60,gpt2=30"; names: total gpus install tests workloads gpt2 ddp
+# memory),
 # GPU_CHECK_DRY_RUN=1 (no GPU needed: every step runs on the CPU as if it were one GPU,
 # the benchmarks at their smoke sizes: a check of this script, tests/test_gpu_check.py).
 set -uo pipefail
@@ -52,12 +58,15 @@ SKIP=",${GPU_CHECK_SKIP:-},"
 GPU_TESTS="tests/test_test_device.py tests/test_devices.py tests/test_cuda_graphs.py
   tests/test_precision.py tests/test_half_float.py tests/test_autocasting.py tests/test_ops.py
   tests/test_compiled_step.py tests/test_executor.py"
-# Budgets (seconds). quick: 5 minutes in all, default: 9, each with some margin.
+# Budgets (seconds). quick: 5 minutes in all, default: 9, each with some margin; the
+# steps' budgets add up to at most the total.
 if [ "$SIZE" = quick ]; then
-  TOTAL=290; B_GPUS=30; B_INSTALL=40; B_TESTS=100; B_WORKLOADS=50; B_GPT2=40; B_DDP=30
+  TOTAL=290; B_GPUS=15; B_INSTALL=40; B_TESTS=100; B_WORKLOADS=40; B_GPT2=35; B_DDP=30
+  B_MEMORY=30
   TESTS=${GPU_CHECK_TESTS:-$GPU_TESTS}
 else
-  TOTAL=530; B_GPUS=30; B_INSTALL=40; B_TESTS=260; B_WORKLOADS=90; B_GPT2=60; B_DDP=45
+  TOTAL=530; B_GPUS=15; B_INSTALL=40; B_TESTS=230; B_WORKLOADS=90; B_GPT2=60; B_DDP=45
+  B_MEMORY=50
   TESTS=${GPU_CHECK_TESTS:-"$GPU_TESTS tests"}
 fi
 BUDGETS=${GPU_CHECK_BUDGETS:-}
@@ -66,13 +75,14 @@ for setting in ${BUDGETS//,/ }; do
     total) TOTAL=${setting#*=} ;; gpus) B_GPUS=${setting#*=} ;;
     install) B_INSTALL=${setting#*=} ;; tests) B_TESTS=${setting#*=} ;;
     workloads) B_WORKLOADS=${setting#*=} ;; gpt2) B_GPT2=${setting#*=} ;;
-    ddp) B_DDP=${setting#*=} ;;
+    ddp) B_DDP=${setting#*=} ;; memory) B_MEMORY=${setting#*=} ;;
     *) echo "gpu_check: GPU_CHECK_BUDGETS: unknown step ${setting%%=*}" >&2; exit 2 ;;
   esac
 done
 DRY_RUN=${GPU_CHECK_DRY_RUN:-0}
-TEST_DEVICE=cuda; BENCH_ARGS=(--size "$SIZE")
-[ "$DRY_RUN" = 1 ] && { TEST_DEVICE=cpu; BENCH_ARGS=(--device cpu --size smoke); }
+TEST_DEVICE=cuda; BENCH_ARGS=(--size "$SIZE"); MEMORY_ARGS=()
+[ "$DRY_RUN" = 1 ] && { TEST_DEVICE=cpu; BENCH_ARGS=(--device cpu --size smoke)
+                        MEMORY_ARGS=(--device cpu --tiny); }
 START=$(date +%s)
 DEADLINE=$((START + TOTAL))
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
@@ -127,6 +137,7 @@ plan_table() {
   echo "| benchmark: throughput (eager, torch.compile, poptorch, CUDA graphs) | $B_WORKLOADS |"
   echo "| benchmark: GPT-2 small, bf16 (tokens/s, MFU) | $B_GPT2 |"
   echo "| benchmark: torchrun + NCCL (needs 2 GPUs; skipped with one) | $B_DDP |"
+  echo "| benchmark: peak GPU memory, GPT-2 small: default / RTS (needs 2 GPUs) / off chip | $B_MEMORY |"
   echo "| total (enforced) | $TOTAL |"
 }
 
@@ -280,6 +291,24 @@ if [[ $SKIP != *,bench,* ]]; then
     printf '\n## torchrun + NCCL: skipped\n\nNeeds 2 GPUs; this machine has %s.\n' "$NGPU" >>"$REPORT"
     STEPS+=("| benchmark: torchrun + NCCL | $B_DDP | 0 | skipped: needs 2 GPUs, $NGPU found |")
     NOT_RUN+=("benchmark: torchrun + NCCL (needs 2 GPUs, $NGPU found)")
+  fi
+  # peak memory by tensor location: torchrun over the GPUs with 2 or more (the script
+  # counts them); with one the RTS row says it needs 2 and only it is skipped
+  run_step "benchmark: peak GPU memory" "$B_MEMORY" "$WORK/bench_memory.log" \
+    "$PYTHON" "$ROOT/benchmarks/gpu_memory_check.py" ${MEMORY_ARGS[@]+"${MEMORY_ARGS[@]}"} \
+    --output "$WORK/bench_memory.md"
+  MEMORY_RC=$?
+  printf '\n' >>"$REPORT"
+  [ -f "$WORK/bench_memory.md" ] && cat "$WORK/bench_memory.md" >>"$REPORT"
+  if [ "$MEMORY_RC" -eq 124 ]; then
+    printf '\nStopped at the budget (%s s); not measured: the memory table.\n' "$B_MEMORY" \
+      >>"$REPORT"
+    NOT_RUN+=("benchmark: peak GPU memory (stopped at the budget)")
+  elif [ "$MEMORY_RC" -ne 0 ]; then
+    STATUS=1
+    echo "gpu_memory_check.py failed (exit $MEMORY_RC):" >>"$REPORT"
+    tail -n 30 "$WORK/bench_memory.log" >"$WORK/bench_memory.tail"
+    fence "$WORK/bench_memory.tail"
   fi
 else
   STEPS+=("| benchmarks | - | 0 | skipped (GPU_CHECK_SKIP) |")

@@ -163,3 +163,76 @@ class Blocks(torch.nn.Module):
         for block in self.blocks:
             x = torch.tanh(block(x))
         return x, (x ** 2).mean()
+
+
+# --- exact arithmetic: checkpoints resumed at other world sizes, bitwise --------------
+# Every float operation of these runs is exact (small dyadic numbers), so the order in
+# which processes, micro-batches and shards add cannot change a bit: runs at different
+# world sizes must agree bitwise, and any resharding mistake (wrong rows, wrong offsets,
+# stale state) shows. Three Linear blocks read the same input (their products would
+# compound the bits each step needs), their outputs folded onto OUT features by fixed
+# 0/1 matrices; weights start at multiples of 1/8, inputs and targets are in {-1, 0, 1},
+# the loss is a sum of squares per micro-batch, SGD with lr 2^-4 and momentum 1/2.
+EXACT_FEATURES, EXACT_WIDTHS, EXACT_OUT = 5, (6, 7, 3), 3  # 6, 7, 3 rows: uneven shards
+EXACT_MICRO = 4            # micro-batches in a global batch: 4 x 1, 2 x 2 or 1 x 4
+EXACT_LR, EXACT_MOMENTUM = 2.0 ** -4, 0.5
+
+
+class Exact(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(EXACT_FEATURES, d)
+                                          for d in EXACT_WIDTHS)
+        for i, d in enumerate(EXACT_WIDTHS):
+            fold = torch.zeros(d, EXACT_OUT)
+            fold[torch.arange(d), torch.arange(d) % EXACT_OUT] = 1.0
+            self.register_buffer(f"fold{i}", fold)
+        g = torch.Generator().manual_seed(11)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randint(-4, 5, p.shape, generator=g).float() / 8)
+
+    def forward(self, x, y):
+        out = sum(block(x) @ getattr(self, f"fold{i}")
+                  for i, block in enumerate(self.blocks))
+        return out, ((out - y) ** 2).sum()
+
+
+def exact_sgd(model: torch.nn.Module) -> torch.optim.SGD:
+    return torch.optim.SGD(model.parameters(), lr=EXACT_LR, momentum=EXACT_MOMENTUM)
+
+
+def exact_batch(call: int) -> tuple:
+    """Call ``call``'s global batch: EXACT_MICRO micro-batches of M rows."""
+    g = torch.Generator().manual_seed(200 + call)
+    return (torch.randint(-1, 2, (EXACT_MICRO * M, EXACT_FEATURES), generator=g).float(),
+            torch.randint(-1, 2, (EXACT_MICRO * M, EXACT_OUT), generator=g).float())
+
+
+def exact_rows(call: int, rank: int, world: int) -> tuple:
+    """Process ``rank``'s micro-batches of call ``call`` (EXACT_MICRO // world each)."""
+    per = EXACT_MICRO // world
+    return rows(exact_batch(call), rank * per, per)
+
+
+def exact_options(world: int, rts: bool) -> poptorch.Options:
+    """Weights, accumulators and optimizer state with RTS (or nothing), the global
+    batch's micro-batches shared out over ``world`` processes."""
+    return location_options(KINDS if rts else (), rts, False, EXACT_MICRO // world)
+
+
+def exact_reference(calls, dtype: torch.dtype = torch.float32) -> list[dict]:
+    """Plain PyTorch: each call one SGD step on the mean over the global batch's
+    micro-batches of their losses; the weights after each call."""
+    model = Exact().to(dtype)
+    optimizer = exact_sgd(model)
+    after = []
+    for call in calls:
+        x, y = exact_batch(call)
+        optimizer.zero_grad()
+        loss = sum(model(x[k * M:(k + 1) * M].to(dtype), y[k * M:(k + 1) * M].to(dtype))[1]
+                   for k in range(EXACT_MICRO)) / EXACT_MICRO
+        loss.backward()
+        optimizer.step()
+        after.append({k: v.detach().clone() for k, v in model.named_parameters()})
+    return after

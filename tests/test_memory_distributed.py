@@ -1,39 +1,51 @@
 """Replicated tensor sharding of the optimizer state across processes: torchrun
 ``--nproc_per_node=2`` (gloo, one thread each) on tests/memory_worker.py, compared with
-the unsharded run, a plain PyTorch loop, and a resumption at world size 1.
+the unsharded run, a plain PyTorch loop, and a resumption at world size 1; weights and
+accumulators sharded too (tests/fsdp_worker.py), their checkpoints resumed at 1 process
+and, sharded, at 4 (``--nproc_per_node=4``) bit for bit.
 """
 from __future__ import annotations
 
+import gc
 import os
 import pathlib
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
 
 import poptorch
 from poptorch.enums import CommGroupType
-from _memory_cases import (CALLS, G, KINDS, Grouped, adamw, global_batch, grouped_batch,
-                           location_options, make_model, options, plain_reference, train,
-                           train_grouped, M)
+from _memory_cases import (CALLS, G, KINDS, Exact, Grouped, adamw, exact_batch,
+                           exact_options, exact_reference, exact_sgd, global_batch,
+                           grouped_batch, location_options, make_model, options,
+                           plain_reference, train, train_grouped, M)
 
 HERE = pathlib.Path(__file__).resolve().parent
 TOL = 1e-6
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("memory")
+def _torchrun(worker: str, out: pathlib.Path, processes: int = 2, *args: str,
+              timeout: int = 240) -> None:
+    """``torchrun --nproc_per_node=processes tests/<worker> out args`` (gloo, one
+    thread per process); fails the test with the end of its output."""
     env = dict(os.environ, OMP_NUM_THREADS="1", POPTORCH_DISTRIBUTED_TIMEOUT="60",
                PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         "--nproc_per_node=2", str(HERE / "memory_worker.py"), str(out)],
-        cwd=HERE, env=env, capture_output=True, text=True, timeout=240)
+         f"--nproc_per_node={processes}", str(HERE / worker), str(out), *args],
+        cwd=HERE, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("memory")
+    _torchrun("memory_worker.py", out)
 
     def load(name: str) -> list:
         return [torch.load(out / f"{name}_rank{rank}.pt", weights_only=False)
@@ -126,22 +138,22 @@ def test_replica_groups_shard_each_group_over_its_replicas(runs):
 
 # --- weights / accumulators sharded over the processes (FSDP2: memory/fsdp.py) --------
 @pytest.fixture(scope="module")
-def fsdp_runs(tmp_path_factory):
+def fsdp_out(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    env = dict(os.environ, OMP_NUM_THREADS="1", POPTORCH_DISTRIBUTED_TIMEOUT="60",
-               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         "--nproc_per_node=2", str(HERE / "fsdp_worker.py"), str(out)],
-        cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    _torchrun("fsdp_worker.py", out, timeout=300)
+    return out
 
+
+def _loader(out: pathlib.Path, processes: int = 2):
     def load(name: str) -> list:
         return [torch.load(out / f"{name}_rank{rank}.pt", weights_only=False)
-                for rank in (0, 1)]
+                for rank in range(processes)]
     return load
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(fsdp_out):
+    return _loader(fsdp_out)
 
 
 @pytest.mark.parametrize("name", [f"{k}_{m}" for k in KINDS for m in ("rts", "offchip")]
@@ -193,6 +205,23 @@ def test_at_most_two_blocks_of_whole_weights_at_once(fsdp_runs):
         assert run["shard_bytes"] < run["peak_bytes"] <= run["shard_bytes"] + 2 * block
 
 
+def test_a_dropped_sharded_program_frees_its_optimizer_and_model(fsdp_runs):
+    """All three RTS: once the program is destroyed and dropped, the optimizer and the
+    model (and so every weight and state shard) are freed, as after a plain PyTorch
+    loop."""
+    model = make_model(0)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(*global_batch(0, 1))[1].backward()
+    optimizer.step()
+    refs = [weakref.ref(optimizer), weakref.ref(model)]
+    del optimizer, model
+    gc.collect()
+    plain = [ref() is not None for ref in refs]
+    assert plain == [False, False]
+    for run in fsdp_runs("freed"):
+        assert run["alive"] == plain
+
+
 def test_planned_memory_actions_keep_two_blocks():
     """The plan of a step (as schedule actions): each block gathered before its forward
     and backward, dropped after, reduce-scattered after the backward that reduces."""
@@ -210,3 +239,74 @@ def test_planned_memory_actions_keep_two_blocks():
             assert gathers[-1].kind == ActionKind.ALL_GATHER
     kept = planned_actions(8, 1, reshard_after_forward=False, sync_every_microbatch=True)
     assert peak_gathered(kept) == 8  # ZeRO-2: whole weights from forward to backward
+
+
+# --- checkpoints of sharded weights resumed at other world sizes, bitwise -------------
+def _exact_plain() -> list[dict]:
+    """The plain-PyTorch reference of the exact-arithmetic runs, after each call;
+    computed in float32 and float64 too, to check that its arithmetic is exact (else
+    bitwise equality across world sizes would not be a fair demand)."""
+    fp32, fp64 = exact_reference(range(CALLS)), exact_reference(range(CALLS), torch.float64)
+    for a, b in zip(fp32, fp64, strict=True):
+        assert all(torch.equal(a[k].double(), b[k]) for k in b), "inexact arithmetic"
+    return fp32
+
+
+def _assert_bitwise(weights: dict, expected: dict, what: str) -> None:
+    assert weights.keys() >= expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(weights[key], value), f"{what}: {key} differs"
+
+
+def _exact_uninterrupted(fsdp_runs) -> tuple[list, dict]:
+    """The 2-process run (all three RTS), checked bitwise against plain PyTorch after
+    every call; its checkpoint after CALLS // 2 calls, the same on both processes."""
+    runs, plain = fsdp_runs("exact"), _exact_plain()
+    for rank in (0, 1):
+        assert runs[rank]["sharded"] == ["blocks.0.weight", "blocks.1.weight",
+                                         "blocks.2.weight"]
+        for call in range(CALLS):
+            _assert_bitwise(runs[rank]["after"][call], plain[call], f"2 processes, call {call}")
+    checkpoint = runs[0]["checkpoint"]
+    _assert_bitwise(runs[1]["checkpoint"]["model"], checkpoint["model"], "checkpoints")
+    return runs, checkpoint
+
+
+def _momentum(state_dict: dict) -> list[torch.Tensor]:
+    return [state_dict["state"][i]["momentum_buffer"] for i in sorted(state_dict["state"])]
+
+
+def test_sharded_checkpoint_resumes_unsharded_at_one_process_bitwise(fsdp_runs):
+    """Taken with weights, accumulators and optimizer state sharded over 2 processes,
+    resumed unsharded in this process (the same global batches, 4 micro-batches): every
+    next step's weights, and the momentum at the end, equal the uninterrupted run's and
+    plain PyTorch's bit for bit."""
+    runs, checkpoint = _exact_uninterrupted(fsdp_runs)
+    model = Exact()
+    model.load_state_dict(checkpoint["model"])
+    optimizer = exact_sgd(model)
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    training = poptorch.trainingModel(model, exact_options(1, False), optimizer)
+    for call in range(CALLS // 2, CALLS):
+        training(*exact_batch(call))
+        _assert_bitwise(model.state_dict(), runs[0]["after"][call], f"1 process, call {call}")
+    for mine, theirs in zip(_momentum(optimizer.state_dict()),
+                            _momentum(runs[0]["state_dict"]), strict=True):
+        assert torch.equal(mine, theirs)
+
+
+def test_sharded_checkpoint_resumes_sharded_at_four_processes_bitwise(fsdp_runs, fsdp_out):
+    """The same checkpoint resumed with all three RTS over 4 processes (one micro-batch
+    each; the blocks' 6, 7 and 3 rows cut 2/2/2/0, 2/2/2/1 and 1/1/1/0): every next
+    step's weights, whole on every process, and the momentum at the end equal the
+    uninterrupted 2-process run's and plain PyTorch's bit for bit."""
+    runs, _ = _exact_uninterrupted(fsdp_runs)
+    _torchrun("fsdp_worker.py", fsdp_out, 4, "--resume-exact")
+    for rank, resumed in enumerate(_loader(fsdp_out, 4)("exact_resumed4")):
+        assert resumed["sharded"] == runs[0]["sharded"]
+        for call in range(CALLS // 2, CALLS):
+            _assert_bitwise(resumed["after"][call], runs[0]["after"][call],
+                            f"4 processes, process {rank}, call {call}")
+        for mine, theirs in zip(_momentum(resumed["state_dict"]),
+                                _momentum(runs[0]["state_dict"]), strict=True):
+            assert torch.equal(mine, theirs)

@@ -20,7 +20,6 @@ resumes at any world size and with or without sharding.
 """
 from __future__ import annotations
 
-import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -42,15 +41,24 @@ _GATHER_HINT = ("optimizer.state_dict() of a sharded optimizer gathers the state
                 "every process: call it on every process")
 
 
-# The managed step in force for each optimizer: its state_dict hook finds it here, and
-# the entry keeps the pieces alive as long as the optimizer (a program compiled again
-# takes them over).
-_MANAGERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, ManagedStep] = \
-    weakref.WeakKeyDictionary()
+# The managed step in force for an optimizer is an attribute of the optimizer: its
+# state_dict hook finds it there, and it keeps the pieces alive as long as the
+# optimizer (a program compiled again takes them over). (Not a WeakKeyDictionary: the
+# step refers to its optimizer, so an entry would keep its own key, the optimizer and
+# every weight it steps, alive for good; the attribute makes a cycle that the garbage
+# collector frees. Both attributes begin ``_optimizer_``, which torch's and
+# poptorch.optim's ``__getstate__`` leave out of copies and pickles, as the hook.)
+_MANAGER_ATTR = "_optimizer_poptorch_managed_step"
+_HOOKED_ATTR = "_optimizer_poptorch_state_dict_hooked"
+
+
+def _manager_of(optimizer: torch.optim.Optimizer) -> ManagedStep | None:
+    manager: ManagedStep | None = optimizer.__dict__.get(_MANAGER_ATTR)
+    return manager
 
 
 def _gather_before_state_dict(optimizer: torch.optim.Optimizer) -> None:
-    managed = _MANAGERS.get(optimizer)
+    managed = _manager_of(optimizer)
     if managed is not None:
         managed.gather_into(optimizer)
 
@@ -58,7 +66,7 @@ def _gather_before_state_dict(optimizer: torch.optim.Optimizer) -> None:
 def take_over(optimizer: torch.optim.Optimizer) -> None:
     """Before a program compiled again for ``optimizer`` steps it: the pieces held by
     the previous program become ``optimizer``'s whole state (a collective)."""
-    previous = _MANAGERS.pop(optimizer, None)
+    previous = optimizer.__dict__.pop(_MANAGER_ATTR, None)
     if previous is not None:
         previous.gather_into(optimizer)
 
@@ -120,10 +128,10 @@ class ManagedStep:
         from ..program.optimizer import fast_step
         self.opt = opt
         self.inner = fast_step(opt)
-        # The hook (registered once per optimizer) finds the step in force in _MANAGERS.
-        first = opt not in _MANAGERS
-        _MANAGERS[opt] = self
-        if first:
+        # The hook (registered once per optimizer) finds the step in force on it.
+        opt.__dict__[_MANAGER_ATTR] = self
+        if not opt.__dict__.get(_HOOKED_ATTR):
+            opt.__dict__[_HOOKED_ATTR] = True
             opt.register_state_dict_pre_hook(_gather_before_state_dict)
         self._regroup(opt)
 
