@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..._typing import StateValue
+from ..attributes import own_attribute
 from ..distributed.collectives import failures_as_errors
 from ..distributed.world import World
 from ..numerics.loss_scaling import PENDING_UNSCALE_ATTR
@@ -53,7 +54,7 @@ _HOOKED_ATTR = "_optimizer_poptorch_state_dict_hooked"
 
 
 def _manager_of(optimizer: torch.optim.Optimizer) -> ManagedStep | None:
-    manager: ManagedStep | None = optimizer.__dict__.get(_MANAGER_ATTR)
+    manager: ManagedStep | None = own_attribute(optimizer, _MANAGER_ATTR)
     return manager
 
 
@@ -66,8 +67,9 @@ def _gather_before_state_dict(optimizer: torch.optim.Optimizer) -> None:
 def take_over(optimizer: torch.optim.Optimizer) -> None:
     """Before a program compiled again for ``optimizer`` steps it: the pieces held by
     the previous program become ``optimizer``'s whole state (a collective)."""
-    previous = optimizer.__dict__.pop(_MANAGER_ATTR, None)
+    previous = own_attribute(optimizer, _MANAGER_ATTR)
     if previous is not None:
+        object.__delattr__(optimizer, _MANAGER_ATTR)
         previous.gather_into(optimizer)
 
 
@@ -129,9 +131,10 @@ class ManagedStep:
         self.opt = opt
         self.inner = fast_step(opt)
         # The hook (registered once per optimizer) finds the step in force on it.
-        opt.__dict__[_MANAGER_ATTR] = self
-        if not opt.__dict__.get(_HOOKED_ATTR):
-            opt.__dict__[_HOOKED_ATTR] = True
+        # (plain attributes: no optimizer __setattr__ runs)
+        object.__setattr__(opt, _MANAGER_ATTR, self)
+        if not own_attribute(opt, _HOOKED_ATTR):
+            object.__setattr__(opt, _HOOKED_ATTR, True)
             opt.register_state_dict_pre_hook(_gather_before_state_dict)
         self._regroup(opt)
 
