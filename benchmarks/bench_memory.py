@@ -26,7 +26,6 @@ steps/s (on a shared, loaded machine one run's rates move by 2x with the load).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import pathlib
@@ -37,6 +36,9 @@ import tempfile
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from workloads import live_tensor_bytes
 
 WIDTH, DEPTH, ROWS, LR = 768, 8, 8, 1e-3
 CHECK_STEPS = 3
@@ -59,26 +61,6 @@ class Net(torch.nn.Module):
 
 def batch(step: int, world: int) -> torch.Tensor:
     return torch.randn(world * ROWS, WIDTH, generator=torch.Generator().manual_seed(step))
-
-
-def live_tensor_bytes() -> int:
-    """Bytes of every live tensor's storage (each once; a DTensor's local shard)."""
-    from torch.distributed.tensor import DTensor
-    gc.collect()
-    seen: set[int] = set()
-    total = 0
-    for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor):
-            continue
-        t = obj.to_local() if isinstance(obj, DTensor) else obj
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            continue
-        if storage.data_ptr() not in seen and storage.nbytes():
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
 
 
 def _poptorch_step(config: str, model: Net, rank: int, world: int):

@@ -38,12 +38,11 @@ import pathlib
 import subprocess
 import sys
 import tempfile
-import warnings
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workloads import GPT
+from workloads import GPT, live_tensor_bytes
 
 FULL = {"vocab": 50257, "width": 768, "heads": 12, "layers": 12, "context": 128}
 TINY = {"vocab": 128, "width": 32, "heads": 2, "layers": 2, "context": 16}
@@ -74,30 +73,6 @@ def options(config: str, tiny: bool):
     opts.TensorLocations.setAccumulatorLocation(settings)
     opts.TensorLocations.setOptimizerLocation(settings)
     return opts
-
-
-def live_tensor_bytes() -> int:
-    """The CPU's stand-in for a peak: bytes of every live tensor's storage, each once
-    (a DTensor by its local shard)."""
-    from torch.distributed.tensor import DTensor
-    gc.collect()
-    seen: set[int] = set()
-    total = 0
-    with warnings.catch_warnings():  # (isinstance on torch's deprecated module attributes)
-        warnings.simplefilter("ignore")
-        objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-    for obj in objects:
-        if not isinstance(obj, torch.Tensor):
-            continue
-        t = obj.to_local() if isinstance(obj, DTensor) else obj
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            continue
-        if storage.data_ptr() not in seen and storage.nbytes():
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
 
 
 def measure(config: str, device: torch.device, tiny: bool, steps: int, rank: int) -> int:

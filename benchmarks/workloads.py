@@ -1,15 +1,29 @@
-"""The models the benchmarks run, defined once (bench_compiled.py, bench_executor.py).
+"""The models the benchmarks run, defined once (bench_compiled.py, bench_executor.py),
+and the live-tensor count the memory benchmarks share (bench_memory.py,
+gpu_memory_check.py).
 
 Each takes ``(x, y)`` and returns ``(output, loss)``. ``WORKLOADS`` names the four
 workloads of issue 14 with their micro-batch size and input makers.
 """
 from __future__ import annotations
 
+import gc
+import warnings
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["CNN", "GPT", "MLP", "Tiny", "TinyMLP", "WORKLOADS", "classes"]
+__all__ = [
+    "CNN",
+    "GPT",
+    "MLP",
+    "WORKLOADS",
+    "Tiny",
+    "TinyMLP",
+    "classes",
+    "live_tensor_bytes",
+]
 
 
 class Tiny(nn.Module):
@@ -121,3 +135,23 @@ WORKLOADS = {
 }
 
 
+def live_tensor_bytes() -> int:
+    """Bytes of every live tensor's storage, each storage once (a DTensor by its local
+    shard): what a process holds in tensors, counted with ``gc``."""
+    from torch.distributed.tensor import DTensor
+    gc.collect()
+    seen: set[int] = set()
+    total = 0
+    with warnings.catch_warnings():  # (isinstance on torch's deprecated module attributes)
+        warnings.simplefilter("ignore")
+        objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for obj in objects:
+        t = obj.to_local() if isinstance(obj, DTensor) else obj
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            continue
+        if storage.data_ptr() not in seen and storage.nbytes():
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total

@@ -86,14 +86,7 @@ def check_single_loss(output: UserOutput) -> None:
         stack.extend(fn for fn, _ in node.next_functions)
     if len(losses) < 2:
         return
-    below: set = set()  # nodes some loss is computed from
-    stack = [fn for loss in losses for fn, _ in loss.next_functions]  # (None: no grad)
-    while stack:
-        node = stack.pop()
-        if node is None or node in below:
-            continue
-        below.add(node)
-        stack.extend(fn for fn, _ in node.next_functions)
+    below = _nodes_below(losses)  # nodes some loss is computed from
     final = [loss for loss in losses if loss not in below]
     if len(final) > 1:
         names = ", ".join(sorted({type(n).__name__.removesuffix("Backward0") for n in final}))
@@ -141,16 +134,21 @@ def _final_losses(losses: list) -> list:
     """The marked losses that no other marked loss is computed from (PopTorch keeps
     only these: an ``identity_loss`` used inside the final loss's expression is an
     ordinary value of that expression, even when the model returns it too)."""
-    below: set = set()  # autograd nodes strictly below some loss's own node
-    stack = [fn for t in losses if t.grad_fn is not None
-             for fn, _ in t.grad_fn.next_functions]
+    below = _nodes_below([t.grad_fn for t in losses if t.grad_fn is not None])
+    return [t for t in losses if t.grad_fn is None or t.grad_fn not in below]
+
+
+def _nodes_below(nodes: list) -> set:
+    """The autograd nodes strictly below ``nodes`` (what they are computed from)."""
+    below: set = set()
+    stack = [fn for node in nodes for fn, _ in node.next_functions]  # (None: no grad)
     while stack:
         node = stack.pop()
         if node is None or node in below:
             continue
         below.add(node)
         stack.extend(fn for fn, _ in node.next_functions)
-    return [t for t in losses if t.grad_fn is None or t.grad_fn not in below]
+    return below
 
 
 def _is_scalar(value: object) -> TypeGuard[torch.Tensor]:
