@@ -25,9 +25,7 @@ class ProgramCall:
     """The call sequence of one compiled program (module docstring), bound once."""
 
     def __init__(self, compiled: Compilation, mode: TrainingMode) -> None:
-        program = compiled.program
-        self._undo_for_call = program.undo_for_call \
-            if program.undo_for_call() is not None else None
+        self._undo_for_call = compiled.program.undo_for_call
         constants = compiled.tensor_constants
         self._constants = constants if constants else None
         self._mode = mode
@@ -45,7 +43,7 @@ class ProgramCall:
         opt_sync = self._optimizer_sync
         if opt_sync is not None:
             opt_sync.before_run()
-        restore = None if not undo or self._undo_for_call is None else self._undo_for_call()
+        restore = self._undo_for_call() if undo else None  # (None: nothing to undo)
         mode, casting = self._mode, self._casting
         mode.__enter__()
         try:
