@@ -46,26 +46,25 @@ def join_processes(config: RuntimeConfig, model: torch.nn.Module, training: bool
     placement = WeightPlacement.of(config.locations.weight, config.locations.accumulator)
     if training and placement.sharded:
         _check_shardable(config)
-        cross.shard_weights(ShardedModel(model, world, placement, device,
-                                         config.training.gradient_accumulation), optimizer)
+        if config.distributed.strategy_name is None:
+            cross.shard_weights(ShardedModel(model, world, placement, device,
+                                             config.training.gradient_accumulation),
+                                optimizer)
+        else:  # a strategy's stages: sharded between steps (memory.step_shards)
+            cross.step_placement = placement
     logger.info("%s: process %d of %d, %d replica(s) per process, %d in all.", name,
                 world.rank, world.size, r, r * world.size)
     return cross
 
 
 def _check_shardable(config: RuntimeConfig) -> None:
-    """Sharded weights / accumulators across processes run the unsplit model with one
-    replica per process (``poptorch.Error`` otherwise, before anything is sharded)."""
-    problems = []
+    """Sharded weights / accumulators across processes run one replica per process
+    (``poptorch.Error`` otherwise, before anything is sharded)."""
     if config.replication_factor != 1:
-        problems.append(f"replicationFactor({config.replication_factor}) per process")
-    if config.distributed.strategy_name is not None:
-        problems.append(f"setExecutionStrategy({config.distributed.strategy_name})")
-    if problems:
         raise Error(
             "TensorLocations: replicated tensor sharding of weights / accumulators "
-            "across processes (FSDP2) runs the unsplit model with replicationFactor(1) "
-            f"per process; this program has {' and '.join(problems)}. Shard the "
+            "across processes runs one replica per process; this program has "
+            f"replicationFactor({config.replication_factor}) per process. Shard the "
             "optimizer state only (setOptimizerLocation), or run one replica per process.")
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .._runtime.compilation import Compilation
+from .._runtime.memory import step_shards
 from .._runtime.weights.modelcopy import TrainingMode
 from .._typing import UserOutput
 from .call_support import raise_device_fault
@@ -40,6 +41,8 @@ class ProgramCall:
         take the call's undo copies (the first call has an undo of its own)."""
         if self._constants is not None:
             self._constants.restore()
+        if step_shards.any_released():  # weights of a sharded strategy, dropped
+            step_shards.gather_released()
         opt_sync = self._optimizer_sync
         if opt_sync is not None:
             opt_sync.before_run()

@@ -123,7 +123,7 @@ def program_extras(plan: BatchPlan, *, model: torch.nn.Module, user_model: torch
         from .._runtime.memory.locations import install as install_locations
         locations = install_locations(model, config.locations, groupings, device,
                                       training=training, optimizer=optimizer, cross=cross,
-                                      replicas=plan.replication_factor)
+                                      replicas=plan.replication_factor, host=user_model)
         wrappers.extend(locations.wrappers)
         profiler = trace = None
         directory = profile_directory(config)

@@ -12,6 +12,7 @@ this: they run on each process on their own.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,7 +26,7 @@ from .reducer import GradientReducer
 from .world import World
 
 if TYPE_CHECKING:
-    from ..memory.fsdp import ShardedModel
+    from ..memory.fsdp import ShardedModel, WeightPlacement
     from ..program.backend_trial import CrossProcessAgreement
 
 _live: weakref.WeakSet[DataParallelGroup] = weakref.WeakSet()
@@ -55,6 +56,10 @@ class DataParallelGroup:
         # gradients are reduce-scattered in the backward pass; the reducer sums the
         # parameters kept whole.
         self.sharded: ShardedModel | None = None
+        # The same for the stages of an execution strategy: sharded between steps
+        # (memory.step_shards), gathered by ``before_each_step`` at a step's start.
+        self.step_placement: WeightPlacement | None = None
+        self.before_each_step: list[Callable[[], None]] = []
         # How many processes the reduced gradients were divided by: DDP averages, the
         # reducer sums. The device program scales the result to PopTorch's Mean / Sum.
         self.averaged_over = 1
@@ -104,6 +109,8 @@ class DataParallelGroup:
         their micro-batches)."""
         if self.sharded is not None:
             self.sharded.begin_step()
+        for before in self.before_each_step:
+            before()
 
     def start_identical(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Give every process process 0's weights, buffers and optimizer state."""

@@ -30,6 +30,7 @@ from ..._logging import info_once
 from ..._typing import OptionValue
 from ...enums import CommGroupType, VariableRetrievalMode
 from ..config import LocationsConfig
+from ..distributed.replicas import DataParallelGroup
 from ..distributed.world import SINGLE_PROCESS
 from ..program.replica_groups import group_count, group_of
 from .fsdp import WholeAsReplicated
@@ -37,9 +38,9 @@ from .fsdp_step import ShardedStep
 from .layout import DEFAULT_MIN_ELEMENTS, plan_layout
 from .offload import ActivationsOffChip, StateStorage
 from .sharding import ManagedStep, take_over
+from .step_shards import StepShardedStep, gather_released
 
 if TYPE_CHECKING:
-    from ..distributed.replicas import DataParallelGroup
     from ..distributed.stage_processes import StageReplicaGroup
 
 # Optimizers whose update of each element depends on that element only (piece by piece
@@ -92,8 +93,8 @@ class LocationEffects:
 def install(model: torch.nn.Module, locations: LocationsConfig, groupings: dict | None,
             device: torch.device, *, training: bool,
             optimizer: Callable[[], torch.optim.Optimizer | None],
-            cross: DataParallelGroup | StageReplicaGroup | None, replicas: int
-            ) -> LocationEffects:
+            cross: DataParallelGroup | StageReplicaGroup | None, replicas: int,
+            host: torch.nn.Module | None = None) -> LocationEffects:
     """Make the tensor ``locations`` (``Options.TensorLocations`` as compiled) act on a
     program of ``model`` (module docstring). ``optimizer()`` returns the optimizer in
     force (``setOptimizer`` may bind another), ``cross`` the program's cross-process
@@ -101,7 +102,8 @@ def install(model: torch.nn.Module, locations: LocationsConfig, groupings: dict 
     optimizer_loc = _settings(locations, "optimizer")
     phased = locations.phased
     cpu = device.type == "cpu"
-    if getattr(cross, "sharded", None) is None:
+    if getattr(cross, "sharded", None) is None and (
+            not isinstance(cross, DataParallelGroup) or cross.step_placement is None):
         _log_recorded(locations, cpu, phased)
     wrappers: tuple[AbstractContextManager[object], ...] = ()
     activation_loc = _settings(locations, "activation")
@@ -139,6 +141,24 @@ def install(model: torch.nn.Module, locations: LocationsConfig, groupings: dict 
                   len(sharded_weights.units))
         return LocationEffects(managed_step=ShardedStep(optimizer, params, world, storage),
                                wrappers=(*wrappers, WholeAsReplicated()))
+    between_steps = cross.step_placement if isinstance(cross, DataParallelGroup) else None
+    if between_steps is not None and isinstance(cross, DataParallelGroup):
+        # Weights / accumulators of a strategy's stages: sharded between steps.
+        layout = plan_layout(params, min_elements=between_steps.min_elements,
+                             replicas_per_process=1, processes=world.size,
+                             elementwise=elementwise(current))
+        storage = StateStorage(off_chip and not cpu,
+                               int(optimizer_loc.get("minElementsForOffChip", 0)))
+        info_once(("rts", "step", world.size), "TensorLocations: weights%s sharded over "
+                  "%d processes between steps (whole during a step of the execution "
+                  "strategy's stages); the optimizer state with them.",
+                  "" if between_steps.weights_rts else " and gradient accumulators",
+                  world.size)
+        step = StepShardedStep(optimizer, params, layout, world, storage, host or model,
+                               off_chip=between_steps.off_chip and not cpu,
+                               flatten=not phased)
+        cross.before_each_step.append(gather_released)
+        return LocationEffects(managed_step=step, wrappers=wrappers)
     if sharding:
         min_elements = int(optimizer_loc.get("minElementsForReplicatedTensorSharding",
                                              DEFAULT_MIN_ELEMENTS))

@@ -187,12 +187,12 @@ class ManagedStep:
             streamed = [p for g in self.groups for p in g if self.storage.streams(p)]
             if streamed:
                 result = self._streamed_step(opt, saved_groups, set(map(id, streamed)))
-                pending.extend(self._gather_bucket(b) for b in range(len(self.flats)))
+                pending.extend(self._after_update(b) for b in range(len(self.flats)))
             elif self.flats:
                 # Bucket after bucket: the gather of one overlaps the update of the next.
                 for b, groups in enumerate(self.bucket_groups):
                     self._step_on(opt, saved_groups, groups)
-                    pending.append(self._gather_bucket(b))
+                    pending.append(self._after_update(b))
                 result = self._step_on(opt, saved_groups, self.rest_groups)
             else:
                 result = self._step_on(opt, saved_groups, self.groups)
@@ -204,7 +204,8 @@ class ManagedStep:
                 opt.max_grad_norm = max_norm
             with failures_as_errors("Gathering the updated weight shards"):
                 for work in pending:
-                    work.wait()
+                    if work is not None:
+                        work.wait()
         opt.state = defaultdict(dict)
         self.moved_on = True
         if self.world.distributed:
@@ -324,6 +325,10 @@ class ManagedStep:
             view.copy_(p.data.reshape(-1))
             p.data = view.view(p.shape)
         return flat
+
+    def _after_update(self, b: int) -> Any:
+        """Once bucket ``b`` is updated: start gathering it (the work to wait for)."""
+        return self._gather_bucket(b)
 
     def _gather_bucket(self, b: int) -> Any:
         """Start gathering bucket ``b`` in place (every process sends its range)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Collection, Iterator
+from typing import Protocol
 
 import torch
 
@@ -29,7 +30,7 @@ class WeightSync:
         self._device_model = device_model
         if not self.shared:
             device_model.to(device)
-            _install_access_hook(host, self)
+            install_access_hook(host, self)
 
     def _pairs(self, buffers: bool = True, params: bool = True,
                buffer_names: Collection[str] | None = None
@@ -80,7 +81,7 @@ class WeightSync:
 
 
 _HOOKED_METHODS = ("parameters", "named_parameters", "buffers", "named_buffers",
-                   "state_dict", "__call__", "forward")
+                   "state_dict", "load_state_dict", "__call__", "forward")
 
 
 # The weight syncs of each hooked host module, and the hooked class of each module
@@ -89,8 +90,16 @@ _SYNCS: weakref.WeakKeyDictionary[torch.nn.Module, list] = weakref.WeakKeyDictio
 _UNHOOKED: weakref.WeakKeyDictionary[torch.nn.Module, type] = weakref.WeakKeyDictionary()
 
 
-def _install_access_hook(host: torch.nn.Module, sync: WeightSync) -> None:
-    """Make reads of ``host`` copy device weights back first (accelerator only)."""
+class HostRefresh(Protocol):
+    """What the access hook calls before ``host`` is read: a weight sync, or sharded
+    weights that gather first (``memory.step_shards``)."""
+
+    def to_host_if_needed(self) -> bool: ...
+
+
+def install_access_hook(host: torch.nn.Module, sync: HostRefresh) -> None:
+    """Make reads of ``host`` refresh it first: device weights copied back on an
+    accelerator, sharded weights gathered."""
     _SYNCS.setdefault(host, []).append(weakref.ref(sync))
     if getattr(type(host), "_poptorch_hooked", False):
         return
