@@ -152,6 +152,23 @@ def process_rows(call: int, rank: int, world: int, accumulation: int = G) -> tup
     return rows(batch, rank * accumulation, accumulation)
 
 
+# --- the same for the execution strategies (memory/step_shards.py) -------------------
+STRATEGY_G = 4  # micro-batches per step (2 pipeline stages need at least 3)
+_MODES = {"rts": (True, False), "offchip": (False, True), "both": (True, True)}
+
+
+def strategy_cases() -> dict[str, tuple[tuple, bool, bool, str]]:
+    """name -> (kinds, RTS, off chip, backend asked for): each kind with RTS, off chip
+    and both; all three with both, eager and compiled; and nothing (the reference)."""
+    table = {"plain": ((), False, False, "eager")}
+    for kind in KINDS:
+        for mode, (rts, off_chip) in _MODES.items():
+            table[f"{kind}_{mode}"] = ((kind,), rts, off_chip, "eager")
+    table["all_both"] = (KINDS, True, True, "eager")
+    table["all_both_compiled"] = (KINDS, True, True, "inductor")
+    return table
+
+
 class Blocks(torch.nn.Module):
     """``n`` blocks of Linear(width, width) + tanh, then a sum-of-squares loss."""
 

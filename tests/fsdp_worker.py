@@ -34,11 +34,13 @@ def save(out: pathlib.Path, name: str, value) -> None:
     torch.save(value, out / f"{name}_rank{RANK}.pt")
 
 
-def train_case(kinds: tuple, rts: bool, off_chip: bool, checkpoint_at: int = -1):
+def train_case(kinds: tuple, rts: bool, off_chip: bool, checkpoint_at: int = -1,
+               backend: str | None = None):
     model = make_model(1000 + RANK)  # process 0's weights reach every process
     optimizer = adamw(model)
-    training = poptorch.trainingModel(model, location_options(kinds, rts, off_chip),
-                                      optimizer)
+    opts = location_options(kinds, rts, off_chip)
+    opts.Jit.backend(backend)
+    training = poptorch.trainingModel(model, opts, optimizer)
     checkpoint = None
     for call in range(CALLS):
         if call == checkpoint_at:
@@ -47,7 +49,7 @@ def train_case(kinds: tuple, rts: bool, off_chip: bool, checkpoint_at: int = -1)
         training(*process_rows(call, RANK, WORLD))
     sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
     return {"weights": model.state_dict(), "state_dict": optimizer.state_dict(),
-            "sharded": sharded, "checkpoint": checkpoint}
+            "sharded": sharded, "checkpoint": checkpoint, "backend": training.backendInUse}
 
 
 def exact_case(resume: dict | None = None) -> dict:
@@ -130,6 +132,9 @@ def main(out: pathlib.Path) -> None:
     from poptorch._runtime.memory import fsdp
     fsdp.force_stream = True  # FSDP2's offload path on the CPU
     save(out, "all_rts_offchip", train_case(KINDS, True, True))
+    for kind in KINDS:
+        save(out, f"{kind}_both", train_case((kind,), True, True))
+    save(out, "all_rts_offchip_compiled", train_case(KINDS, True, True, backend="inductor"))
     save(out, "peak", peak_case())
     save(out, "freed", freed_case())
 

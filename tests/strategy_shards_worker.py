@@ -17,25 +17,11 @@ import sys
 import torch
 
 import poptorch
-from _memory_cases import CALLS, adamw, location_options, make_model, process_rows
+from _memory_cases import (CALLS, STRATEGY_G, adamw, location_options, make_model,
+                           process_rows, strategy_cases)
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
-STRATEGY_G = 4  # micro-batches per step (2 pipeline stages need at least 3)
-MODES = {"rts": (True, False), "offchip": (False, True), "both": (True, True)}
-KINDS = ("weight", "accumulator", "optimizer")
-
-
-def cases() -> dict[str, tuple[tuple, bool, bool, str | None]]:
-    """name -> (kinds, rts, off chip, backend)."""
-    table: dict[str, tuple[tuple, bool, bool, str | None]] = {
-        "plain": ((), False, False, "eager")}
-    for kind in KINDS:
-        for mode, (rts, off_chip) in MODES.items():
-            table[f"{kind}_{mode}"] = ((kind,), rts, off_chip, "eager")
-    table["all_both"] = (KINDS, True, True, "eager")
-    table["all_both_compiled"] = (KINDS, True, True, "inductor")
-    return table
 
 
 def strategy(name: str) -> poptorch.options.ExecutionStrategy:
@@ -78,7 +64,7 @@ def main(out: pathlib.Path) -> None:
     from poptorch._runtime.memory import fsdp
     fsdp.force_stream = True
     for strategy_name in ("pipelined", "phased"):
-        for name, (kinds, rts, off_chip, backend) in cases().items():
+        for name, (kinds, rts, off_chip, backend) in strategy_cases().items():
             torch.save(train_case(strategy_name, kinds, rts, off_chip, backend),
                        out / f"{strategy_name}_{name}_rank{RANK}.pt")
 

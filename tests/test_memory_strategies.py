@@ -12,8 +12,7 @@ import pathlib
 import pytest
 import torch
 
-from _memory_cases import CALLS, make_model, plain_reference
-from strategy_shards_worker import STRATEGY_G, cases
+from _memory_cases import CALLS, STRATEGY_G, make_model, plain_reference, strategy_cases
 from test_memory_distributed import _max_diff, _state_diff, _torchrun
 
 TOL = 1e-6
@@ -36,7 +35,7 @@ def reference() -> dict:
     return plain_reference(make_model(1000), range(CALLS), 2 * STRATEGY_G)
 
 
-@pytest.mark.parametrize("name", [n for n in cases() if n != "plain"])
+@pytest.mark.parametrize("name", [n for n in strategy_cases() if n != "plain"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_strategy_trains_as_plain_pytorch(runs, reference, strategy, name):
     """{weights, accumulators, optimizer} x {RTS, off chip, both}, and all three with
@@ -45,7 +44,7 @@ def test_strategy_trains_as_plain_pytorch(runs, reference, strategy, name):
     optimizer state as the unsharded run, on both processes. A strategy's stages run
     eagerly whatever the backend asked for (model parallelism is not compiled), so the
     compiled case runs the eager backend too, and says so."""
-    kinds, rts, _, backend = cases()[name]
+    kinds, rts, _, backend = strategy_cases()[name]
     sharded_weights = rts and bool({"weight", "accumulator"} & set(kinds))
     unsharded = runs(strategy, "plain")
     for rank, run in enumerate(runs(strategy, name)):

@@ -381,7 +381,6 @@ def test_ignored_options_are_reported_and_logged_once(caplog, monkeypatch):
         "ipu_version": 2, "available_memory_proportion": {"IPU0": 0.2},
         "module_namescope": False, "source_location_excludes": ["x"], "sync_pattern": 2,
         "Training.convolution_dithering": True, "TensorLocations.num_io_tiles": 32,
-        "TensorLocations.location_weight.useReplicatedTensorSharding": True,
         "Jit.trace_model": True, "_Popart.virtualGraphMode": 1,
     }
     assert opts._ignored_options() == expected
@@ -402,6 +401,9 @@ def test_meaningful_options_are_not_reported_as_ignored():
     opts.Training.gradientAccumulation(2).setAutomaticLossScaling(True)
     opts.Precision.enableStochasticRounding(True)
     opts.TensorLocations.setActivationLocation(TLS().useOnChipStorage(False))
+    # (weights / accumulators RTS: sharded over the processes, _runtime/memory/)
+    opts.TensorLocations.setWeightLocation(TLS().useReplicatedTensorSharding(True))
+    opts.TensorLocations.setAccumulatorLocation(TLS().useReplicatedTensorSharding(True))
     opts.Jit.backend("eager")
     assert opts._ignored_options() == {}
 

@@ -7,9 +7,11 @@ from .store import OptionsDict, OptionValueError, check_bool, check_int
 _IGNORED_LOCATION_KEYS = ("useReplicatedTensorSharding",
                           "minElementsForReplicatedTensorSharding",
                           "useIOTilesToLoad", "useIOTilesToStore")
-# Replicated tensor sharding of the optimizer state acts (``_runtime/memory/``).
-_ACTING = {"optimizer": ("useReplicatedTensorSharding",
-                         "minElementsForReplicatedTensorSharding")}
+# Replicated tensor sharding acts (``_runtime/memory/``): of the optimizer state over
+# every replica; of weights and accumulators over the processes (the runtime logs what
+# it does with them in one process).
+_RTS = ("useReplicatedTensorSharding", "minElementsForReplicatedTensorSharding")
+_ACTING = {"optimizer": _RTS, "weight": _RTS, "accumulator": _RTS}
 
 
 class TensorLocationSettings(OptionsDict):
