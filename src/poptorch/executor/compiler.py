@@ -28,6 +28,7 @@ from .._runtime.memory.host_heap import keep_freed_memory
 from .._runtime.placement.build import ModelParallelRunner, build_runner
 from .._runtime.program.backend_choice import make_selector
 from .._runtime.program.backends import EagerBackend
+from .._runtime.program.compiled_step import torch_compile_backend
 from .._runtime.program.concurrent_replicas import ReplicaCopies
 from .._runtime.program.device_loop import DeviceProgram
 from .._runtime.program.interpreter import EagerCompute, Interpreter
@@ -122,6 +123,9 @@ def compile_model(parts: ModelParts, args: tuple, kwargs: dict,
     cross = join_processes(config, model, training,
                            None if binding is None else binding.device, parts.name,
                            device, runners.stage_processes) if training else None
+    if backend == "inductor" and isinstance(cross, DataParallelGroup) and \
+            cross.sharded is not None:  # (the eager call path runs compiled blocks)
+        cross.sharded.compile_units(torch_compile_backend(), parts.name)
     processes = 1 if cross is None else cross.world.size
     first_replica = 0 if cross is None else cross.world.rank * plan.replication_factor
     replica_buffers = runners.concurrent or replica_lanes(

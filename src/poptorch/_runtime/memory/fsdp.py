@@ -194,6 +194,7 @@ class ShardedModel:
         self.world = world
         self.per_step = per_step  # training micro-batches per optimizer step
         self.count = 0  # training forwards of this step so far
+        self.compiled_units = False  # the units' forwards compiled (compile_units)
         self.units = units_of(model)
         before = dict(model.named_parameters())
         self.ignored = {p for p in before.values()
@@ -234,6 +235,19 @@ class ShardedModel:
             unit.register_state_dict_post_hook(_whole_state)
             unit.register_load_state_dict_pre_hook(_sharded_state)
         model.register_forward_pre_hook(self._before_forward)
+
+    def compile_units(self, backend: str, label: str) -> None:
+        """The compiled backend with sharded weights: each unit's forward compiled on
+        its own (``nn.Module.compile``), FSDP2's gathers and reduce-scatters between
+        them (dynamo leaves FSDP2's hooks out of the graphs), as torchtitan composes
+        FSDP2 with ``torch.compile`` block by block."""
+        options = {"fallback_random": True} if backend == "inductor" else None
+        for unit in self.units:
+            unit.compile(backend=backend, options=options)
+        self.compiled_units = True
+        info_once(("fsdp-compiled", label), "%s: weights sharded over the processes "
+                  "(FSDP2): each of its %d blocks compiled on its own, the gathers "
+                  "between them.", label, len(self.units))
 
     # --- the schedule FSDP2 runs ---------------------------------------------------
     def _prefetch(self) -> None:
