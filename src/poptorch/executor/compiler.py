@@ -151,7 +151,8 @@ def compile_model(parts: ModelParts, args: tuple, kwargs: dict,
         training=training, device=device,
         optimizer=(lambda: None) if binding is None else (lambda: binding.device),
         cross=cross, groupings=parts.groupings, name=parts.name,
-        popart_options=opts._Popart.options, executed=runners.executed)
+        popart_options=opts._Popart.options, executed=runners.executed,
+        unsplit=runners.plain is not None and runners.concurrent is None)
     runners.share_thread_contexts(extras.worker_contexts)
     if runners.plain is not None:
         runners.plain.observer = extras.trace

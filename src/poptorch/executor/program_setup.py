@@ -26,7 +26,6 @@ from ..enums import OutputMode
 if TYPE_CHECKING:
     from .._runtime.distributed.replicas import DataParallelGroup
     from .._runtime.distributed.stage_processes import StageReplicaGroup
-    from .._runtime.memory.sharding import ManagedStep
     from .._runtime.numerics.autocast import AutocastRun
     from .._runtime.numerics.precision import PrecisionPolicy
 
@@ -58,7 +57,7 @@ class ProgramExtras:
     worker_contexts: list[ContextFactory]
     finite_check: Callable[[UserOutput, list[tuple[str, torch.nn.Parameter]]], None] | None
     named_params: tuple[tuple[str, torch.nn.Parameter], ...]
-    managed_step: ManagedStep | None  # replacing the optimizer's step
+    managed_step: Callable[[], object] | None  # replacing the optimizer's step
     call_profiler: CallProfiler | None
     trace: StepTrace | None  # the profiler's ranges around steps and micro-batches
 
@@ -102,7 +101,7 @@ def program_extras(plan: BatchPlan, *, model: torch.nn.Module, user_model: torch
                    config: RuntimeConfig, training: bool, device: torch.device,
                    optimizer: Callable[[], torch.optim.Optimizer | None],
                    cross: DataParallelGroup | StageReplicaGroup | None, groupings: dict | None,
-                   name: str, popart_options: dict,
+                   name: str, popart_options: dict, unsplit: bool,
                    executed: Callable[[], ExecutedSchedule | None]) -> ProgramExtras:
     """Precision policy, casting, strided group norm, tensor locations and profiling,
     as the options ask. ``optimizer()`` is the device optimizer in force (None for
@@ -123,7 +122,8 @@ def program_extras(plan: BatchPlan, *, model: torch.nn.Module, user_model: torch
         from .._runtime.memory.locations import install as install_locations
         locations = install_locations(model, config.locations, groupings, device,
                                       training=training, optimizer=optimizer, cross=cross,
-                                      replicas=plan.replication_factor, host=user_model)
+                                      replicas=plan.replication_factor, host=user_model,
+                                      unsplit=unsplit)
         wrappers.extend(locations.wrappers)
         profiler = trace = None
         directory = profile_directory(config)

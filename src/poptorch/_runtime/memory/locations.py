@@ -11,8 +11,11 @@ execution (which streams its phases' weights and activations itself:
 * weights and accumulators, ``useReplicatedTensorSharding(True)`` across processes (one
   replica each): sharded with FSDP2 (``fsdp.py``, joined in ``executor/processes.py``),
   the optimizer stepping the shards (``fsdp_step.py``); off chip with them: FSDP2's
-  ``CPUOffloadPolicy`` on GPUs. Otherwise recorded and logged once at INFO (off-chip
-  weights act in phased execution).
+  ``CPUOffloadPolicy`` on GPUs. For an execution strategy's stages: sharded between
+  steps (``step_shards.py``);
+* weights, ``useOnChipStorage(False)``, in one process: streamed block by block from
+  host memory (``streamed_weights.py``; phased execution streams its own).
+  Otherwise recorded and logged once at INFO.
 
 On the CPU, host memory is the device's: off-chip storage is logged once at INFO and
 changes nothing.
@@ -33,12 +36,14 @@ from ..config import LocationsConfig
 from ..distributed.replicas import DataParallelGroup
 from ..distributed.world import SINGLE_PROCESS
 from ..program.replica_groups import group_count, group_of
-from .fsdp import WholeAsReplicated
+from . import fsdp
+from .fsdp import WholeAsReplicated, units_of
 from .fsdp_step import ShardedStep
 from .layout import DEFAULT_MIN_ELEMENTS, plan_layout
 from .offload import ActivationsOffChip, StateStorage
 from .sharding import ManagedStep, take_over
 from .step_shards import StepShardedStep, gather_released
+from .streamed_weights import StreamedWeights
 
 if TYPE_CHECKING:
     from ..distributed.stage_processes import StageReplicaGroup
@@ -85,7 +90,8 @@ def slot_members(params: list[torch.nn.Parameter], names: dict[int, str],
 @dataclass(frozen=True)
 class LocationEffects:
     """What the tensor locations add to a device program."""
-    managed_step: ManagedStep | None = None  # replaces the optimizer's own step
+    # replaces the optimizer's own step (sharded or off-chip state, streamed weights)
+    managed_step: Callable[[], object] | None = None
     # entered around every call (activations off chip)
     wrappers: tuple[AbstractContextManager[object], ...] = ()
 
@@ -94,28 +100,63 @@ def install(model: torch.nn.Module, locations: LocationsConfig, groupings: dict 
             device: torch.device, *, training: bool,
             optimizer: Callable[[], torch.optim.Optimizer | None],
             cross: DataParallelGroup | StageReplicaGroup | None, replicas: int,
-            host: torch.nn.Module | None = None) -> LocationEffects:
+            host: torch.nn.Module | None = None, unsplit: bool = False) -> LocationEffects:
     """Make the tensor ``locations`` (``Options.TensorLocations`` as compiled) act on a
     program of ``model`` (module docstring). ``optimizer()`` returns the optimizer in
     force (``setOptimizer`` may bind another), ``cross`` the program's cross-process
-    side (None in one process), ``replicas`` its replicas per process."""
+    side (None in one process), ``replicas`` its replicas per process, ``host`` the
+    user's module; ``unsplit``: the program runs the model itself (its blocks' module
+    hooks run)."""
+    phased = locations.phased
+    cpu = device.type == "cpu"
+    streamed = _streamed_weights(model, locations, device, unsplit and cross is None
+                                 and replicas == 1 and not phased)
+    if getattr(cross, "sharded", None) is None and (
+            not isinstance(cross, DataParallelGroup) or cross.step_placement is None):
+        _log_recorded(locations, cpu, phased, streaming=unsplit and cross is None
+                      and replicas == 1)
+    wrappers: tuple[AbstractContextManager[object], ...] = () if streamed is None \
+        else (streamed,)
+    if training and streamed is not None:
+        effects = _optimizer_effects(model, locations, groupings, device, optimizer,
+                                     cross, replicas, host, wrappers)
+        return LocationEffects(managed_step=streamed.update(effects.managed_step, optimizer),
+                               wrappers=effects.wrappers)
+    return _optimizer_effects(model, locations, groupings, device, optimizer, cross,
+                              replicas, host, wrappers) if training else \
+        _activation_effects(locations, device, training, phased, wrappers)
+
+
+def _streamed_weights(model: torch.nn.Module, locations: LocationsConfig,
+                      device: torch.device, possible: bool) -> StreamedWeights | None:
+    """Weights off chip streamed block by block (``streamed_weights``), where they can
+    be: the model itself in one process with one replica, outside phased execution."""
+    weight_loc = _settings(locations, "weight")
+    if weight_loc.get("onChip") is not False or not possible:
+        return None
+    if device.type == "cpu" and not fsdp.force_stream:
+        info_once(("off-chip", "weight", "stream"), "TensorLocations: weights off chip "
+                  "(useOnChipStorage(False)) change nothing on the CPU, where host memory "
+                  "is the device's.")
+        return None
+    units = units_of(model)
+    info_once(("off-chip", "weight", "stream", len(units)), "TensorLocations: weights off "
+              "chip, streamed to the device block by block (%d blocks).", len(units))
+    return StreamedWeights(units, device, int(weight_loc.get("minElementsForOffChip", 0)))
+
+
+def _optimizer_effects(model: torch.nn.Module, locations: LocationsConfig,
+                       groupings: dict | None, device: torch.device,
+                       optimizer: Callable[[], torch.optim.Optimizer | None],
+                       cross: DataParallelGroup | StageReplicaGroup | None, replicas: int,
+                       host: torch.nn.Module | None,
+                       wrappers: tuple[AbstractContextManager[object], ...]
+                       ) -> LocationEffects:
+    """The effects of a training program's locations but streamed weights."""
     optimizer_loc = _settings(locations, "optimizer")
     phased = locations.phased
     cpu = device.type == "cpu"
-    if getattr(cross, "sharded", None) is None and (
-            not isinstance(cross, DataParallelGroup) or cross.step_placement is None):
-        _log_recorded(locations, cpu, phased)
-    wrappers: tuple[AbstractContextManager[object], ...] = ()
-    activation_loc = _settings(locations, "activation")
-    if activation_loc.get("onChip") is False and training and not phased:
-        if cpu:
-            info_once(("off-chip", "activation"), "TensorLocations: activations off chip "
-                      "(useOnChipStorage(False)) change nothing on the CPU, where host "
-                      "memory is the device's.")
-        else:
-            wrappers = (ActivationsOffChip(),)
-    if not training:
-        return LocationEffects(wrappers=wrappers)
+    wrappers = _activation_effects(locations, device, True, phased, wrappers).wrappers
     off_chip = optimizer_loc.get("onChip") is False
     if off_chip and cpu:
         info_once(("off-chip", "optimizer"), "TensorLocations: optimizer state off chip "
@@ -187,7 +228,23 @@ def install(model: torch.nn.Module, locations: LocationsConfig, groupings: dict 
     return LocationEffects(managed_step=managed, wrappers=wrappers)
 
 
-def _log_recorded(locations: LocationsConfig, cpu: bool, phased: bool) -> None:
+def _activation_effects(locations: LocationsConfig, device: torch.device, training: bool,
+                        phased: bool, wrappers: tuple[AbstractContextManager[object], ...]
+                        ) -> LocationEffects:
+    """``wrappers`` and activations off chip (saved for the backward in host memory)."""
+    activation_loc = _settings(locations, "activation")
+    if activation_loc.get("onChip") is False and training and not phased:
+        if device.type == "cpu":
+            info_once(("off-chip", "activation"), "TensorLocations: activations off chip "
+                      "(useOnChipStorage(False)) change nothing on the CPU, where host "
+                      "memory is the device's.")
+        else:
+            wrappers = (*wrappers, ActivationsOffChip())
+    return LocationEffects(wrappers=wrappers)
+
+
+def _log_recorded(locations: LocationsConfig, cpu: bool, phased: bool,
+                  streaming: bool) -> None:
     """One INFO line per location setting that is recorded only."""
     for kind in ("weight", "accumulator"):
         settings = _settings(locations, kind)
@@ -195,7 +252,8 @@ def _log_recorded(locations: LocationsConfig, cpu: bool, phased: bool) -> None:
             info_once(("rts", kind), "TensorLocations: replicated tensor sharding of %ss is "
                       "recorded; every replica holds the whole %ss (they are sharded "
                       "across processes with one replica each).", kind, kind)
-        if settings.get("onChip") is False and not (kind == "weight" and phased):
+        if settings.get("onChip") is False and not (kind == "weight"
+                                                    and (phased or streaming)):
             info_once(("off-chip", kind), "TensorLocations: %ss off chip are recorded; "
                       "they stay in device memory%s.", kind,
                       "" if cpu else " (off-chip weights stream in phased execution only)")

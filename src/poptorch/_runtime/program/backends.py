@@ -69,6 +69,6 @@ def compile_blocker(plain: bool, wraps_calls: bool) -> str | None:
         return ("model parallelism or replicas with their own buffers run micro-batches "
                 "outside one device program")
     if wraps_calls:
-        return ("precision casting, strided group norm, profiling or weights sharded over "
-                "the processes wrap every call")
+        return ("precision casting, strided group norm, profiling, or weights sharded "
+                "over the processes or streamed from host memory wrap every call")
     return None
