@@ -143,6 +143,8 @@ def main(out: pathlib.Path) -> None:
     # (aot_eager: the same graphs as inductor without its C++ build, as CI's compiled run)
     os.environ["POPTORCH_TORCH_COMPILE_BACKEND"] = "aot_eager"
     save(out, "all_rts_offchip_compiled", train_case(KINDS, True, True, backend="inductor"))
+    for kind in KINDS:
+        save(out, f"{kind}_both_compiled", train_case((kind,), True, True, backend="inductor"))
     del os.environ["POPTORCH_TORCH_COMPILE_BACKEND"]
     save(out, "peak", peak_case())
     save(out, "freed", freed_case())

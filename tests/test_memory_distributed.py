@@ -158,15 +158,17 @@ def fsdp_runs(fsdp_out):
 
 @pytest.mark.parametrize("name", [f"{k}_{m}" for k in KINDS
                                   for m in ("rts", "offchip", "both")]
+                         + [f"{k}_both_compiled" for k in KINDS]
                          + ["all_rts", "all_rts_offchip", "all_rts_offchip_compiled"])
 def test_sharded_weights_train_as_plain_pytorch(fsdp_runs, name):
     """{weights, accumulators, optimizer} x {RTS, off chip, both}, 2 micro-batches per
     step, clipping and loss scaling: the same weights as the unsharded run and a plain
     PyTorch loop over the global batches (1e-6), whole in state_dict() on every
     process; weights or accumulators with RTS hold DTensor shards. Asked for the
-    compiled backend, the call path stays eager (FSDP2's hooks wrap every call) and
-    each block's forward is compiled on its own, the gathers between them; the worker
-    compiles with aot_eager (inductor's graphs, eager kernels), so within 1e-6 too."""
+    compiled backend, sharded weights keep the eager call path (FSDP2's hooks wrap
+    every call) and each block's forward is compiled on its own, the gathers between
+    them; a sharded optimizer state alone runs the compiled micro-batches. The worker
+    compiles with aot_eager (inductor's graphs, eager kernels): within 1e-6 too."""
     runs, unsharded = fsdp_runs(name), fsdp_runs("plain")
     reference = plain_reference(make_model(1000), range(CALLS), 2 * G)
     for rank in (0, 1):
@@ -174,9 +176,12 @@ def test_sharded_weights_train_as_plain_pytorch(fsdp_runs, name):
         assert _max_diff(runs[rank]["weights"], unsharded[rank]["weights"]) <= TOL
         assert _state_diff(runs[rank]["state_dict"], unsharded[0]["state_dict"]) <= TOL
         rts_weights = ("rts" in name or "both" in name) and not name.startswith("optimizer")
+        compiled = name.endswith("compiled")
         if rts_weights:
             assert runs[rank]["backend"] == "eager"
-        assert runs[rank]["compiled_units"] == name.endswith("compiled")
+        elif compiled:  # (the optimizer's state alone: the compiled micro-batches)
+            assert runs[rank]["backend"] == "compiled"
+        assert runs[rank]["compiled_units"] == (compiled and rts_weights)
         assert runs[rank]["sharded"] == (["fc1.weight", "fc2.weight"] if rts_weights else [])
 
 

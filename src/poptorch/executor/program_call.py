@@ -30,6 +30,7 @@ class ProgramCall:
         constants = compiled.tensor_constants
         self._constants = constants if constants else None
         self._mode = mode
+        self._released = step_shards.released
         self._casting = compiled.casting
         self._optimizer_sync = None if compiled.optimizer is None \
             else compiled.optimizer.sync
@@ -41,7 +42,7 @@ class ProgramCall:
         take the call's undo copies (the first call has an undo of its own)."""
         if self._constants is not None:
             self._constants.restore()
-        if step_shards.any_released():  # weights of a sharded strategy, dropped
+        if self._released:  # weights of a sharded strategy, dropped after a step
             step_shards.gather_released()
         opt_sync = self._optimizer_sync
         if opt_sync is not None:

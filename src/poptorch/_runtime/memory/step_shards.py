@@ -35,22 +35,18 @@ from .layout import Piece, ShardLayout
 from .offload import StateStorage
 from .sharding import ManagedStep
 
-# The steps whose weights are dropped now, in the order they were dropped (every
-# process drops and gathers in the same order).
-_released: list[weakref.ref[StepShardedStep]] = []
+#: The steps whose weights are dropped now, in the order they were dropped (every
+#: process drops and gathers in the same order); a call gathers them first when it is
+#: not empty.
+released: list[weakref.ref[StepShardedStep]] = []
 
 
 def gather_released() -> None:
     """Gather every dropped weight back (before a program's call); cheap when none."""
-    while _released:
-        step = _released.pop(0)()
+    while released:
+        step = released.pop(0)()
         if step is not None:
             step.gather()
-
-
-def any_released() -> bool:
-    """Whether some weights are dropped now (a program call must gather them first)."""
-    return bool(_released)
 
 
 def _keep(values: torch.Tensor, off_chip: bool) -> torch.Tensor:
@@ -106,7 +102,7 @@ class StepShardedStep(ManagedStep):
             shard.grad = None
             shard.data = torch.empty(0, dtype=shard.dtype, device=shard.device)
         self.released = True
-        _released.append(weakref.ref(self))
+        released.append(weakref.ref(self))
 
     # --- before a step or a read: gather ------------------------------------------
     def gather(self) -> None:
