@@ -72,14 +72,15 @@ def refuse_backward(output: UserOutput, args: tuple) -> UserOutput:
     """As PopTorch: ``output.backward()`` on a tensor a model returned raises (the
     model's own backward pass has already run, or it is an inference model). A tensor
     the caller passed in and got back is left alone."""
-    if isinstance(output, torch.Tensor):
-        if not any(output is a for a in args):
-            output.backward = _backward_refused  # type: ignore[method-assign]
-        return output
-    leaves = output if type(output) is tuple else pytree.tree_leaves(output)
-    for t in leaves:
-        if isinstance(t, torch.Tensor) and not any(t is a for a in args):
-            t.backward = _backward_refused  # type: ignore[method-assign]
+    leaves = (output,) if isinstance(output, torch.Tensor) else \
+        output if type(output) is tuple else pytree.tree_leaves(output)
+    for t in leaves:  # (plain loops: a generator per tensor costs more than the rest)
+        if isinstance(t, torch.Tensor):
+            for a in args:
+                if t is a:
+                    break
+            else:
+                t.backward = _backward_refused  # type: ignore[method-assign]
     return output
 
 
