@@ -9,11 +9,14 @@ for a refusal, the error's class and message):
   ``poptorch.load`` of its file runs;
 * ``dynamic_slice`` at a tensor start in a model: the size must divide the dimension;
 * ``copyNamedBuffersToDevice`` without ``updatableNamedBuffers``: a ``poptorch.Error``;
-* ``cond`` / ``for_loop`` in a training model: "only supported in inference".
+* ``cond`` / ``for_loop`` in a training model: "only supported in inference";
+* one ``trainingModel`` per module until ``model.destroy()`` (or ``destroy()`` on the
+  wrapper): "Model has already been wrapped in 'poptorch.trainingModel'".
 """
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -240,3 +243,166 @@ def test_control_flow_is_for_inference_only(op):
     with pytest.raises(poptorch.Error,
                        match=rf"poptorch.{op}\(\) is only supported in inference"):
         training(condition, x)
+
+
+# ----------------------------------------------------- one training wrapper per module
+class Regress(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+
+    def forward(self, x, target):
+        out = self.lin(x)
+        return out, F.mse_loss(out, target)
+
+
+def _regress_data(step: int):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(4, 3, generator=g), torch.randn(4, 2, generator=g)
+
+
+def _plain_steps(ref: torch.nn.Module, opt: torch.optim.Optimizer, steps) -> None:
+    """The reference: plain PyTorch SGD steps (PopTorch's default optimizer is
+    SGD(lr=0.01))."""
+    for step in steps:
+        opt.zero_grad()
+        ref(*_regress_data(step))[1].backward()
+        opt.step()
+
+
+_WRAPPED = r"Model has already been wrapped in 'poptorch.trainingModel'\. Call " \
+    r"model\.destroy\(\) on the model to unwrap before wrapping again\."
+
+
+def test_a_module_has_one_training_wrapper_until_model_destroy():
+    model = Regress()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01)
+    training = poptorch.trainingModel(model)
+    training(*_regress_data(0))
+    _plain_steps(ref, ref_opt, [0])
+    torch.testing.assert_close(model.lin.weight, ref.lin.weight)
+    # upstream's refusal: a RuntimeError that is also a poptorch.Error
+    with pytest.raises(RuntimeError, match=_WRAPPED) as info:
+        poptorch.trainingModel(model)
+    assert isinstance(info.value, poptorch.Error)
+    with pytest.raises(poptorch.Error, match=_WRAPPED):
+        poptorch.trainingModel(training)  # (the wrapper stands for its module)
+    # inference wrappers are not limited, and share the trained weights
+    x, target = _regress_data(5)
+    out, _ = poptorch.inferenceModel(model)(x, target)
+    torch.testing.assert_close(out, ref.lin(x).detach())
+    training(*_regress_data(1))  # the refusals changed nothing
+    _plain_steps(ref, ref_opt, [1])
+    torch.testing.assert_close(model.lin.weight, ref.lin.weight)
+    model.destroy()  # destroys the wrapper and unwraps the module
+    assert not training.isCompiled()
+    assert "destroy" not in vars(model)
+    again = poptorch.trainingModel(model)
+    again(*_regress_data(2))
+    _plain_steps(ref, ref_opt, [2])
+    torch.testing.assert_close(model.lin.weight, ref.lin.weight)
+    torch.testing.assert_close(model.lin.bias, ref.lin.bias)
+
+
+def test_destroy_on_the_wrapper_releases_its_module():
+    model = Regress()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01)
+    training = poptorch.trainingModel(model)
+    training(*_regress_data(0))
+    training.destroy()
+    assert not hasattr(model, "destroy")
+    rewrapped = poptorch.trainingModel(training)  # wraps the same module again
+    rewrapped(*_regress_data(1))
+    _plain_steps(ref, ref_opt, [0, 1])
+    torch.testing.assert_close(model.lin.weight, ref.lin.weight)
+    with pytest.raises(poptorch.Error, match=_WRAPPED):
+        poptorch.trainingModel(model)
+
+
+def test_a_wrapper_the_program_no_longer_holds_does_not_count():
+    model = Regress()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01)
+    poptorch.trainingModel(model)(*_regress_data(0))  # (the wrapper is not kept)
+    training = poptorch.trainingModel(model)  # allowed: nothing reaches the first
+    training = None
+    training = poptorch.trainingModel(model)  # nor the second
+    training(*_regress_data(1))
+    _plain_steps(ref, ref_opt, [0, 1])
+    torch.testing.assert_close(model.lin.weight, ref.lin.weight)
+
+
+def test_a_failed_first_call_keeps_the_module_wrapped():
+    model = Regress()
+    training = poptorch.trainingModel(model)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        training(torch.randn(4, 5), torch.randn(4, 2))  # (plain PyTorch's error)
+    with pytest.raises(poptorch.Error, match=_WRAPPED):
+        poptorch.trainingModel(model)
+    training(*_regress_data(0))  # the wrapper still works with good inputs
+
+
+def test_copies_of_a_wrapped_module_are_not_wrapped():
+    model = Regress()
+    training = poptorch.trainingModel(model)
+    training(*_regress_data(0))
+    twin = copy.deepcopy(model)
+    twin.destroy()  # a copy's destroy() does nothing ...
+    assert training.isCompiled()
+    ref = copy.deepcopy(twin)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.01)
+    poptorch.trainingModel(twin)(*_regress_data(1))  # ... and the copy may be wrapped
+    _plain_steps(ref, ref_opt, [1])
+    torch.testing.assert_close(twin.lin.weight, ref.lin.weight)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # a pickle of the module loads without its wrapper
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    loaded.destroy()
+    assert training.isCompiled()
+    torch.testing.assert_close(loaded.lin.weight, model.lin.weight)
+
+
+def test_a_modules_own_destroy_is_kept():
+    class WithDestroy(Regress):
+        def __init__(self) -> None:
+            super().__init__()
+            self.destroyed = 0
+
+        def destroy(self) -> None:
+            self.destroyed += 1
+
+    model = WithDestroy()
+    training = poptorch.trainingModel(model)
+    training(*_regress_data(0))
+    model.destroy()  # the module's own method
+    assert model.destroyed == 1 and training.isCompiled()
+    with pytest.raises(poptorch.Error, match=_WRAPPED):
+        poptorch.trainingModel(model)
+    training.destroy()
+    poptorch.trainingModel(model)
+
+
+def test_modules_that_compare_equal_are_limited_one_by_one():
+    class Compared(Regress):
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, Compared)
+
+        def __hash__(self) -> int:
+            return 0
+
+    model = Compared()
+    ref = copy.deepcopy(model)
+    training = poptorch.trainingModel(model)
+    training(*_regress_data(0))
+    with pytest.raises(poptorch.Error, match=_WRAPPED):
+        poptorch.trainingModel(model)
+    equal = copy.deepcopy(ref)
+    assert equal == model
+    poptorch.trainingModel(equal)  # another module, though equal: allowed
+    model.destroy()
+    poptorch.trainingModel(model)(*_regress_data(1))
+    _plain_steps(ref, torch.optim.SGD(ref.parameters(), lr=0.01), [0, 1])
+    torch.testing.assert_close(model.lin.weight, ref.lin.weight)

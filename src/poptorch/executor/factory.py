@@ -6,7 +6,9 @@ arguments are turned into :py:class:`poptorch.Options` here.
 """
 from __future__ import annotations
 
+import gc
 import inspect
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -15,7 +17,7 @@ from .._runtime.export import read_payload
 from .._typing import UserInput, UserOutput
 from .._version import __version__
 from ..enums import ConnectionType
-from ..errors import Error
+from ..errors import Error, PoptorchRuntimeError
 from ..optim.optimizers import SGD
 from ..options.options import Options
 from .poplar_executor import PoplarExecutor
@@ -94,6 +96,84 @@ def _unwrap(model: torch.nn.Module | PoplarExecutor) -> torch.nn.Module:
     return model
 
 
+# The training wrapper of each module wrapped by ``trainingModel`` (upstream allows one
+# at a time), by id(module): (the module, the wrapper), both weakly held (by identity:
+# a module class may define __eq__ / __hash__). Until the wrapper is destroyed, or no
+# longer reachable, the module cannot be wrapped for training again. Inference wrappers
+# are not counted.
+_WrapperEntry = tuple["weakref.ref[torch.nn.Module]", "weakref.ref[PoplarExecutor]"]
+_TRAINING_WRAPPERS: dict[int, _WrapperEntry] = {}
+
+
+class _DestroyHandle:
+    """``model.destroy()`` on a module wrapped by ``trainingModel``: destroys its wrapper
+    (releases the device and the compiled program), after which the module may be wrapped
+    for training again. Copies and pickles of the module get a handle bound to nothing,
+    which does nothing (as upstream's, once its wrapper is gone)."""
+    __slots__ = ("_executor",)
+
+    def __init__(self, executor: PoplarExecutor | None = None) -> None:
+        self._executor = None if executor is None else weakref.ref(executor)
+
+    def __call__(self) -> None:
+        executor = None if self._executor is None else self._executor()
+        if executor is not None:
+            executor.destroy()
+
+    def __reduce__(self) -> tuple[type[_DestroyHandle], tuple]:
+        return _DestroyHandle, ()
+
+    def __deepcopy__(self, memo: dict) -> _DestroyHandle:
+        return _DestroyHandle()
+
+
+def _live_training_wrapper(module: torch.nn.Module) -> PoplarExecutor | None:
+    entry = _TRAINING_WRAPPERS.get(id(module))
+    return None if entry is None or entry[0]() is not module else entry[1]()
+
+
+def _refuse_second_training_wrapper(module: torch.nn.Module) -> None:
+    """Upstream's rule: a module already wrapped by a live ``trainingModel`` is refused
+    (an unreachable wrapper, collected here first, does not count)."""
+    if _live_training_wrapper(module) is None:
+        return
+    gc.collect()  # (a wrapper the program no longer reaches may sit in a cycle)
+    if _live_training_wrapper(module) is None:
+        return
+    raise PoptorchRuntimeError(
+        "Model has already been wrapped in 'poptorch.trainingModel'. Call model.destroy() "
+        "on the model to unwrap before wrapping again. (destroy() on the training "
+        "wrapper does the same; an inferenceModel of the module needs no unwrapping.)")
+
+
+def _mark_wrapped(module: torch.nn.Module, executor: PoplarExecutor) -> None:
+    """Record ``executor`` as ``module``'s training wrapper and give the module
+    ``destroy()`` (unless its class or the instance has a ``destroy`` of its own);
+    ``executor.destroy()`` undoes both."""
+    for key, (module_ref, executor_ref) in list(_TRAINING_WRAPPERS.items()):
+        if module_ref() is None or executor_ref() is None:  # (either is gone)
+            del _TRAINING_WRAPPERS[key]
+    entry = _TRAINING_WRAPPERS[id(module)] = (weakref.ref(module), weakref.ref(executor))
+    handle: _DestroyHandle | None = None
+    if isinstance(vars(module).get("destroy"), _DestroyHandle) \
+            or not hasattr(module, "destroy"):
+        handle = _DestroyHandle(executor)
+        try:
+            object.__setattr__(module, "destroy", handle)  # (a plain instance attribute)
+        except (AttributeError, TypeError):  # a module class that refuses new attributes
+            handle = None
+
+    def release() -> None:  # (weak references only: no cycle through the executor)
+        owner = entry[0]()
+        if owner is None:
+            return
+        if _TRAINING_WRAPPERS.get(id(owner)) is entry:
+            del _TRAINING_WRAPPERS[id(owner)]
+        if handle is not None and vars(owner).get("destroy") is handle:
+            object.__delattr__(owner, "destroy")
+    executor._release_module_on_destroy(release)
+
+
 def trainingModel(*args: object, **kwargs: object) -> PoplarExecutor:
     """trainingModel(model, options=None, optimizer=None)
 
@@ -102,6 +182,10 @@ def trainingModel(*args: object, **kwargs: object) -> PoplarExecutor:
     defaults to ``poptorch.optim.SGD(lr=0.01)``. The wrapper shares the model's
     parameters: trained values show in ``model`` without explicit copies.
 
+    As upstream, one module has one training wrapper at a time: wrapping it again
+    raises (a ``RuntimeError``, also a ``poptorch.Error``) until ``model.destroy()`` (or
+    ``destroy()`` on the wrapper) releases it. Inference wrappers are not limited.
+
     The SDK 1.x form ``trainingModel(model, device_iterations, gradient_accumulation=1,
     replication_factor=1, profile=False, trace_model=True, loss=None, optimizer=None)``
     is accepted too; ``loss`` is a module applied as ``loss(model(*inputs), label)``.
@@ -109,12 +193,15 @@ def trainingModel(*args: object, **kwargs: object) -> PoplarExecutor:
     values = _bind(_TRAINING, _LEGACY_TRAINING, args, kwargs, "trainingModel")
     options = _legacy_options(values) if values["legacy"] else values["options"]
     optimizer, loss = values["optimizer"], values.get("loss")
-    model = user_model = _unwrap(values["model"])
+    model = user_model = wrapped = _unwrap(values["model"])
+    _refuse_second_training_wrapper(wrapped)
     if loss is not None:
         if optimizer is None:
             optimizer = SGD(model.parameters(), lr=0.01)
         model = user_model = _ModelWithLoss(model, loss)
-    return PoplarExecutor(model, options, True, _VERSION, optimizer, user_model)
+    executor = PoplarExecutor(model, options, True, _VERSION, optimizer, user_model)
+    _mark_wrapped(wrapped, executor)
+    return executor
 
 
 def inferenceModel(*args: object, **kwargs: object) -> PoplarExecutor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -129,6 +130,8 @@ class PoplarExecutor(ExecutorInspection):
         # poptorch.load / loadExecutable: handed to the next compile
         self._pending_precompiled: dict | None = None
         self._pending_rng_state: list | None = None
+        # trainingModel: frees the user's module for another training wrapper (destroy)
+        self._release_module: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -257,7 +260,7 @@ class PoplarExecutor(ExecutorInspection):
         model = self._model
         undo = StateUndo(list(model.parameters()) + list(model.buffers()), modules=model,
                          optimizer=self._optimizer if self._training else None)
-        with undone_on_failure(undo, cleanup=self.destroy):
+        with undone_on_failure(undo, cleanup=self._drop_compilation):
             self._compile(args, kwargs)
             compiled = self._compiled
             assert compiled is not None
@@ -449,7 +452,18 @@ class PoplarExecutor(ExecutorInspection):
         logger.debug("Attached to %s", compiled.device)
 
     def destroy(self) -> None:
-        """Release the device and the compiled program; the next call compiles again."""
+        """Release the device and the compiled program; the next call compiles again.
+        A training model also releases its module, which may then be wrapped again."""
+        self._drop_compilation()
+        release, self._release_module = self._release_module, None
+        if release is not None:
+            release()
+
+    def _release_module_on_destroy(self, release: Callable[[], None]) -> None:
+        """``trainingModel``: ``release()`` at ``destroy()`` frees the user's module."""
+        self._release_module = release
+
+    def _drop_compilation(self) -> None:
         compiled, self._compiled = self._compiled, None
         if compiled is not None:
             compiled.weights.to_host_if_needed()
