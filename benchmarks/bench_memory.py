@@ -9,6 +9,9 @@ global batches, one micro-batch per process per step:
 * ``all rts``: weights, accumulators and optimizer state with RTS (FSDP2 underneath);
 * ``all off chip``: the three ``useOnChipStorage(False)`` with RTS (on the CPU host
   memory is the device's: FSDP2's offload policy only on GPUs);
+* ``sharded all rts``: ``all rts`` for the model split in two stages
+  (``ShardedExecution``): the weights sharded between steps, whole during a step
+  (``_runtime/memory/step_shards.py``);
 * ``torch fsdp2``: ``fully_shard`` per Linear and on the model, ``torch.optim.AdamW``;
 * ``torch zero1``: DDP and ``ZeroRedundancyOptimizer(AdamW)``.
 
@@ -42,8 +45,8 @@ from workloads import live_tensor_bytes
 
 WIDTH, DEPTH, ROWS, LR = 768, 8, 8, 1e-3
 CHECK_STEPS = 3
-CONFIGS = ("default", "optimizer rts", "all rts", "all off chip", "torch fsdp2",
-           "torch zero1")
+CONFIGS = ("default", "optimizer rts", "all rts", "all off chip", "sharded all rts",
+           "torch fsdp2", "torch zero1")
 
 
 class Net(torch.nn.Module):
@@ -72,9 +75,13 @@ def _poptorch_step(config: str, model: Net, rank: int, world: int):
     if config == "all off chip":
         settings.useOnChipStorage(False)
     opts.TensorLocations.setOptimizerLocation(settings)
-    if config in ("all rts", "all off chip"):
+    if config in ("all rts", "all off chip", "sharded all rts"):
         opts.TensorLocations.setWeightLocation(settings)
         opts.TensorLocations.setAccumulatorLocation(settings)
+    if config == "sharded all rts":  # two stages: sharded between steps (step_shards)
+        poptorch.BeginBlock(model.layers[0], "first", ipu_id=0)
+        poptorch.BeginBlock(model.layers[DEPTH // 2], "second", ipu_id=1)
+        opts.setExecutionStrategy(poptorch.ShardedExecution())
     optimizer = poptorch.optim.AdamW(model.parameters(), lr=LR)
     training = poptorch.trainingModel(model, opts, optimizer)
 

@@ -147,11 +147,12 @@ def live_tensor_bytes() -> int:
         objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
     for obj in objects:
         t = obj.to_local() if isinstance(obj, DTensor) else obj
-        try:
+        try:  # (fake tensors of a captured graph's metadata hold no memory)
             storage = t.untyped_storage()
+            pointer = storage.data_ptr()
         except (RuntimeError, NotImplementedError):
             continue
-        if storage.data_ptr() not in seen and storage.nbytes():
-            seen.add(storage.data_ptr())
+        if pointer not in seen and storage.nbytes():
+            seen.add(pointer)
             total += storage.nbytes()
     return total
