@@ -217,11 +217,6 @@ def session(directory: str) -> RunProfiler:
         return _SESSION
 
 
-def active_session() -> RunProfiler | None:
-    """The run's profiler if one is running (a cheap read, for no-op checks)."""
-    return _SESSION
-
-
 def finish() -> str | None:
     """End the run's profiling now: write the trace, print the summary, return the
     trace's path (None when nothing was profiled). A later profiled call starts a new

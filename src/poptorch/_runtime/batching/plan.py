@@ -151,11 +151,6 @@ def _regroup(plan: BatchPlan, micro: list[Microbatch]) -> list[list[Microbatch]]
             for i in range(plan.device_iterations)]
 
 
-def check_inputs(plan: BatchPlan, args: tuple, kwargs: dict) -> None:
-    """Validate batch sizes without splitting (used by ``compile``)."""
-    split_inputs(plan, args, kwargs)
-
-
 def _describe_leaf(spec: pytree.TreeSpec, index: int) -> str:
     """A readable name of the ``index``-th leaf, e.g. ``args[0]`` or ``kwargs['x']``."""
     paths = [p for p, _ in pytree.tree_flatten_with_path(

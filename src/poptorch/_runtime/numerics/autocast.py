@@ -121,10 +121,6 @@ class CastRules:
         listed = isinstance(module, self.promote_modules + self.demote_modules)
         return listed, None
 
-    def has_modules(self) -> bool:
-        return bool(self.fp16_modules or self.fp32_modules or self.promote_modules
-                    or self.demote_modules)
-
 
 def _mixed(tensors: list) -> bool:
     dtypes = {t.dtype for t in tensors}

@@ -77,10 +77,6 @@ class StreamingMemory:
         for phase in self._phase_weights:
             self._offload_phase(phase, count=False)
 
-    @property
-    def streamed_phases(self) -> list[int]:
-        return sorted(self._phase_weights)
-
     def enter(self, phase: int, lane_previous: int | None) -> None:
         """A lane starts running ``phase`` after ``lane_previous``."""
         if lane_previous is not None and lane_previous != phase:
