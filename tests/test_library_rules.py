@@ -309,7 +309,7 @@ def test_unwrap_copies_newer_device_weights_and_rewrap_restores_the_wrapping():
 
     model = Net()
     sync = FakeSync(model, 3.0)
-    weight_sync._install_access_hook(model, sync)
+    weight_sync.install_access_hook(model, sync)
     hooked = type(model)
     assert poptorch._impl.isWrapped(model)
     poptorch._impl.unwrapModelIfNecessary(model)
