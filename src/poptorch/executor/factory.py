@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from .._runtime.attributes import own_attribute
 from .._runtime.export import read_payload
 from .._typing import UserInput, UserOutput
 from .._version import __version__
@@ -155,7 +156,7 @@ def _mark_wrapped(module: torch.nn.Module, executor: PoplarExecutor) -> None:
             del _TRAINING_WRAPPERS[key]
     entry = _TRAINING_WRAPPERS[id(module)] = (weakref.ref(module), weakref.ref(executor))
     handle: _DestroyHandle | None = None
-    if isinstance(vars(module).get("destroy"), _DestroyHandle) \
+    if isinstance(own_attribute(module, "destroy"), _DestroyHandle) \
             or not hasattr(module, "destroy"):
         handle = _DestroyHandle(executor)
         try:
@@ -169,7 +170,7 @@ def _mark_wrapped(module: torch.nn.Module, executor: PoplarExecutor) -> None:
             return
         if _TRAINING_WRAPPERS.get(id(owner)) is entry:
             del _TRAINING_WRAPPERS[id(owner)]
-        if handle is not None and vars(owner).get("destroy") is handle:
+        if handle is not None and own_attribute(owner, "destroy") is handle:
             object.__delattr__(owner, "destroy")
     executor._release_module_on_destroy(release)
 
