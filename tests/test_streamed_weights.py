@@ -19,6 +19,12 @@ G = 2
 ROWS = 4
 
 
+@pytest.fixture(autouse=True)
+def _own_log_once_keys(monkeypatch):
+    """The INFO lines logged once here do not count as logged for later tests."""
+    monkeypatch.setattr(poptorch._logging, "_once_keys", set())
+
+
 @pytest.fixture
 def streaming(monkeypatch):
     monkeypatch.setattr(fsdp, "force_stream", True)
