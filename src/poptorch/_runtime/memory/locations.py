@@ -109,22 +109,21 @@ def install(model: torch.nn.Module, locations: LocationsConfig, groupings: dict 
     hooks run)."""
     phased = locations.phased
     cpu = device.type == "cpu"
-    streamed = _streamed_weights(model, locations, device, unsplit and cross is None
-                                 and replicas == 1 and not phased)
+    alone = unsplit and cross is None and replicas == 1  # the model itself, one copy
+    streamed = _streamed_weights(model, locations, device, alone and not phased)
     if getattr(cross, "sharded", None) is None and (
             not isinstance(cross, DataParallelGroup) or cross.step_placement is None):
-        _log_recorded(locations, cpu, phased, streaming=unsplit and cross is None
-                      and replicas == 1)
+        _log_recorded(locations, cpu, phased, streaming=alone)
     wrappers: tuple[AbstractContextManager[object], ...] = () if streamed is None \
         else (streamed,)
-    if training and streamed is not None:
-        effects = _optimizer_effects(model, locations, groupings, device, optimizer,
-                                     cross, replicas, host, wrappers)
-        return LocationEffects(managed_step=streamed.update(effects.managed_step, optimizer),
-                               wrappers=effects.wrappers)
-    return _optimizer_effects(model, locations, groupings, device, optimizer, cross,
-                              replicas, host, wrappers) if training else \
-        _activation_effects(locations, device, training, phased, wrappers)
+    if not training:
+        return _activation_effects(locations, device, training, phased, wrappers)
+    effects = _optimizer_effects(model, locations, groupings, device, optimizer, cross,
+                                 replicas, host, wrappers)
+    if streamed is None:
+        return effects
+    return LocationEffects(managed_step=streamed.update(effects.managed_step, optimizer),
+                           wrappers=effects.wrappers)
 
 
 def _streamed_weights(model: torch.nn.Module, locations: LocationsConfig,
@@ -182,8 +181,8 @@ def _optimizer_effects(model: torch.nn.Module, locations: LocationsConfig,
                   len(sharded_weights.units))
         return LocationEffects(managed_step=ShardedStep(optimizer, params, world, storage),
                                wrappers=(*wrappers, WholeAsReplicated()))
-    between_steps = cross.step_placement if isinstance(cross, DataParallelGroup) else None
-    if between_steps is not None and isinstance(cross, DataParallelGroup):
+    if isinstance(cross, DataParallelGroup) and cross.step_placement is not None:
+        between_steps = cross.step_placement
         # Weights / accumulators of a strategy's stages: sharded between steps.
         layout = plan_layout(params, min_elements=between_steps.min_elements,
                              replicas_per_process=1, processes=world.size,
