@@ -57,9 +57,9 @@ class DataParallelGroup:
         # parameters kept whole.
         self.sharded: ShardedModel | None = None
         # The same for the stages of an execution strategy: sharded between steps
-        # (memory.step_shards), gathered by ``before_each_step`` at a step's start.
+        # (memory.step_shards), gathered by ``before_step`` at a step's start.
         self.step_placement: WeightPlacement | None = None
-        self.before_each_step: list[Callable[[], None]] = []
+        self.before_step: Callable[[], None] | None = None
         # How many processes the reduced gradients were divided by: DDP averages, the
         # reducer sums. The device program scales the result to PopTorch's Mean / Sum.
         self.averaged_over = 1
@@ -109,8 +109,8 @@ class DataParallelGroup:
         their micro-batches)."""
         if self.sharded is not None:
             self.sharded.begin_step()
-        for before in self.before_each_step:
-            before()
+        if self.before_step is not None:
+            self.before_step()
 
     def start_identical(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Give every process process 0's weights, buffers and optimizer state."""

@@ -197,7 +197,7 @@ def _optimizer_effects(model: torch.nn.Module, locations: LocationsConfig,
         step = StepShardedStep(optimizer, params, layout, world, storage, host or model,
                                off_chip=between_steps.off_chip and not cpu,
                                flatten=not phased)
-        cross.before_each_step.append(gather_released)
+        cross.before_step = gather_released
         return LocationEffects(managed_step=step, wrappers=wrappers)
     if sharding:
         min_elements = int(optimizer_loc.get("minElementsForReplicatedTensorSharding",
