@@ -163,3 +163,24 @@ def test_weights_off_chip_on_the_cpu_change_nothing_without_force_stream():
     training(_batch(0))
     assert not [w for w in training._compiled.program.spec.wrappers
                 if isinstance(w, StreamedWeights)]
+
+
+def test_destroy_gives_back_a_plain_module(streaming):
+    """Once the program is destroyed its hooks are off the blocks and the module runs
+    as plain PyTorch: a forward and backward of a copy of its weights agree."""
+    torch.manual_seed(5)
+    model = Blocks(n=3)
+    training = poptorch.trainingModel(model, _options(),
+                                      torch.optim.SGD(model.parameters(), lr=0.1))
+    training(_batch(0))
+    training.destroy()
+    assert not any(b._forward_hooks or b._forward_pre_hooks for b in model.blocks)
+    model.zero_grad(set_to_none=True)  # (the last update's gradients)
+    reference = copy.deepcopy(model)
+    x = _batch(1)[:ROWS]
+    loss, expected = model(x)[1], reference(x)[1]
+    loss.backward()
+    expected.backward()
+    assert torch.equal(loss, expected)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)

@@ -125,6 +125,7 @@ def program_extras(plan: BatchPlan, *, model: torch.nn.Module, user_model: torch
                                       replicas=plan.replication_factor, host=user_model,
                                       unsplit=unsplit)
         wrappers.extend(locations.wrappers)
+        hooks = [*hooks, *locations.hooks]
         profiler = trace = None
         directory = profile_directory(config)
         if directory is not None:

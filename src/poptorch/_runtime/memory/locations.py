@@ -94,6 +94,8 @@ class LocationEffects:
     managed_step: Callable[[], object] | None = None
     # entered around every call (activations off chip)
     wrappers: tuple[AbstractContextManager[object], ...] = ()
+    # taken off the model when the program is dropped (streamed weights' hooks)
+    hooks: tuple[StreamedWeights, ...] = ()
 
 
 def install(model: torch.nn.Module, locations: LocationsConfig, groupings: dict | None,
@@ -117,13 +119,15 @@ def install(model: torch.nn.Module, locations: LocationsConfig, groupings: dict 
     wrappers: tuple[AbstractContextManager[object], ...] = () if streamed is None \
         else (streamed,)
     if not training:
-        return _activation_effects(locations, device, training, phased, wrappers)
-    effects = _optimizer_effects(model, locations, groupings, device, optimizer, cross,
-                                 replicas, host, wrappers)
+        effects = _activation_effects(locations, device, training, phased, wrappers)
+    else:
+        effects = _optimizer_effects(model, locations, groupings, device, optimizer,
+                                     cross, replicas, host, wrappers)
     if streamed is None:
         return effects
-    return LocationEffects(managed_step=streamed.update(effects.managed_step, optimizer),
-                           wrappers=effects.wrappers)
+    return LocationEffects(managed_step=None if not training else
+                           streamed.update(effects.managed_step, optimizer),
+                           wrappers=effects.wrappers, hooks=(streamed,))
 
 
 def _streamed_weights(model: torch.nn.Module, locations: LocationsConfig,

@@ -145,7 +145,8 @@ class StreamedWeights:
                 yield p.register_post_accumulate_grad_hook(gradient_done)
 
     def remove(self) -> None:
-        """Take the hooks off (the weights stay in host memory)."""
+        """Take the hooks off when the program is dropped (the weights stay in their
+        host copies: the module runs as plain PyTorch again)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
