@@ -2,7 +2,9 @@
 
 The pictures come from the action lists themselves (``poptorch._runtime.schedule``):
 each schedule is built for 4 stages and 8 micro-batches, laid out in time
-(``Timeline.cells``: F one slot, B two, I and W one each) and drawn one row per device.
+(``Timeline.cells``: F one slot, B two, I, W, LOAD and STORE one each) and drawn one
+row per device; the serial phased schedule (4 phases, 2 micro-batches) shows the loads
+and stores of each phase's weights (``L`` / ``S``).
 
 Run: ``.venv/bin/python scripts/schedule_svg.py`` (writes docs/images/schedule-*.svg).
 """
@@ -16,7 +18,8 @@ sys.path.insert(0, str(ROOT / "src" / "poptorch" / "_runtime"))  # the package a
 from schedule import schedules  # noqa: E402  (poptorch itself is not imported)
 from schedule.timeline import Timeline  # noqa: E402
 
-COLOURS = {"F": "#8ecae6", "B": "#ffb703", "I": "#fb8500", "W": "#90be6d"}
+COLOURS = {"F": "#8ecae6", "B": "#ffb703", "I": "#fb8500", "W": "#90be6d",
+           "LOAD": "#d9d9d9", "STORE": "#bdbdbd"}
 SLOT, ROW, PAD = 22, 26, 70
 
 CASES = [  # (file name, schedule, stage -> device)
@@ -49,8 +52,9 @@ def svg(t: Timeline) -> str:
             x = PAD + start * SLOT
             out.append(f'<rect x="{x}" y="{y}" width="{slots * SLOT - 1}" height="{ROW - 4}" '
                        f'fill="{COLOURS[op.kind.value]}" stroke="#333" stroke-width="0.5"/>')
-            out.append(f'<text x="{x + 2}" y="{y + 14}">{op.kind.value}{op.stage}.'
-                       f'{op.microbatch}</text>')
+            label = (f"{op.kind.value}{op.stage}.{op.microbatch}" if op.microbatch >= 0
+                     else f"{op.kind.value[0]}{op.stage}")  # (L0: LOAD0, S0: STORE0)
+            out.append(f'<text x="{x + 2}" y="{y + 14}">{label}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
@@ -58,8 +62,11 @@ def svg(t: Timeline) -> str:
 def main() -> None:
     folder = ROOT / "docs" / "images"
     folder.mkdir(exist_ok=True)
-    for file, name, placement in CASES:
-        t = timeline(name, placement)
+    drawn = [(file, timeline(name, placement)) for file, name, placement in CASES]
+    drawn.append(("serial-phased", Timeline.of(
+        "serial phased", [schedules.serial_phased(range(4), 2, True)],
+        schedules.Topology.chain(4))))
+    for file, t in drawn:
         (folder / f"schedule-{file}.svg").write_text(svg(t))
         print(t.render(), end="\n\n")
 

@@ -254,11 +254,19 @@ def test_phased_on_the_engine_streams_weights_and_matches_pytorch(kind):
     runner = _runner_of(training)
     assert runner.engine is not None
     mem = runner.streaming
+    plan = strategy.last_schedule.plan
+    loads = [[op.stage for op in lane if op.kind == "LOAD"] for lane in plan.lanes]
     if kind == "serial":  # one phase of four resident at a time
         assert mem.peak_resident_bytes == total // 4
+        # the schedule's LOAD actions moved the weights: each phase loaded once per
+        # pass (the last forward phase stays for its backward), in the plan's order
+        assert loads == [[0, 1, 2, 3, 2, 1, 0]]
+        assert mem.loads == loads[0] * 3
     else:  # AlwaysLive (parallel phases have no liveness setting): all resident
         assert mem.peak_resident_bytes == total
         assert {e.lane for e in strategy.last_schedule.events} == {0, 1}
+        assert loads[:2] == [[0, 2, 0], [1, 3, 1]] and mem.loads == []
+    assert not any(mem.resident.values())  # every streamed phase stored after the step
     assert len(strategy.last_schedule.events) == 2 * 2 * 4
 
 
@@ -274,6 +282,9 @@ def test_off_chip_weights_stream_in_phases_that_would_stay_live():
                            opts.TensorLocations.setWeightLocation(off_chip))
     mem = _runner_of(training).streaming
     assert 0 < mem.peak_resident_bytes < total
+    # each lane's LOAD / STORE actions: phase 2 (lane 0) and 3 (lane 1) stay loaded
+    # from their forward to their backward
+    assert sorted(mem.loads[:6]) == [0, 0, 1, 1, 2, 3]
 
 
 class CheckpointedChain(Chain):

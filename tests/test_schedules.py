@@ -26,8 +26,10 @@ IH, W = ActionKind.INPUT_HALF, ActionKind.WEIGHT_HALF
 
 # ------------------------------------------------------------------ action lists
 def _covers(lanes, stages, count, training):
-    """Each (stage, micro-batch) has one F and, training, one B or an I and its W."""
-    ops = [(op.kind, op.stage, op.microbatch) for lane in lanes for op in lane]
+    """Each (stage, micro-batch) has one F and, training, one B or an I and its W (a
+    phased schedule's LOAD / STORE actions, which repeat, are checked apart)."""
+    ops = [(op.kind, op.stage, op.microbatch) for lane in lanes for op in lane
+           if op.kind not in (ActionKind.LOAD, ActionKind.STORE)]
     assert len(ops) == len(set(ops))
     for s in range(stages):
         for m in range(count):
@@ -65,6 +67,33 @@ def test_skip_connections_and_one_lane_schedules_respect_dependencies():
                   schedules.parallel_phased(4, 5, True, [0, 1, 2, 3], 4)):
         schedules.check_dependencies(lanes, chain)
         _covers(lanes, 4, 5, True)
+
+
+def test_phased_schedules_load_each_phase_around_its_actions():
+    """Graphcore's load / compute / store phases: a lane loads a phase's weights before
+    its actions and stores them after; the last forward phase stays for its backward."""
+    LOAD, STORE = ActionKind.LOAD, ActionKind.STORE
+    lane = schedules.serial_phased([0, 1], 2, True)
+    assert [str(op) for op in lane] == [
+        "LOAD0", "F0.0", "F0.1", "STORE0", "LOAD1", "F1.0", "F1.1", "B1.0", "B1.1",
+        "STORE1", "LOAD0", "B0.0", "B0.1", "STORE0"]
+    assert [str(op) for op in schedules.serial_phased([0, 1], 1, False)] == [
+        "LOAD0", "F0.0", "STORE0", "LOAD1", "F1.0", "STORE1"]
+    lanes = schedules.parallel_phased(4, 1, True, [0, 1, 0, 1], 2)
+    assert [str(op) for op in lanes[1]] == [
+        "LOAD1", "F1.0", "STORE1", "LOAD3", "F3.0", "B3.0", "STORE3", "LOAD1", "B1.0",
+        "STORE1"]
+    assert all(op.lane == d for d, ops in enumerate(lanes) for op in ops)
+    text = Timeline.of("serial phased", [lane], schedules.Topology.chain(2)).render()
+    assert "LOAD1" in text and "STORE0" in text
+    chain = schedules.Topology.chain(2)
+    for bad, why in (([Action(F, 0, 0), Action(F, 1, 0), Action(STORE, 1)], "without"),
+                     ([Action(LOAD, 0), Action(F, 0, 0), Action(STORE, 1)], "does not hold"),
+                     ([Action(LOAD, 0), Action(LOAD, 0), Action(F, 0, 0)], "already holds"),
+                     ([Action(LOAD, 0), Action(F, 0, 0)], "ends holding")):
+        with pytest.raises(ValueError, match=why):
+            schedules.check_dependencies([bad], schedules.Topology.chain(1)
+                                         if all(op.stage == 0 for op in bad) else chain)
 
 
 def test_the_dependency_check_refuses_bad_orders():

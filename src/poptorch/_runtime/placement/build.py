@@ -16,7 +16,8 @@ every call, the first included, with the strategy's schedule
 * ``ShardedExecution``: stage after stage, one device busy at a time.
 * ``SerialPhasedExecution`` / ``ParallelPhasedExecution``: phase after phase (parallel:
   the even and the odd devices take turns), weights streamed between host memory and
-  the devices (``phased.StreamingMemory``).
+  the devices by the schedule's ``LOAD`` / ``STORE`` actions
+  (``phased.StreamingMemory``).
 
 What the engine cannot run (a model that cannot be captured, phases of several stages,
 a sharded stage revisited, a call whose non-tensor arguments differ from the captured
@@ -36,7 +37,6 @@ from __future__ import annotations
 import inspect
 import itertools
 import re
-import threading
 
 import torch
 
@@ -47,7 +47,7 @@ from ..program.interpreter import EagerCompute, Interpreter
 from ..program.overlapped_io import FirstForwardCheck, OverlapSettings
 from ..program.runner import LossOf
 from ..schedule import schedules
-from ..schedule.actions import Action
+from ..schedule.actions import Action, ActionKind
 from ..schedule.timeline import SEQUENTIAL, ScheduleRecord, Timeline
 from . import recompute
 from .capture import CapturedModel, CaptureUnsupported, capture
@@ -343,30 +343,26 @@ class ModelParallelRunner:
                            loss_of: LossOf | None, record: ScheduleRecord
                            ) -> list[UserOutput]:
         """Phases (one stage each) on the engine: serial phases in this thread, parallel
-        phases on the even / odd devices' workers; a phase's weights are streamed in
-        before its first action and out when its lane moves on."""
+        phases on the even / odd devices' workers; the schedule's ``LOAD`` / ``STORE``
+        actions stream a phase's weights in and out (``StreamingMemory``)."""
         part, engine, streaming = self.partition, self.engine, self.streaming
         assert part is not None and engine is not None and streaming is not None
         devices = self.devices
         assert devices is not None
-        lane_phase: dict = {}
-        lock = threading.Lock()
 
-        def before(lane: int, op: Action) -> None:
+        def memory(op: Action) -> None:
             phase = part.stages[op.stage].phase or 0  # (set in phased partitions)
-            with lock:
-                streaming.enter(phase, lane_phase.get(lane))
-                lane_phase[lane] = phase
+            (streaming.load if op.kind == ActionKind.LOAD else streaming.store)(phase)
 
         scope = lambda: streaming.activation_scope(devices)  # noqa: E731
         try:
             if kind_of(self.strategy) == PARALLEL_PHASED:
-                return engine.run_lanes(lanes, inputs, loss_of, record, before, (scope, ))
+                return engine.run_lanes(lanes, inputs, loss_of, record, memory, (scope, ))
             with scope():
                 return engine.run_in_order(lanes[0], inputs, loss_of, record, cut=True,
-                                           before=before)
+                                           memory=memory)
         finally:
-            streaming.offload_all()
+            streaming.offload_all()  # (a failed step's loaded phases too)
 
     def _keep(self, record: ScheduleRecord) -> None:
         """Publish the schedule just run, on the runner and on the strategy object the

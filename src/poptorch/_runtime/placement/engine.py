@@ -15,7 +15,9 @@ to stage through a mailbox (:class:`_Step`), as ``PipelineStage.forward_one_chun
   on their boundary copies of this stage's outputs, ``torch.autograd.backward`` of the
   stage's own graph; parameters accumulate their gradients across micro-batches. An
   input half (``"I"``, :mod:`.split_backward`) hands the gradients of the stage's
-  inputs over first; its weight half (``"W"``) runs later on the same lane.
+  inputs over first; its weight half (``"W"``) runs later on the same lane;
+* ``LOAD`` / ``STORE`` of a stage (phased execution): its weights moved to its device /
+  back to host memory, by the step's ``memory`` handler (``phased.StreamingMemory``).
 
 CPU workers each take ``cores / devices`` intra-op threads (``torch.set_num_threads``
 inside a thread sets that thread's OpenMP team size only; measured), so a 2-stage
@@ -38,7 +40,7 @@ import torch
 
 from ..._typing import UserInput, UserOutput
 from .. import context
-from ..schedule.actions import Action, ActionKind
+from ..schedule.actions import MEMORY, Action, ActionKind
 from ..schedule.timeline import ScheduleEvent, ScheduleRecord
 from ..torch_internals import pytree
 from . import recompute, split_backward
@@ -48,6 +50,11 @@ _T = TypeVar("_T")
 
 FORWARD, BACKWARD = ActionKind.FORWARD, ActionKind.BACKWARD
 INPUT_HALF, WEIGHT_HALF = ActionKind.INPUT_HALF, ActionKind.WEIGHT_HALF
+#: What no other action waits for: a weight half, a memory action (lane order only).
+_NOT_HANDED_OVER = MEMORY | {WEIGHT_HALF}
+
+#: Runs a schedule's memory actions (``LOAD`` / ``STORE`` of a stage's weights).
+MemoryHandler = Callable[[Action], None]
 
 #: Longest time a worker waits for the actions its next action depends on before
 #: declaring the schedule stalled.
@@ -146,15 +153,15 @@ class Engine:
     # ---------------------------------------------------------------- pipelined
     def run_lanes(self, lanes: list[list[Action]], inputs: list[dict[str, UserInput]],
                   loss_of: Callable[[UserOutput], torch.Tensor] | None,
-                  record: ScheduleRecord, before: Callable | None = None,
+                  record: ScheduleRecord, memory: MemoryHandler | None = None,
                   contexts: tuple = ()) -> list[UserOutput]:
         """Run ``lanes`` (one action list per device, ``lanes[d]`` on device ``d``),
         each on its device's worker; returns the model's outputs per micro-batch.
-        ``before(lane, op)`` runs before each action (phased streaming); ``contexts``
-        are extra context factories entered by each worker for the call."""
+        ``memory`` runs the memory actions (phased streaming); ``contexts`` are extra
+        context factories entered by each worker for the call."""
         self._ensure_workers()
         step = _Step(self, inputs, loss_of, cut=True, record=record)
-        step.before, step.contexts = before, list(contexts)
+        step.memory, step.contexts = memory, list(contexts)
         step.training = context.is_running_training()  # (the caller's: a training run)
         grad = torch.is_grad_enabled()
         busy = [(d, lane) for d, lane in enumerate(lanes) if lane]
@@ -168,12 +175,12 @@ class Engine:
     def run_in_order(self, ops: list[Action], inputs: list[dict[str, UserInput]],
                      loss_of: Callable[[UserOutput], torch.Tensor] | None,
                      record: ScheduleRecord, cut: bool = False,
-                     before: Callable | None = None) -> list[UserOutput]:
+                     memory: MemoryHandler | None = None) -> list[UserOutput]:
         """Run ``ops`` in this thread, one device busy at a time. Uncut (sharded), the
         stages of a micro-batch form one autograd graph and its backward is one call
         from the loss; cut (serial phases), each backward action runs its stage's."""
         step = _Step(self, inputs, loss_of, cut=cut, record=record)
-        step.before = before
+        step.memory = memory
         for op in ops:
             step.run_op(0, op)
         return step.results
@@ -203,7 +210,7 @@ class _Step:
         self.error: BaseException | None = None
         self.finished = 0
         self.lanes = 0
-        self.before: Callable | None = None
+        self.memory: MemoryHandler | None = None
         self.contexts: list = []
         self.training = False
         self.all_finished = threading.Event()  # the driver waits on this alone
@@ -218,7 +225,7 @@ class _Step:
                 for op in lane:
                     self._wait_for(op)
                     self.run_op(d, op)
-                    if op.kind != WEIGHT_HALF:  # nobody waits for a weight half
+                    if op.kind not in _NOT_HANDED_OVER:
                         with self.cond:
                             self.done.add(_handed_over(op))
                             self.cond.notify_all()
@@ -240,7 +247,7 @@ class _Step:
 
     def _wait_for(self, op: Action) -> None:
         kind, s, m = op.kind, op.stage, op.microbatch
-        if kind == WEIGHT_HALF:  # after its input half, on the same lane
+        if kind in _NOT_HANDED_OVER:  # (a weight half: after its input half, same lane)
             return
         deps = ([Action(FORWARD, p, m) for p in self.engine.producers[s]] if kind == FORWARD
                 else [Action(BACKWARD, c, m) for c in self.engine.consumers[s]])
@@ -269,8 +276,10 @@ class _Step:
     # ------------------------------------------------------------ actions
     def run_op(self, lane: int, op: Action) -> None:
         kind, s, m = op.kind, op.stage, op.microbatch
-        if self.before is not None:
-            self.before(lane, op)
+        if kind in MEMORY:
+            assert self.memory is not None  # (only phased schedules move memory)
+            self.memory(op)
+            return
         event = ScheduleEvent(lane, BACKWARD if kind == INPUT_HALF else kind, s, m,
                               time.perf_counter())
         if kind == FORWARD:

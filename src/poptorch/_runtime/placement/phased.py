@@ -19,6 +19,7 @@ off chip.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Mapping
 
 import torch
@@ -39,7 +40,9 @@ def _location_off_chip(settings: object, numel: int) -> bool:
 
 class StreamingMemory:
     """Moves each phase's weights between host memory and the phase's devices, and
-    accounts for what is resident (``peak_resident_bytes``, ``streamed_bytes``)."""
+    accounts for what is resident (``peak_resident_bytes``, ``streamed_bytes``): the
+    ``LOAD`` / ``STORE`` actions of the phased schedules (:py:meth:`load`,
+    :py:meth:`store`; thread-safe: parallel phases run two lanes at once)."""
 
     def __init__(self, model: torch.nn.Module, partition: Partition,
                  devices: list[torch.device], config: PlacementConfig) -> None:
@@ -70,6 +73,7 @@ class StreamingMemory:
         self.peak_resident_bytes = 0
         self.streamed_bytes = 0
         self.loads: list[int] = []  # phases loaded, in order
+        self._lock = threading.Lock()
         for t in self._pinned:
             self._move(t, self._device_of[id(t)])
         self.resident_bytes = sum(_nbytes(t) for t in self._pinned)
@@ -77,11 +81,11 @@ class StreamingMemory:
         for phase in self._phase_weights:
             self._offload_phase(phase, count=False)
 
-    def enter(self, phase: int, lane_previous: int | None) -> None:
-        """A lane starts running ``phase`` after ``lane_previous``."""
-        if lane_previous is not None and lane_previous != phase:
-            self._offload_phase(lane_previous)
-        if phase in self.resident and not self.resident[phase]:
+    def load(self, phase: int) -> None:
+        """``phase``'s streamed weights to their devices (if not there already)."""
+        with self._lock:
+            if phase not in self.resident or self.resident[phase]:
+                return
             for t in self._phase_weights[phase]:
                 self._move(t, self._device_of[id(t)])
                 self.streamed_bytes += _nbytes(t)
@@ -90,11 +94,23 @@ class StreamingMemory:
             self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
             self.loads.append(phase)
 
+    def store(self, phase: int) -> None:
+        """``phase``'s streamed weights (and gradients) back to host memory."""
+        with self._lock:
+            self._offload_phase(phase)
+
+    def enter(self, phase: int, lane_previous: int | None) -> None:
+        """A lane starts running ``phase`` after ``lane_previous`` (a model that was
+        not captured: its forward reaches the phases as it runs)."""
+        if lane_previous is not None and lane_previous != phase:
+            self.store(lane_previous)
+        self.load(phase)
+
     def offload_all(self) -> None:
         """End of a step: streamed weights (and their gradients) go back to the host,
         where the optimizer updates them."""
         for phase in list(self.resident):
-            self._offload_phase(phase)
+            self.store(phase)
 
     def _offload_phase(self, phase: int | None, count: bool = True) -> None:
         if phase not in self.resident or (count and not self.resident[phase]):

@@ -23,18 +23,21 @@ and the calling thread runs a one-lane schedule. The schedules:
   stages split, their weight halves after the stage's last action.
 * :func:`sharded`: one device busy at a time, micro-batch after micro-batch.
 * :func:`serial_phased` / :func:`parallel_phased`: phase after phase, all micro-batches
-  of a phase together (parallel: the even and odd phases on two lanes).
+  of a phase together (parallel: the even and odd phases on two lanes). A lane loads a
+  phase's weights to its device before the phase's actions (``LOAD``) and stores them
+  back to host memory after them (``STORE``): Graphcore's load / compute / store phases.
 
-:func:`simulate` lays a schedule out in time (``F``: 1 slot, ``B``: 2, ``I``, ``W``: 1
-each), which both merges stages onto devices without deadlock and checks a schedule
-(:func:`check_dependencies`: no action before what it consumes, every action once).
+:func:`simulate` lays a schedule out in time (``F``: 1 slot, ``B``: 2, ``I``, ``W``,
+``LOAD``, ``STORE``: 1 each), which both merges stages onto devices without deadlock and
+checks a schedule (:func:`check_dependencies`: no action before what it consumes, every
+compute action once, a stage's actions only while its lane holds its weights).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .actions import Action, ActionKind, check_order
+from .actions import MEMORY, Action, ActionKind, check_order
 
 __all__ = [
     "DEFAULT",
@@ -46,6 +49,7 @@ __all__ = [
     "device_lanes",
     "gpipe",
     "interleaved_one_f_one_b",
+    "layout",
     "one_f_one_b",
     "parallel_phased",
     "pipeline_lanes",
@@ -53,11 +57,13 @@ __all__ = [
     "serial_phased",
     "sharded",
     "simulate",
+    "with_loads",
     "zero_bubble",
 ]
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 IH, W = ActionKind.INPUT_HALF, ActionKind.WEIGHT_HALF
+LOAD, STORE = ActionKind.LOAD, ActionKind.STORE
 
 Lanes = list[list[Action]]
 
@@ -68,8 +74,9 @@ SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "ZeroBubble")
 DEFAULT = "1F1B"
 
 #: The time an action takes in a laid-out schedule, in slots (a backward computes
-#: about twice a forward's work; its halves one forward's each).
-COST = {F: 1, B: 2, IH: 1, W: 1}
+#: about twice a forward's work; its halves one forward's each; a load or a store of a
+#: phase's weights is drawn as long as a forward).
+COST = {F: 1, B: 2, IH: 1, W: 1, LOAD: 1, STORE: 1}
 
 
 def schedule_name_of(name: object) -> str:
@@ -115,8 +122,11 @@ class Topology:
 def dependencies(op: Action, topo: Topology) -> list[Action]:
     """What ``op`` consumes: a forward, the forwards of the stages it reads; a backward
     (or its input half), its own forward and the backwards of its readers (a reader's
-    input half counts as its backward); a weight half, its input half."""
+    input half counts as its backward); a weight half, its input half; a memory action,
+    nothing (it follows its lane's order)."""
     kind, stage, m = op.kind, op.stage, op.microbatch
+    if kind in MEMORY:
+        return []
     if kind == F:
         return [Action(F, p, m) for p in topo.producers[stage]]
     if kind == W:
@@ -130,46 +140,57 @@ def _key(op: Action) -> Action:
     return Action(B if op.kind == IH else op.kind, op.stage, op.microbatch)
 
 
-def simulate(lanes: Sequence[Sequence[Action]], topo: Topology) -> dict[Action, int]:
-    """The start slot of every action when each lane runs its list in order, an action
-    starting once its lane is free and what it consumes has finished (:data:`COST`);
-    ``ValueError`` if the lanes wait for each other forever."""
+def layout(lanes: Sequence[Sequence[Action]], topo: Topology) -> list[list[int]]:
+    """The start slot of every action, per lane in order, when each lane runs its list
+    in order, an action starting once its lane is free and what it consumes has
+    finished (:data:`COST`); ``ValueError`` if the lanes wait for each other forever."""
     end: dict[Action, int] = {}  # handed-over key (and the I itself) -> finish slot
-    start: dict[Action, int] = {}
-    cursor = [0] * len(lanes)
+    starts: list[list[int]] = [[] for _ in lanes]
     free = [0] * len(lanes)
     remaining = sum(len(lane) for lane in lanes)
     while remaining:
         progress = False
         for d, lane in enumerate(lanes):
-            while cursor[d] < len(lane):
-                op = lane[cursor[d]]
+            while len(starts[d]) < len(lane):
+                op = lane[len(starts[d])]
                 plain = Action(op.kind, op.stage, op.microbatch)
                 deps = dependencies(plain, topo)
                 if any(dep not in end for dep in deps):
                     break
                 t = max([free[d]] + [end[dep] for dep in deps])
-                start[plain] = t
+                starts[d].append(t)
                 free[d] = t + COST.get(op.kind, 1)
-                end[plain] = end[_key(plain)] = free[d]
-                cursor[d] += 1
+                if op.kind not in MEMORY:  # (nothing waits for a memory action)
+                    end[plain] = end[_key(plain)] = free[d]
                 remaining -= 1
                 progress = True
         if not progress:
-            stuck = [str(lane[cursor[d]]) for d, lane in enumerate(lanes)
-                     if cursor[d] < len(lane)]
+            stuck = [str(lane[len(starts[d])]) for d, lane in enumerate(lanes)
+                     if len(starts[d]) < len(lane)]
             raise ValueError(f"the schedule's lanes wait for each other forever at {stuck}")
-    return start
+    return starts
+
+
+def simulate(lanes: Sequence[Sequence[Action]], topo: Topology) -> dict[Action, int]:
+    """The start slot of every compute action (without its lane) in the
+    :func:`layout` of ``lanes``."""
+    return {Action(op.kind, op.stage, op.microbatch): t
+            for lane, starts in zip(lanes, layout(lanes, topo), strict=True)
+            for op, t in zip(lane, starts, strict=True) if op.kind not in MEMORY}
 
 
 def check_dependencies(lanes: Sequence[Sequence[Action]], topo: Topology) -> None:
-    """``ValueError`` unless the schedule runs (:func:`simulate`), runs each action
-    once, keeps a weight half on its input half's lane and, laid out in time, runs no
-    action before one it consumes (``actions.check_order``)."""
+    """``ValueError`` unless the schedule runs (:func:`simulate`), runs each compute
+    action once, keeps a weight half on its input half's lane, runs a stage's actions
+    only while their lane holds its weights (:func:`_check_memory`) and, laid out in
+    time, runs no action before one it consumes (``actions.check_order``)."""
     seen: set[Action] = set()
     lane_of: dict[Action, int] = {}
     for d, lane in enumerate(lanes):
+        _check_memory(lane)
         for op in lane:
+            if op.kind in MEMORY:
+                continue
             plain = Action(op.kind, op.stage, op.microbatch)
             if plain in seen:
                 raise ValueError(f"the schedule runs {plain} twice")
@@ -183,6 +204,27 @@ def check_dependencies(lanes: Sequence[Sequence[Action]], topo: Topology) -> Non
     # (an input half hands its stage's backward over: both read as that backward)
     check_order([_key(a) for a in order],
                 {_key(a): [_key(d) for d in dependencies(a, topo)] for a in order})
+
+
+def _check_memory(lane: Sequence[Action]) -> None:
+    """In a lane that loads weights: each stage loaded before its actions, stored after
+    them, never loaded twice at once, and nothing left loaded at the end."""
+    if not any(op.kind in MEMORY for op in lane):
+        return
+    loaded: set[int] = set()
+    for op in lane:
+        if op.kind == LOAD:
+            if op.stage in loaded:
+                raise ValueError(f"{op} loads weights its lane already holds")
+            loaded.add(op.stage)
+        elif op.kind == STORE:
+            if op.stage not in loaded:
+                raise ValueError(f"{op} stores weights its lane does not hold")
+            loaded.discard(op.stage)
+        elif op.stage not in loaded:
+            raise ValueError(f"{op} runs without its stage's weights on its lane")
+    if loaded:
+        raise ValueError(f"the lane ends holding the weights of stages {sorted(loaded)}")
 
 
 # ------------------------------------------------------------------ per stage
@@ -374,7 +416,7 @@ def serial_phased(stage_order: Sequence[int], num_microbatches: int,
     if training:
         ops += [Action(B, s, m, 0) for s in reversed(stage_order)
                 for m in range(num_microbatches)]
-    return ops
+    return with_loads(ops, 0)
 
 
 def parallel_phased(num_phases: int, num_microbatches: int, training: bool,
@@ -390,4 +432,21 @@ def parallel_phased(num_phases: int, num_microbatches: int, training: bool,
         kind = F if i < num_phases else B
         d = stage_device[p]
         lanes[d] += [Action(kind, p, m, d) for m in range(num_microbatches)]
-    return lanes
+    return [with_loads(lane, d) for d, lane in enumerate(lanes)]
+
+
+def with_loads(ops: Sequence[Action], lane: int) -> list[Action]:
+    """``ops`` with each run of one stage's actions between a ``LOAD`` of its weights
+    and a ``STORE`` of them (a phase's weights on its device only while it runs)."""
+    out: list[Action] = []
+    held: int | None = None
+    for op in ops:
+        if op.stage != held:
+            if held is not None:
+                out.append(Action(STORE, held, -1, lane))
+            out.append(Action(LOAD, op.stage, -1, lane))
+            held = op.stage
+        out.append(op)
+    if held is not None:
+        out.append(Action(STORE, held, -1, lane))
+    return out

@@ -1,7 +1,7 @@
 """Schedules drawn in time: the plan of a step and the record of what it ran.
 
 :class:`Timeline` lays a schedule's per-lane action lists out in time slots
-(``schedules.simulate``: ``F`` one slot, ``B`` two, ``I`` and ``W`` one each) and draws
+(``schedules.layout``: ``F`` one slot, ``B`` two, the others one each) and draws
 them as text (one row per device) or gives the cells to draw them otherwise
 (``scripts/schedule_svg.py``). :class:`ScheduleRecord` is what a step executed, in
 order and timed; ``print`` shows the planned timeline, then the executed actions per
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .actions import Action, ActionKind
-from .schedules import COST, Topology, simulate
+from .schedules import COST, Topology, layout
 
 __all__ = ["ENGINE", "PROCESSES", "SEQUENTIAL", "ScheduleEvent", "ScheduleRecord", "Timeline"]
 
@@ -36,9 +36,9 @@ class Timeline:
 
     def cells(self) -> list[list[tuple[int, int, Action]]]:
         """Per lane: ``(start slot, slots, action)`` in order."""
-        start = simulate(self.lanes, self.topology)
-        return [[(start[Action(op.kind, op.stage, op.microbatch)], COST.get(op.kind, 1), op)
-                 for op in lane] for lane in self.lanes]
+        starts = layout(self.lanes, self.topology)
+        return [[(t, COST.get(op.kind, 1), op) for op, t in zip(lane, lane_starts, strict=True)]
+                for lane, lane_starts in zip(self.lanes, starts, strict=True)]
 
     def span(self) -> int:
         """Slots from the first action's start to the last one's end."""
@@ -54,13 +54,15 @@ class Timeline:
     def render(self, row: str = "device", per_stage: bool = False) -> str:
         """One row per lane (``row`` names them), one column per slot: ``F1.3`` is the
         forward of stage 1 on micro-batch 3 (``B`` backward, ``I`` / ``W`` its input /
-        weight half; ``per_stage``: the stage left out, ``F3``), ``-`` the rest of an
-        action longer than a slot, ``.`` idle."""
+        weight half; ``per_stage``: the stage left out, ``F3``), ``LOAD1`` / ``STORE1``
+        stage 1's weights loaded to its device / stored to the host, ``-`` the rest of
+        an action longer than a slot, ``.`` idle."""
         cells = self.cells()
         span = self.span()
 
         def label(op: Action) -> str:
-            return f"{op.kind}{op.microbatch}" if per_stage else str(op)
+            return f"{op.kind}{op.microbatch}" if per_stage and op.microbatch >= 0 \
+                else str(op)
 
         width = max([len(label(op)) for lane in cells for *_, op in lane] + [1])
         lines = [f"{self.name} schedule:"]
