@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 
 from poptorch._runtime.program.concurrent_replicas import ReplicaCopies
-from poptorch._runtime.program.interpreter import EagerCompute, Interpreter, one_stage_schedule
+from poptorch._runtime.program.interpreter import EagerCompute, Interpreter
+from poptorch._runtime.schedule.schedules import one_stage_schedule
 from poptorch._runtime.program.runner import ReplicaBuffers
 from poptorch._runtime.schedule.actions import Action, ActionKind
 

@@ -302,7 +302,6 @@ class StepTrace:
         self.session: RunProfiler | None = None
         self.name = ""
         self._iteration = 0
-        self._microbatch = 0
 
     def begin_call(self, stats: ModelStats, session_: RunProfiler, name: str) -> None:
         self.stats, self.session, self.name = stats, session_, name
@@ -314,7 +313,6 @@ class StepTrace:
         first = self._iteration
         count = max(1, microbatches // self.per_step)
         self._iteration += count
-        self._microbatch = 0
         label = f"device iteration {first}" if count == 1 else \
             f"device iterations {first}-{first + count - 1}"
         with torch.profiler.record_function(f"poptorch::{label}"):
@@ -328,7 +326,6 @@ class StepTrace:
     @contextlib.contextmanager
     def forward(self, microbatch: int, replica: int) -> Iterator[None]:
         """Around the forward action of one micro-batch."""
-        self._microbatch += 1
         t0 = time.perf_counter()
         with torch.profiler.record_function(
                 f"poptorch::micro-batch {microbatch} replica {replica}"):

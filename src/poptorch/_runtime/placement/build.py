@@ -161,7 +161,6 @@ class ModelParallelRunner:
         self.worker_contexts: list = []
         first = devices[0] if devices else _ipu_device(0, config.placement)
         self.input_device = first
-        self.output_device = first
 
     # ------------------------------------------------------------------ compile
     def compile_captured(self, args: tuple, kwargs: dict) -> Partition | None:
@@ -227,7 +226,6 @@ class ModelParallelRunner:
                                              self.config.placement)
         else:
             self._place_weights(part)
-        self.output_device = self.devices[part.stages[-1].ipu]
         # the markers of a model that was not captured: checked on its first forward
         check = FirstForwardCheck(self.overlap) \
             if self.overlap is not None and self.captured is None else None

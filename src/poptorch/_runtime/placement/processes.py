@@ -178,7 +178,7 @@ class StageProcessRunner:
         self.training = training
         self.strategy = strategy
         self.device = _devices.acquire_devices(config.placement.device_options, 1)[0]
-        self.input_device = self.output_device = self.device
+        self.input_device = self.device
         self.last_schedule: ScheduleRecord | None = None
         captured = _capture_or_explain(model, example, strategy, overlap)
         part = resolve_partition(captured.trace, strategy, config, training, 0)

@@ -161,7 +161,6 @@ class BackendSelector:
         self.trial: BackendTrial | None = None  # the trial, or a steady-state check
         self.probation: Probation | None = None
         self._calls_left = 0  # in the probation, or before the next check (0: none)
-        self._eager_seconds = 0.0
         self.agreement = None if cross is None or compiled is None else \
             CrossProcessAgreement(self, cross)
 
@@ -230,7 +229,6 @@ class BackendSelector:
     def _start_probation(self, eager_seconds: float, microbatches: int) -> None:
         compiled = self.compiled
         assert compiled is not None  # (a first call eager before compiling)
-        self._eager_seconds = eager_seconds
         self.probation = Probation(
             compiled, self.eager, params=self._params, buffers=self._buffers,
             device=self._device, budget=compile_budget(eager_seconds),

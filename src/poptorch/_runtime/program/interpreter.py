@@ -2,7 +2,7 @@
 actions, run in the calling thread.
 
 A program without model parallelism runs every micro-batch of a step on one device, one
-after another. Its schedule (:func:`one_stage_schedule`) is a list of
+after another. Its schedule (``schedules.one_stage_schedule``) is a list of
 :class:`~poptorch._runtime.schedule.actions.Action`:
 
 * ``LOAD`` (lane ``k``): replica ``k``'s own state made current before its micro-batch
@@ -33,12 +33,12 @@ import torch
 
 from ..batching.plan import Microbatch
 from ..schedule.actions import Action, ActionKind
+from ..schedule.schedules import one_stage_schedule
 from .concurrent_replicas import ReplicaCopies
 from .overlapped_io import FirstForwardCheck
 from .runner import LossOf, ReplicaState, UserOutput, drop_history
 
-__all__ = ["Compute", "EagerCompute", "GradientSync", "Interpreter", "MicrobatchObserver",
-           "one_stage_schedule"]
+__all__ = ["Compute", "EagerCompute", "GradientSync", "Interpreter", "MicrobatchObserver"]
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 LOAD, STORE, DROP = ActionKind.LOAD, ActionKind.STORE, ActionKind.DROP
@@ -96,55 +96,6 @@ class MicrobatchObserver(Protocol):
 
     def forward(self, microbatch: int, replica: int) -> contextlib.AbstractContextManager[object]:
         ...
-
-
-def one_stage_schedule(count: int, training: bool, replicas: int = 1, per_step: int = 1,
-                       lane_states: bool = False, broadcast: bool = False,
-                       reduce_last: bool = False, lane_copies: bool = False
-                       ) -> list[Action]:
-    """The actions of ``count`` micro-batches on one stage (module docstring): micro-batch
-    ``n`` on lane ``n % replicas``; ``lane_states``: each lane has state of its own
-    (``LOAD`` / ``STORE`` around its micro-batches, ``DROP`` at the end);
-    ``broadcast``: replica 0's buffers to the others after each step of ``per_step``
-    micro-batches; ``reduce_last``: the last backward of each step reduces gradients
-    over the processes; ``lane_copies``: each lane has a model copy of its own on its
-    own device (``concurrent_replicas.py``): after each step the lanes' gradients are
-    summed into replica 0's (``ALL_REDUCE`` of the calling thread, lane -1)."""
-    if lane_copies:
-        return _copies_schedule(count, training, replicas, per_step, broadcast)
-    actions: list[Action] = []
-    for n in range(count):
-        lane = n % replicas
-        last = (n + 1) % per_step == 0
-        if lane_states:
-            actions.append(Action(LOAD, 0, n, lane))
-        if training and reduce_last and last:
-            actions.append(Action(ALL_REDUCE, 0, n, lane))
-        actions.append(Action(F, 0, n, lane))
-        if training:
-            actions.append(Action(B, 0, n, lane))
-        if lane_states:
-            actions.append(Action(STORE, 0, n, lane))
-            if broadcast and last:
-                actions.append(Action(BROADCAST, 0, n, 0))
-    if lane_states:
-        actions.append(Action(DROP, 0, -1, 0))
-    return actions
-
-
-def _copies_schedule(count: int, training: bool, replicas: int, per_step: int,
-                     broadcast: bool) -> list[Action]:
-    actions: list[Action] = []
-    for n in range(count):
-        actions.append(Action(F, 0, n, n % replicas))
-        if training:
-            actions.append(Action(B, 0, n, n % replicas))
-        if (n + 1) % per_step == 0 or n == count - 1:
-            if training:
-                actions.append(Action(ALL_REDUCE, 0, -1, -1))
-            if broadcast:
-                actions.append(Action(BROADCAST, 0, -1, -1))
-    return actions
 
 
 class Interpreter:

@@ -22,6 +22,9 @@ and the calling thread runs a one-lane schedule. The schedules:
 * :func:`defer_weight_halves`: 1F1B / GPipe with the cool-down backwards of the later
   stages split, their weight halves after the stage's last action.
 * :func:`sharded`: one device busy at a time, micro-batch after micro-batch.
+* :func:`one_stage_schedule`: a program without model parallelism, its micro-batches on
+  replica lanes (with their state's ``LOAD`` / ``STORE``, the processes' ``ALL_REDUCE``
+  in the last backward of a step, ``BROADCAST`` of buffers, ``DROP`` at the end).
 * :func:`serial_phased` / :func:`parallel_phased`: phase after phase, all micro-batches
   of a phase together (parallel: the even and odd phases on two lanes). A lane loads a
   phase's weights to its device before the phase's actions (``LOAD``) and stores them
@@ -51,6 +54,7 @@ __all__ = [
     "interleaved_one_f_one_b",
     "layout",
     "one_f_one_b",
+    "one_stage_schedule",
     "parallel_phased",
     "pipeline_lanes",
     "schedule_name_of",
@@ -63,7 +67,8 @@ __all__ = [
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 IH, W = ActionKind.INPUT_HALF, ActionKind.WEIGHT_HALF
-LOAD, STORE = ActionKind.LOAD, ActionKind.STORE
+LOAD, STORE, DROP = ActionKind.LOAD, ActionKind.STORE, ActionKind.DROP
+ALL_REDUCE, BROADCAST = ActionKind.ALL_REDUCE, ActionKind.BROADCAST
 
 Lanes = list[list[Action]]
 
@@ -398,6 +403,57 @@ def pipeline_lanes(name: str, topo: Topology, stage_device: Sequence[int],
 
 
 # ------------------------------------------------------------------ one lane
+def one_stage_schedule(count: int, training: bool, replicas: int = 1, per_step: int = 1,
+                       lane_states: bool = False, broadcast: bool = False,
+                       reduce_last: bool = False, lane_copies: bool = False
+                       ) -> list[Action]:
+    """The actions of ``count`` micro-batches on one stage (``program/interpreter.py``
+    runs them: ``LOAD`` / ``STORE`` a lane's own state, ``F`` / ``B``, ``ALL_REDUCE``,
+    ``BROADCAST``, ``DROP``): micro-batch
+    ``n`` on lane ``n % replicas``; ``lane_states``: each lane has state of its own
+    (``LOAD`` / ``STORE`` around its micro-batches, ``DROP`` at the end);
+    ``broadcast``: replica 0's buffers to the others after each step of ``per_step``
+    micro-batches; ``reduce_last``: the last backward of each step reduces gradients
+    over the processes; ``lane_copies``: each lane has a model copy of its own on its
+    own device (``program/concurrent_replicas.py``): after each step the lanes' gradients are
+    summed into replica 0's (``ALL_REDUCE`` of the calling thread, lane -1)."""
+    if lane_copies:
+        return _copies_schedule(count, training, replicas, per_step, broadcast)
+    actions: list[Action] = []
+    for n in range(count):
+        lane = n % replicas
+        last = (n + 1) % per_step == 0
+        if lane_states:
+            actions.append(Action(LOAD, 0, n, lane))
+        if training and reduce_last and last:
+            actions.append(Action(ALL_REDUCE, 0, n, lane))
+        actions.append(Action(F, 0, n, lane))
+        if training:
+            actions.append(Action(B, 0, n, lane))
+        if lane_states:
+            actions.append(Action(STORE, 0, n, lane))
+            if broadcast and last:
+                actions.append(Action(BROADCAST, 0, n, 0))
+    if lane_states:
+        actions.append(Action(DROP, 0, -1, 0))
+    return actions
+
+
+def _copies_schedule(count: int, training: bool, replicas: int, per_step: int,
+                     broadcast: bool) -> list[Action]:
+    actions: list[Action] = []
+    for n in range(count):
+        actions.append(Action(F, 0, n, n % replicas))
+        if training:
+            actions.append(Action(B, 0, n, n % replicas))
+        if (n + 1) % per_step == 0 or n == count - 1:
+            if training:
+                actions.append(Action(ALL_REDUCE, 0, -1, -1))
+            if broadcast:
+                actions.append(Action(BROADCAST, 0, -1, -1))
+    return actions
+
+
 def sharded(num_stages: int, num_microbatches: int, training: bool) -> list[Action]:
     """Each micro-batch through the stages, forward then backward, before the next."""
     ops: list[Action] = []
