@@ -1,4 +1,4 @@
-"""The per-call fast path (``executor/fast_call.py``) and the ``fastest`` backend's
+"""The per-call fast path (``executor/program_call.py``) and the ``fastest`` backend's
 choice (``backend_trial.BackendTrial``), against plain PyTorch.
 
 Every test first checks that its calls really take the fast path (``_compiled.calls.fast``
@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import poptorch
-from poptorch.executor.fast_call import FastCall
+from poptorch.executor.program_call import FastCall
 from _backend_trial import settle_trial  # noqa: E402
 
 

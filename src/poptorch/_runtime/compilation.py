@@ -56,7 +56,7 @@ class CallState:
     """What the calls of one compiled program change on it."""
     attached: bool = True  # holds its device (detachFromDevice / attachToDevice)
     io_counts: tuple[int, int] = (0, 0)  # tensors in and out of the first call
-    # The per-call fast path (executor/fast_call.py): None = not decided yet (decided
+    # The per-call fast path (executor/program_call.py): None = not decided yet (decided
     # after the next general call), False = never, else the callable.
     fast: Callable[[tuple, dict], UserOutput] | Literal[False] | None = None
 

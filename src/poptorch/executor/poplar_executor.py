@@ -43,9 +43,8 @@ from .call_support import (
     undone_on_failure,
 )
 from .compiler import ModelParts, compile_model, optimizer_sync
-from .fast_call import MISS, make_fast_call
 from .inspection import ExecutorInspection
-from .program_call import ProgramCall
+from .program_call import MISS, ProgramCall, make_fast_call
 from .replica_grouping import GroupableParameter
 
 __all__ = ["PoplarExecutor", "isRunningOnIpu"]
@@ -238,7 +237,7 @@ class PoplarExecutor(ExecutorInspection):
         if self._training and not torch.is_grad_enabled():
             return self._call_with_grad(args, kwargs)
         compiled = self._compiled
-        fast = None if compiled is None else compiled.calls.fast  # fast_call.py
+        fast = None if compiled is None else compiled.calls.fast  # program_call.FastCall
         if fast:
             result = fast(args, kwargs)
             if result is not MISS:

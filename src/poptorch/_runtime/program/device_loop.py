@@ -333,7 +333,7 @@ class DeviceProgram:
 
     def fast_path_ready(self) -> bool:
         """Whether the executor's fast path may call this program directly (one process,
-        outputs already on the host: ``executor/fast_call.py``)."""
+        outputs already on the host: ``executor/program_call.py``)."""
         spec = self.spec
         return spec.cross is None and spec.to_host is None
 

@@ -5,7 +5,7 @@ state, loss scale and random state are as before it. Whatever may change is copi
 before it runs and written back *in place* if it fails, so that every reference the
 user or a compiled program holds (a parameter, a momentum buffer) stays valid. The same
 object undoes a whole call (the executor), one step whose compiled attempt failed
-(``fallback.py``) and the fast path's call (``executor/fast_call.py``).
+(``fallback.py``) and the fast path's call (``executor/program_call.py``).
 """
 from __future__ import annotations
 
