@@ -1,28 +1,16 @@
 """Profiling: one Chrome / Perfetto trace per run and a summary of where the time went.
 
 Turned on by ``Options.enableProfiling(dir)``, or the variables PopTorch users set for
-PopVision: ``POPLAR_ENGINE_OPTIONS='{"autoReport.all":"true",
-"autoReport.directory":"dir"}'`` or ``PVTI_OPTIONS='{"enable":"true"}'`` (directory: the
-current one unless ``"directory"`` or ``autoReport.directory`` says otherwise).
+PopVision: ``POPLAR_ENGINE_OPTIONS`` (``autoReport.all`` / ``autoReport.directory``) or
+``PVTI_OPTIONS`` (``enable`` / ``directory``); the directory defaults to the current one.
 
 The first profiled model starts one :py:mod:`torch.profiler` session for the whole
-process; it ends when the process exits (or :py:func:`finish` is called), writing
-``<dir>/poptorch.<pid>.trace.json`` (open it in ui.perfetto.dev or chrome://tracing) and
-printing a summary. The trace holds torch's operator events and these ranges:
-
-* ``poptorch::<model> call <n>``: one call of a compiled model (its device loop);
-* ``poptorch::device iteration <i>``: one optimizer step (training) or iteration;
-* ``poptorch::micro-batch <k> replica <r>``: the forward pass of one micro-batch (with
-  concurrent local replicas, those of replica 0 only: the others run on worker threads,
-  which torch's profiler does not follow);
-* ``Optimizer.step#<Optimizer>.step``: the optimizer update (torch's own range);
-* ``stage <s> forward|backward <k>``: each pipeline / sharded / phased stage op, on one
-  row per stage (these run on worker threads, so they are added from the schedule's
-  timestamps when the trace is written);
-* the user's ``poptorch.profiling.Channel`` tracepoints (``<channel>::<name>``) and
-  ``poptorch.NameScope`` scopes, when they run on the calling thread;
-* events others hand over with :py:meth:`RunProfiler.add_events` (``libpvti``'s
-  instant events, graph series and heatmaps as counter tracks).
+process; it ends at exit (or :py:func:`finish`), writing
+``<dir>/poptorch.<pid>.trace.json`` and printing a summary. Besides torch's operator
+events the trace holds ranges per call, device iteration and micro-batch forward (on the
+calling thread; torch's profiler does not follow worker threads), and one row per
+pipeline stage added from the schedule's timestamps when the trace is written
+(docs/profiling.md lists them).
 """
 from __future__ import annotations
 
@@ -32,44 +20,17 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from .._logging import info_once, logger
 from .environment import ENGINE_OPTIONS, PVTI_OPTIONS, json_options
+from .schedule.timeline import ScheduleRecord as ExecutedSchedule
 
 _TRUE = ("true", "1", "yes", "on")
-
-
-class ExecutedEvent(Protocol):
-    """One action a model-parallel step executed (``ScheduleEvent``)."""
-
-    @property
-    def kind(self) -> str: ...
-
-    @property
-    def stage(self) -> int: ...
-
-    @property
-    def microbatch(self) -> int: ...
-
-    @property
-    def start(self) -> float: ...
-
-    @property
-    def end(self) -> float: ...
-
-
-class ExecutedSchedule(Protocol):
-    """The actions a model-parallel step executed (``ScheduleRecord``)."""
-
-    @property
-    def events(self) -> Sequence[ExecutedEvent]: ...
-
-    def bubble_fraction(self) -> float: ...
 
 
 def profile_directory(config: Any) -> str | None:
@@ -135,7 +96,7 @@ class RunProfiler:
     def add_stage_events(self, name: str, record: ExecutedSchedule,
                          stats: ModelStats) -> None:
         """Record the ops of one pipeline / sharded / phased step (``ScheduleRecord``)."""
-        events = [e for e in record.events if e.end is not None]
+        events = record.events
         if not events:
             return
         for e in events:

@@ -7,7 +7,7 @@ most ``BUCKET_BYTES`` and each bucket is sent as one flat tensor.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -19,8 +19,7 @@ from ..torch_internals import foreach_copy_
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
 
 
-def buckets(tensors: Sequence[torch.Tensor],
-            bucket_bytes: int = BUCKET_BYTES) -> list[list[int]]:
+def buckets(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
     """Indices of ``tensors`` grouped by device and dtype into buckets of bounded size
     (each tensor in exactly one bucket, in order within a bucket)."""
     open_buckets: dict = {}  # (device, dtype) -> [indices, bytes] of the filling bucket
@@ -28,7 +27,7 @@ def buckets(tensors: Sequence[torch.Tensor],
     for i, t in enumerate(tensors):
         size = t.numel() * t.element_size()
         bucket = open_buckets.get((t.device, t.dtype))
-        if bucket is None or (bucket[0] and bucket[1] + size > bucket_bytes):
+        if bucket is None or (bucket[0] and bucket[1] + size > BUCKET_BYTES):
             bucket = open_buckets[(t.device, t.dtype)] = [[], 0]
             result.append(bucket[0])
         bucket[0].append(i)
@@ -65,16 +64,16 @@ def failures_as_errors(what: str, runs_model: bool = False) -> Iterator[None]:
         raise collective_failure(what, exc) from exc
 
 
-def _flat(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def _views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
-    offset = 0
-    for t in like:
-        n = t.numel()
-        yield flat[offset:offset + n].view_as(t)
-        offset += n
+def _flat_buckets(tensors: Sequence[torch.Tensor]
+                  ) -> Iterator[tuple[list[int], list[torch.Tensor], torch.Tensor,
+                                      list[torch.Tensor]]]:
+    """Per bucket: its indices, its tensors, them concatenated into one flat tensor, and
+    views of that tensor shaped as them."""
+    for bucket in buckets(tensors):
+        members = [tensors[i] for i in bucket]
+        flat = torch.cat([t.reshape(-1) for t in members])
+        chunks = flat.split([t.numel() for t in members])
+        yield bucket, members, flat, [c.view_as(t) for c, t in zip(chunks, members, strict=True)]
 
 
 def broadcast_(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None,
@@ -83,11 +82,9 @@ def broadcast_(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None,
     if not tensors:
         return
     with torch.no_grad(), failures_as_errors("Broadcasting tensors"):
-        for bucket in buckets(tensors):
-            members = [tensors[i] for i in bucket]
-            flat = _flat(members)
+        for _, members, flat, views in _flat_buckets(tensors):
             dist.broadcast(flat, src=src, group=group)
-            foreach_copy_(members, list(_views(flat, members)))
+            foreach_copy_(members, views)
 
 
 def all_reduce_sum(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None
@@ -96,17 +93,13 @@ def all_reduce_sum(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | N
     inputs are not modified). All buckets are in flight at once."""
     if not tensors:
         return []
-    pending = []
     with failures_as_errors("Summing gradients"):
-        for bucket in buckets(tensors):
-            members = [tensors[i] for i in bucket]
-            flat = _flat(members)
-            pending.append((bucket, members, flat,
-                            dist.all_reduce(flat, group=group, async_op=True)))
+        pending = [(bucket, views, dist.all_reduce(flat, group=group, async_op=True))
+                   for bucket, _, flat, views in _flat_buckets(tensors)]
     result: list[Any] = [None] * len(tensors)
     with failures_as_errors("Summing gradients"):
-        for bucket, members, flat, work in pending:
+        for bucket, views, work in pending:
             work.wait()
-            for i, view in zip(bucket, _views(flat, members), strict=False):
+            for i, view in zip(bucket, views, strict=True):
                 result[i] = view
     return result

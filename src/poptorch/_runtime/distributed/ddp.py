@@ -1,23 +1,17 @@
 """DDP's reducer for the one-stage interpreter: the gradients of a step are reduced over
 the processes while the backward pass of the step's last micro-batch still runs.
 
-``torch.nn.parallel.DistributedDataParallel`` wraps the device model; every
-micro-batch of a step but the last runs under ``no_sync()`` (gradients accumulate
-locally), the last one's backward fires DDP's bucketed all-reduces as gradients become
-ready. DDP's own C++ reduction averages over the processes (no Python runs per bucket);
-the device program turns the average into PopTorch's Mean / Sum over every replica of
-every process. DDP neither broadcasts at construction nor syncs buffers: the compile
-step and ``broadcastBuffers`` do that (``replicas``).
+``DistributedDataParallel`` wraps the device model; every micro-batch of a step but the
+last runs under ``no_sync()``. DDP's C++ reduction averages over the processes (no
+Python per bucket); the device program turns that into PopTorch's Mean / Sum. DDP
+neither broadcasts at construction nor syncs buffers (``replicas`` does).
 
-DDP is attached after the first step, which the post-backward reducer runs; that step
-also records which trainable parameters the backward pass of its last micro-batch (the
-one DDP reduces in) reached, on every process. If all of them, DDP runs
-without ``find_unused_parameters`` (no graph search and no extra all-reduce of the used
-parameters per step, as a hand-written DDP loop); a later step that leaves a parameter
-without gradient in its last micro-batch then raises :py:class:`poptorch.Error` before
-the update instead of updating with gradients that were not reduced (``DdpSync`` checks,
-as in the first step, which gradients the last backward pass reached). Otherwise, or with
-``POPTORCH_DISTRIBUTED_FIND_UNUSED=1``, DDP searches for unused parameters every step.
+DDP is attached after the first step, which the post-backward reducer runs and which
+records which parameters the last micro-batch's backward reached on every process. If
+all of them, DDP runs without ``find_unused_parameters`` (no graph search nor extra
+all-reduce per step), and a later step that leaves a parameter without gradient raises
+:py:class:`poptorch.Error` before the update rather than apply unreduced gradients.
+Otherwise, or with ``POPTORCH_DISTRIBUTED_FIND_UNUSED=1``, DDP searches every step.
 """
 import contextlib
 import inspect
@@ -35,11 +29,6 @@ from .collectives import failures_as_errors
 FIND_UNUSED_ENV = "POPTORCH_DISTRIBUTED_FIND_UNUSED"
 
 
-def find_unused_forced() -> bool:
-    """True if ``POPTORCH_DISTRIBUTED_FIND_UNUSED`` asks DDP to search every step."""
-    return bool(env_setting(FIND_UNUSED_ENV))
-
-
 def _no_buffer_sync() -> dict[str, Any]:
     """DDP's keyword that turns off its per-forward buffer broadcast: newer torch renamed
     ``broadcast_buffers`` to ``forward_sync_buffers`` and warns on the old name (init-time
@@ -51,16 +40,6 @@ def _no_buffer_sync() -> dict[str, Any]:
 
 
 _NO_BUFFER_SYNC = _no_buffer_sync()
-
-
-def make_ddp(model: torch.nn.Module, group: dist.ProcessGroup | None, device: torch.device,
-             find_unused: bool) -> torch.nn.parallel.DistributedDataParallel:
-    """DDP over ``model`` as the module docstring describes (called on every process at
-    the same point: construction checks the parameter shapes collectively)."""
-    return torch.nn.parallel.DistributedDataParallel(
-        model, device_ids=[device] if device.type == "cuda" else None,
-        process_group=group, init_sync=False, find_unused_parameters=find_unused,
-        **_NO_BUFFER_SYNC)
 
 
 class DdpSync:
@@ -78,16 +57,18 @@ class DdpSync:
         # Before DDP: per parameter, whether the last micro-batch's backward reached it.
         self.last_used: list[bool] | None = None
 
-    def attach(self, ddp: torch.nn.parallel.DistributedDataParallel,
-               find_unused: bool) -> None:
-        """Run the model through ``ddp`` from the next step on."""
-        self.ddp = ddp
-        self.compute.forward_fn = ddp
+    def attach(self, model: torch.nn.Module, group: dist.ProcessGroup | None,
+               device: torch.device, all_used: bool) -> None:
+        """Run ``model`` through DDP from the next step on (built on every process at the
+        same point: construction checks the parameter shapes collectively); ``all_used``:
+        every process's last backward pass reached every parameter."""
+        find_unused = not all_used or bool(env_setting(FIND_UNUSED_ENV))
+        self.ddp = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device] if device.type == "cuda" else None,
+            process_group=group, init_sync=False, find_unused_parameters=find_unused,
+            **_NO_BUFFER_SYNC)
+        self.compute.forward_fn = self.ddp
         self.check_used = not find_unused
-
-    def detach(self) -> None:
-        """Drop DDP (``DataParallelGroup.release``)."""
-        self.ddp = None
 
     def forward_scope(self, reduce: bool) -> contextlib.AbstractContextManager[object]:
         ddp = self.ddp
@@ -104,14 +85,17 @@ class DdpSync:
             with self._probe():
                 yield
             return
-        with failures_as_errors("Summing gradients (DDP)", runs_model=True):
-            if self.check_used:
-                with self._probe():
-                    yield
-            else:
-                yield
+        with failures_as_errors("Summing gradients (DDP)", runs_model=True), \
+                self._probe() if self.check_used else contextlib.nullcontext():
+            yield
         if self.check_used and not all(self.last_used or ()):
-            raise self._unused_error()
+            raise Error(
+                "A trainable parameter got no gradient in the last micro-batch of this step "
+                "on this process, although every parameter got one in the first step: DDP "
+                "(without its search for unused parameters) did not reduce its gradients "
+                "across the processes, so the step was not applied (the other processes stop "
+                "with a timeout error). For models that leave parameters unused in some "
+                f"steps, set {FIND_UNUSED_ENV}=1 on every process.")
 
     @contextlib.contextmanager
     def _probe(self) -> Iterator[None]:
@@ -123,12 +107,3 @@ class DdpSync:
         self.last_used = [p.grad is not None and (p.grad is not grad or
                                                   p.grad._version != version)
                           for p, (grad, version) in zip(self.params, before, strict=False)]
-
-    def _unused_error(self) -> Error:
-        return Error(
-            "A trainable parameter got no gradient in the last micro-batch of this step "
-            "on this process, although every parameter got one in the first step: DDP "
-            "(without its search for unused parameters) did not reduce its gradients "
-            "across the processes, so the step was not applied (the other processes stop "
-            "with a timeout error). For models that leave parameters unused in some "
-            f"steps, set {FIND_UNUSED_ENV}=1 on every process.")

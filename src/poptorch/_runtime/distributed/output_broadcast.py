@@ -71,20 +71,11 @@ class OutputBroadcast:
                 work = dist.broadcast(flat, src=self.src, group=self.group, async_op=True)
                 self._sending.append((work, flat))
             return outputs
-        received: dict = {}
+        received: dict = {}  # dtype -> its tensors' flat chunks, in order
         for dtype in dtypes:
-            total = sum(m[1].numel() for m in metas if m[0] == "tensor" and m[2] == dtype)
-            flat = torch.empty(total, dtype=dtype, device=self.device)
+            sizes = [m[1].numel() for m in metas if m[0] == "tensor" and m[2] == dtype]
+            flat = torch.empty(sum(sizes), dtype=dtype, device=self.device)
             dist.broadcast(flat, src=self.src, group=self.group)
-            received[dtype] = flat
-        offsets = dict.fromkeys(dtypes, 0)
-        leaves = []
-        for meta in metas:
-            if meta[0] == "const":
-                leaves.append(meta[1])
-                continue
-            _, shape, dtype = meta
-            start = offsets[dtype]
-            offsets[dtype] = start + shape.numel()
-            leaves.append(received[dtype][start:offsets[dtype]].view(shape))
+            received[dtype] = iter(flat.split(sizes))
+        leaves = [m[1] if m[0] == "const" else next(received[m[2]]).view(m[1]) for m in metas]
         return pytree.tree_unflatten(leaves, spec)

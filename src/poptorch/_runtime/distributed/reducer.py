@@ -1,12 +1,10 @@
 """The gradient reduction of one optimizer step over the replicas of every process.
 
-Each process has summed its own micro-batches' gradients (``g x local replicas`` of
-them) into ``.grad``; the reducer adds up those sums over all processes, once per
-optimizer step, so that every process holds the same gradient: the sum over all
-``g x replicas x processes`` micro-batches. The division of a Mean reduction is applied
-by the device program afterwards (it knows the global count). A parameter that got no
-gradient on any process keeps ``grad = None`` (optimizers then skip it, as in one
-process); one that got a gradient on some process only is reduced with zeros elsewhere.
+Each process's ``.grad`` holds the sum over its own micro-batches; the reducer adds
+those sums over all processes once per optimizer step (a Mean's division is the device
+program's, which knows the global count). A parameter with no gradient on any process
+keeps ``grad = None`` (optimizers skip it); one with a gradient on some process only is
+reduced with zeros elsewhere.
 """
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
 """What a compiled model does across processes: start identical, stay identical.
 
-At compile time process 0's weights, buffers and optimizer state are sent to every
-process (a run may start from different random initialisations). During training the
-gradients of each step are summed over all processes before the update
-(:py:class:`~.reducer.GradientReducer`), so the updates agree. With ``broadcastBuffers``
-(the default) process 0's buffers (those of global replica 0) are sent to every process
-after each optimizer step, as replica 0's are to the local replicas; without it each
-process's buffers drift apart, as PopTorch's replicas do. Inference models need none of
-this: they run on each process on their own.
+At compile time process 0's weights, buffers and optimizer state go to every process
+(the processes may start from different random initialisations); each step's gradients
+are summed over all processes before the update (DDP, or the reducer); with
+``broadcastBuffers`` (the default) process 0's buffers go to every process after each
+optimizer step, as replica 0's do to the local replicas. Inference needs none of this.
 """
 from __future__ import annotations
 
@@ -21,7 +18,7 @@ import torch.distributed as dist
 from ..program.interpreter import EagerCompute, Interpreter
 from . import world as world_module
 from .collectives import broadcast_, failures_as_errors
-from .ddp import DdpSync, find_unused_forced, make_ddp
+from .ddp import DdpSync
 from .reducer import GradientReducer
 from .world import World
 
@@ -53,8 +50,7 @@ class DataParallelGroup:
         self.buffers = list(model.buffers()) if broadcast_buffers else []
         self.ddp_sync: DdpSync | None = None
         # Weights / accumulators sharded over the processes (FSDP2, memory.fsdp): their
-        # gradients are reduce-scattered in the backward pass; the reducer sums the
-        # parameters kept whole.
+        # gradients are reduce-scattered in the backward; the reducer sums the others.
         self.sharded: ShardedModel | None = None
         # The same for the stages of an execution strategy: sharded between steps
         # (memory.step_shards), gathered by ``before_step`` at a step's start.
@@ -63,11 +59,10 @@ class DataParallelGroup:
         # How many processes the reduced gradients were divided by: DDP averages, the
         # reducer sums. The device program scales the result to PopTorch's Mean / Sum.
         self.averaged_over = 1
-        # While the compiled backend may run a step (its backward pass does not go
-        # through DDP's hooks), ``agreement`` (backend_trial.CrossProcessAgreement) is
-        # attached: every step reduces with the reducer, the one collective both
-        # backends share, with the agreement's values, and DDP is not attached. The
-        # agreement detaches itself once every process has left the compiled backend.
+        # While the compiled backend may run a step (its backward pass bypasses DDP's
+        # hooks), every step reduces with the reducer, the one collective both backends
+        # share, carrying the agreement's values; it detaches itself once every process
+        # has left the compiled backend.
         self.agreement: CrossProcessAgreement | None = None
 
     def attach_agreement(self, agreement: CrossProcessAgreement | None) -> None:
@@ -96,7 +91,7 @@ class DataParallelGroup:
         sync = self.__dict__.get("ddp_sync")
         if sync is not None:
             sync.compute.forward_fn = self.model
-            sync.detach()
+            sync.ddp = None
             self.ddp_sync = None
             self.reducer = None
 
@@ -162,11 +157,8 @@ class DataParallelGroup:
             used = torch.tensor(sync.last_used, dtype=torch.float32)
             with failures_as_errors("Comparing the parameters used by each process"):
                 dist.all_reduce(used, group=self.world.group)
-            all_used = bool((used == self.world.size).all())
-            find_unused = not all_used or find_unused_forced()
-            sync.attach(
-                make_ddp(self.model, self.world.group, self.device, find_unused),
-                find_unused)
+            sync.attach(self.model, self.world.group, self.device,
+                        bool((used == self.world.size).all()))
             self.reducer = None
             self.averaged_over = self.world.size
 

@@ -1,18 +1,10 @@
 """Where the stages of a pipeline live when each runs in a process of its own.
 
-With ``Options.Distributed.stagesOnProcesses()`` the processes of a run are
-``stages x replicas``: process ``p`` runs stage ``p % stages`` of pipeline replica
-``p // stages``. Two kinds of process groups follow from that layout:
-
-* a *pipeline group* per replica (its ``stages`` consecutive processes, in stage
-  order): ``torch.distributed.pipelining`` sends activations and gradients inside it;
-* a *stage group* per stage (that stage's process in every replica): the gradients of
-  a stage are summed over it before each optimizer step, as replicas' are.
-
-Every process creates every group (``dist.new_group`` is collective), in the same order.
-This module also holds what a run of stage processes does across processes besides the
-schedule: start from process 0's weights, reduce a stage's gradients over its replicas,
-and gather every stage's trained weights onto every process (``copyWeightsToHost``).
+With ``Options.Distributed.stagesOnProcesses()`` process ``p`` runs stage
+``p % stages`` of pipeline replica ``p // stages``. A *pipeline group* per replica (its
+processes in stage order) carries ``torch.distributed.pipelining``'s sends; a *stage
+group* per stage (its process in every replica) sums the stage's gradients. Every
+process creates every group (``dist.new_group`` is collective), in the same order.
 """
 from __future__ import annotations
 
@@ -77,21 +69,13 @@ def make_layout(world: World, stages: int) -> StageLayout:
     stage, replica = world.rank % stages, world.rank // stages
     if replicas == 1:
         return StageLayout(world, stages, stage, 0, world.group, World(0, 1, None))
-    pipeline_group = None
-    stage_group = None
     with failures_as_errors("Creating the pipeline process groups"):
-        for r in range(replicas):
-            group = dist.new_group([r * stages + s for s in range(stages)],
-                                   timeout=timeout())
-            if r == replica:
-                pipeline_group = group
-        for s in range(stages):
-            group = dist.new_group([r * stages + s for r in range(replicas)],
-                                   timeout=timeout())
-            if s == stage:
-                stage_group = group
-    return StageLayout(world, stages, stage, replica, pipeline_group,
-                       World(replica, replicas, stage_group))
+        pipelines = [dist.new_group([r * stages + s for s in range(stages)], timeout=timeout())
+                     for r in range(replicas)]
+        by_stage = [dist.new_group([r * stages + s for r in range(replicas)], timeout=timeout())
+                    for s in range(stages)]
+    return StageLayout(world, stages, stage, replica, pipelines[replica],
+                       World(replica, replicas, by_stage[stage]))
 
 
 def start_from_process_0(world: World, tensors: Sequence[torch.Tensor]) -> None:
@@ -125,7 +109,6 @@ class StageReplicaGroup:
                     device: torch.device) -> None:
         """No reduction inside a backward pass: the stages' schedule decides when each
         backward runs, and the reducer sums after them."""
-        return None
 
     def release(self) -> None:
         return None
@@ -136,7 +119,6 @@ class StageReplicaGroup:
     def start_identical(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Nothing left to do: the weights came from process 0 at compile time, and the
         optimizer holds state only for this stage's parameters once it steps."""
-        return None
 
     def reduce_gradients(self) -> None:
         self.reducer()

@@ -1,11 +1,10 @@
 """This process's place among the processes of a run, on ``torch.distributed``.
 
-A run started by ``torchrun`` (or any launcher that sets ``RANK`` / ``WORLD_SIZE`` /
+A run started by ``torchrun`` (or any launcher setting ``RANK`` / ``WORLD_SIZE`` /
 ``MASTER_ADDR`` / ``MASTER_PORT``), or configured with
-``Options.Distributed.configureProcessId``, has several processes; each holds
-``replicationFactor`` local replicas, so the run has ``replicationFactor x processes``
-global replicas. The executor joins the default process group at its first compile:
-gloo for CPU devices, NCCL for CUDA devices; a group the user already made is reused.
+``Options.Distributed.configureProcessId``, has ``replicationFactor x processes`` global
+replicas. The executor joins the default process group (gloo for CPU devices, NCCL for
+CUDA) at its first compile, or reuses one the user made.
 """
 from __future__ import annotations
 
@@ -59,14 +58,6 @@ def timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def backend_for(device: torch.device) -> str:
-    """gloo for CPU tensors; with CUDA, NCCL for CUDA tensors as well (one group serves
-    both, whichever joins first: a DataLoader agreeing a seed or the executor)."""
-    if device.type == "cuda" or (torch.cuda.is_available() and dist.is_nccl_available()):
-        return "cpu:gloo,cuda:nccl"
-    return "gloo"
-
-
 def join(process_id: int, num_processes: int, device: torch.device) -> World:
     """The world of this process: the default process group when one exists or is
     needed (``num_processes > 1``), joined here if nobody has yet."""
@@ -90,7 +81,10 @@ def join(process_id: int, num_processes: int, device: torch.device) -> World:
             f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set: start "
             "the program with torchrun (torchrun --nproc_per_node=N prog.py), or set "
             "MASTER_ADDR and MASTER_PORT to the address of process 0.")
-    backend = backend_for(device)
+    # gloo for CPU tensors; with CUDA, NCCL for CUDA tensors as well (one group serves
+    # both, whichever joins first: a DataLoader agreeing a seed or the executor).
+    cuda = device.type == "cuda" or (torch.cuda.is_available() and dist.is_nccl_available())
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=process_id, world_size=num_processes,

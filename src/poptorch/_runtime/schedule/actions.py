@@ -1,30 +1,17 @@
 """The actions of a schedule: what one step of any execution strategy is made of.
 
 As ``torch.distributed.pipelining`` writes a schedule as ``_Action`` over
-``_ComputationType``, a step here is a list of :class:`Action` over
-:class:`ActionKind`. Three families of kinds:
-
-* compute: the forward of a stage on a micro-batch (``F``), its backward (``B``), or
-  the two halves of a split backward (``I``: the gradients of the stage's inputs,
-  ``W``: its weights' gradients), and the optimizer update (``U``);
-* communication: send / receive of activations or gradients between stages on
-  different processes; all-reduce, reduce-scatter, all-gather and broadcast between
-  replicas;
-* memory movement: load a stage's weights or optimizer state to its device, store
-  them back to host memory, or drop a materialised copy.
-
-An action names its ``stage``, its ``microbatch`` (``-1``: not tied to one, as an
-update or a load) and its ``lane`` (who runs it: a device worker, a local replica, a
-process; ``-1``: the lane of its stage). The types are plain data: schedules are built
-once, compared, printed and checked (:func:`check_order`) before anything runs.
+``_ComputationType``, a step here is a list of :class:`Action` over :class:`ActionKind`:
+compute (``F``, ``B``, its halves ``I`` / ``W``, ``U``), communication between stages or
+replicas, and memory movement (load / store a stage's state, drop a materialised copy).
+Plain data: schedules are built, compared, printed and checked before anything runs.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
 from enum import Enum
 from typing import NamedTuple
 
-__all__ = ["COMMUNICATION", "COMPUTE", "MEMORY", "Action", "ActionKind", "check_order"]
+__all__ = ["MEMORY", "Action", "ActionKind"]
 
 
 class ActionKind(str, Enum):
@@ -53,33 +40,17 @@ class ActionKind(str, Enum):
         return format(self.value, spec)
 
 
-COMPUTE = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.INPUT_HALF,
-                     ActionKind.WEIGHT_HALF, ActionKind.UPDATE})
-COMMUNICATION = frozenset({ActionKind.SEND, ActionKind.RECV, ActionKind.ALL_REDUCE,
-                           ActionKind.REDUCE_SCATTER, ActionKind.ALL_GATHER,
-                           ActionKind.BROADCAST})
 MEMORY = frozenset({ActionKind.LOAD, ActionKind.STORE, ActionKind.DROP})
 
 
 class Action(NamedTuple):
-    """One action of a schedule: ``kind`` of ``stage`` on ``microbatch`` by ``lane``."""
+    """``kind`` of ``stage`` on ``microbatch`` (-1: none, as an update or a load) by
+    ``lane`` (a device worker, a replica, a process; -1: its stage's lane)."""
     kind: ActionKind
     stage: int
     microbatch: int = -1
     lane: int = -1
 
     def __str__(self) -> str:
-        mb = "" if self.microbatch < 0 else str(self.microbatch)
-        return f"{self.kind}{self.stage}.{mb}" if mb else f"{self.kind}{self.stage}"
+        return f"{self.kind}{self.stage}" + (f".{self.microbatch}" if self.microbatch >= 0 else "")
 
-
-def check_order(actions: Iterable[Action], needs: dict[Action, list[Action]]) -> None:
-    """Raise ``ValueError`` naming the first action that comes before an action it
-    consumes (``needs[action]``: what it reads), in the order ``actions`` run."""
-    done: set[Action] = set()
-    for action in actions:
-        key = action._replace(lane=-1)
-        for need in needs.get(key, ()):
-            if need._replace(lane=-1) not in done:
-                raise ValueError(f"schedule runs {action} before {need}, which it reads")
-        done.add(key)

@@ -1,46 +1,23 @@
 """Every schedule of a step, as data: per-lane lists of :class:`~.actions.Action`.
 
-A pipeline schedule is first written per *stage* (one list of actions per stage), as
-``torch.distributed.pipelining`` writes its ``_Action`` lists, then merged into one list
-per *device* (:func:`device_lanes`): the per-device engine runs one worker per device,
-and the calling thread runs a one-lane schedule. The schedules:
+A pipeline schedule is written per *stage*, as ``torch.distributed.pipelining`` writes
+its ``_Action`` lists, then merged into one list per *device* (:func:`device_lanes`),
+which the per-device engine runs with one worker per device. One-lane schedules
+(:func:`sharded`, :func:`one_stage_schedule`, :func:`serial_phased`) run on the calling
+thread; phased schedules bracket each phase with ``LOAD`` / ``STORE`` of its weights
+(Graphcore's load / compute / store phases).
 
-* :func:`gpipe`: every forward, then every backward.
-* :func:`one_f_one_b`: warm-up forwards, then one forward / one backward alternately,
-  then the remaining backwards (PipeDream-flush): at most ``stages - s`` micro-batches
-  are in flight on stage ``s``.
-* :func:`interleaved_one_f_one_b`: several stages per device (placed 0, 1, 0, 1, ...);
-  each device runs its stages' forwards round by round (a round: up to ``devices``
-  micro-batches through each of its stages in turn), backwards in reverse stage order,
-  after ``(stages per device - 1) * devices + 2 * (devices - 1 - rank)`` warm-up
-  forwards (the counts of ``ScheduleInterleaved1F1B``), one forward / one backward after.
-* :func:`zero_bubble`: every backward of a stage that hands gradients on is split into
-  its input half (``I``: what the earlier stage waits for) and its weight half (``W``),
-  and the weight halves fill the slots where the stage would otherwise wait, with at
-  most as many micro-batches alive as 1F1B (the ZB-H1 schedule of the zero-bubble
-  paper; ``ScheduleInterleavedZeroBubble`` builds its lists the same way, by simulation).
-* :func:`defer_weight_halves`: 1F1B / GPipe with the cool-down backwards of the later
-  stages split, their weight halves after the stage's last action.
-* :func:`sharded`: one device busy at a time, micro-batch after micro-batch.
-* :func:`one_stage_schedule`: a program without model parallelism, its micro-batches on
-  replica lanes (with their state's ``LOAD`` / ``STORE``, the processes' ``ALL_REDUCE``
-  in the last backward of a step, ``BROADCAST`` of buffers, ``DROP`` at the end).
-* :func:`serial_phased` / :func:`parallel_phased`: phase after phase, all micro-batches
-  of a phase together (parallel: the even and odd phases on two lanes). A lane loads a
-  phase's weights to its device before the phase's actions (``LOAD``) and stores them
-  back to host memory after them (``STORE``): Graphcore's load / compute / store phases.
-
-:func:`simulate` lays a schedule out in time (``F``: 1 slot, ``B``: 2, ``I``, ``W``,
-``LOAD``, ``STORE``: 1 each), which both merges stages onto devices without deadlock and
-checks a schedule (:func:`check_dependencies`: no action before what it consumes, every
-compute action once, a stage's actions only while its lane holds its weights).
+:func:`layout` lays a schedule out in time (:data:`COST` slots per action): that both
+merges stages onto devices without deadlock and checks a schedule
+(:func:`check_dependencies`: no action before what it consumes, every compute action
+once, a stage's actions only while its lane holds its weights).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .actions import MEMORY, Action, ActionKind, check_order
+from .actions import MEMORY, Action, ActionKind
 
 __all__ = [
     "DEFAULT",
@@ -105,9 +82,7 @@ class Topology:
     @staticmethod
     def chain(num_stages: int) -> Topology:
         """Stage ``s`` reads stage ``s - 1`` only."""
-        return Topology(tuple((s - 1, ) if s else () for s in range(num_stages)),
-                        tuple((s + 1, ) if s + 1 < num_stages else ()
-                              for s in range(num_stages)))
+        return Topology.of([(s - 1, ) if s else () for s in range(num_stages)])
 
     @staticmethod
     def of(producers: Sequence[Sequence[int]]) -> Topology:
@@ -158,7 +133,7 @@ def layout(lanes: Sequence[Sequence[Action]], topo: Topology) -> list[list[int]]
         for d, lane in enumerate(lanes):
             while len(starts[d]) < len(lane):
                 op = lane[len(starts[d])]
-                plain = Action(op.kind, op.stage, op.microbatch)
+                plain = op._replace(lane=-1)
                 deps = dependencies(plain, topo)
                 if any(dep not in end for dep in deps):
                     break
@@ -179,7 +154,7 @@ def layout(lanes: Sequence[Sequence[Action]], topo: Topology) -> list[list[int]]
 def simulate(lanes: Sequence[Sequence[Action]], topo: Topology) -> dict[Action, int]:
     """The start slot of every compute action (without its lane) in the
     :func:`layout` of ``lanes``."""
-    return {Action(op.kind, op.stage, op.microbatch): t
+    return {op._replace(lane=-1): t
             for lane, starts in zip(lanes, layout(lanes, topo), strict=True)
             for op, t in zip(lane, starts, strict=True) if op.kind not in MEMORY}
 
@@ -188,7 +163,7 @@ def check_dependencies(lanes: Sequence[Sequence[Action]], topo: Topology) -> Non
     """``ValueError`` unless the schedule runs (:func:`simulate`), runs each compute
     action once, keeps a weight half on its input half's lane, runs a stage's actions
     only while their lane holds its weights (:func:`_check_memory`) and, laid out in
-    time, runs no action before one it consumes (``actions.check_order``)."""
+    time, runs no action before one it consumes."""
     seen: set[Action] = set()
     lane_of: dict[Action, int] = {}
     for d, lane in enumerate(lanes):
@@ -196,7 +171,7 @@ def check_dependencies(lanes: Sequence[Sequence[Action]], topo: Topology) -> Non
         for op in lane:
             if op.kind in MEMORY:
                 continue
-            plain = Action(op.kind, op.stage, op.microbatch)
+            plain = op._replace(lane=-1)
             if plain in seen:
                 raise ValueError(f"the schedule runs {plain} twice")
             seen.add(plain)
@@ -206,9 +181,12 @@ def check_dependencies(lanes: Sequence[Sequence[Action]], topo: Topology) -> Non
             raise ValueError(f"{op} is not on the lane of its input half")
     start = simulate(lanes, topo)
     order = sorted(start, key=lambda a: (start[a], a.stage, a.kind.value))
-    # (an input half hands its stage's backward over: both read as that backward)
-    check_order([_key(a) for a in order],
-                {_key(a): [_key(d) for d in dependencies(a, topo)] for a in order})
+    done: set[Action] = set()  # (an input half and its backward both read as the backward)
+    for a in order:
+        for need in dependencies(a, topo):
+            if _key(need) not in done:
+                raise ValueError(f"schedule runs {_key(a)} before {_key(need)}, which it reads")
+        done.add(_key(a))
 
 
 def _check_memory(lane: Sequence[Action]) -> None:
@@ -235,13 +213,9 @@ def _check_memory(lane: Sequence[Action]) -> None:
 # ------------------------------------------------------------------ per stage
 def gpipe(num_stages: int, num_microbatches: int, training: bool) -> Lanes:
     """Per stage: all forwards, then all backwards."""
-    lanes = []
-    for s in range(num_stages):
-        ops = [Action(F, s, m) for m in range(num_microbatches)]
-        if training:
-            ops += [Action(B, s, m) for m in range(num_microbatches)]
-        lanes.append(ops)
-    return lanes
+    kinds = (F, B) if training else (F, )
+    return [[Action(k, s, m) for k in kinds for m in range(num_microbatches)]
+            for s in range(num_stages)]
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> Lanes:
@@ -278,10 +252,12 @@ def defer_weight_halves(stage_lanes: Lanes, topo: Topology) -> Lanes:
 
 
 def zero_bubble(topo: Topology, num_microbatches: int) -> Lanes:
-    """Per stage (module docstring): each stage, when free, runs the first ready of:
-    its next input half (or whole backward), its next forward while fewer than
-    ``stages - s`` micro-batches hold activations (1F1B's bound; a micro-batch holds
-    them until its weight half), else its oldest pending weight half."""
+    """Per stage, the ZB-H1 schedule of the zero-bubble paper: a stage that hands
+    gradients on splits its backwards into ``I`` (what the earlier stage waits for) and
+    ``W``. Each stage, when free, runs the first ready of: its next input half (or whole
+    backward), its next forward while fewer than ``stages - s`` micro-batches hold
+    activations (1F1B's bound; held until the weight half), else its oldest pending
+    weight half (``ScheduleInterleavedZeroBubble`` also builds its lists by simulation)."""
     n, count = topo.num_stages, num_microbatches
     lanes: Lanes = [[] for _ in range(n)]
     end: dict[Action, int] = {}
@@ -300,16 +276,13 @@ def zero_bubble(topo: Topology, num_microbatches: int) -> Lanes:
                 continue
             split = bool(topo.producers[s])
             choice = None
-            m = next_b[s]
-            if m < count:
-                op = Action(IH if split else B, s, m)
+            candidates = [Action(IH if split else B, s, next_b[s])] if next_b[s] < count else []
+            if next_f[s] < count and alive[s] < n - s:
+                candidates.append(Action(F, s, next_f[s]))
+            for op in candidates:
                 if all(end.get(dep, t + 1) <= t for dep in dependencies(op, topo)):
                     choice = op
-            m = next_f[s]
-            if choice is None and m < count and alive[s] < n - s:
-                op = Action(F, s, m)
-                if all(end.get(dep, t + 1) <= t for dep in dependencies(op, topo)):
-                    choice = op
+                    break
             if choice is None and pending[s]:
                 choice = Action(W, s, pending[s][0])
             if choice is None:
@@ -346,18 +319,20 @@ def device_lanes(stage_lanes: Lanes, stage_device: Sequence[int], num_devices: i
     for s, lane in enumerate(stage_lanes):
         for i, op in enumerate(lane):
             d = stage_device[s]
-            lanes[d].append((start[Action(op.kind, op.stage, op.microbatch)], s, i,
-                             op._replace(lane=d)))
+            lanes[d].append((start[op._replace(lane=-1)], s, i, op._replace(lane=d)))
     return [[op for *_, op in sorted(lane)] for lane in lanes]
 
 
 def interleaved_one_f_one_b(stage_device: Sequence[int], num_devices: int,
                             num_microbatches: int, topo: Topology) -> Lanes | None:
-    """Per device (module docstring); None unless several stages share each device,
-    placed round-robin (stage ``s`` on the device of stage ``s % devices``)."""
+    """Per device: each device runs its stages' forwards round by round (up to
+    ``devices`` micro-batches through each of its stages in turn), backwards in reverse
+    stage order, after ``(stages per device - 1) * devices + 2 * (devices - 1 - rank)``
+    warm-up forwards (``ScheduleInterleaved1F1B``'s counts), then one forward / one
+    backward. None unless several stages share each device, placed round-robin (stage
+    ``s`` on the device of stage ``s % devices``)."""
     n = len(stage_device)
-    devices = sorted(set(stage_device))
-    d = len(devices)
+    d = len(set(stage_device))
     if n == d or n % d or any(stage_device[s] != stage_device[s % d] for s in range(n)):
         return None  # (one stage per device: that is 1F1B)
     chunks = n // d
@@ -408,15 +383,13 @@ def one_stage_schedule(count: int, training: bool, replicas: int = 1, per_step: 
                        reduce_last: bool = False, lane_copies: bool = False
                        ) -> list[Action]:
     """The actions of ``count`` micro-batches on one stage (``program/interpreter.py``
-    runs them: ``LOAD`` / ``STORE`` a lane's own state, ``F`` / ``B``, ``ALL_REDUCE``,
-    ``BROADCAST``, ``DROP``): micro-batch
-    ``n`` on lane ``n % replicas``; ``lane_states``: each lane has state of its own
-    (``LOAD`` / ``STORE`` around its micro-batches, ``DROP`` at the end);
-    ``broadcast``: replica 0's buffers to the others after each step of ``per_step``
-    micro-batches; ``reduce_last``: the last backward of each step reduces gradients
-    over the processes; ``lane_copies``: each lane has a model copy of its own on its
-    own device (``program/concurrent_replicas.py``): after each step the lanes' gradients are
-    summed into replica 0's (``ALL_REDUCE`` of the calling thread, lane -1)."""
+    runs them), micro-batch ``n`` on lane ``n % replicas``. ``lane_states``: each lane
+    has state of its own (``LOAD`` / ``STORE`` around its micro-batches, ``DROP`` at
+    the end); ``broadcast``: replica 0's buffers to the others after each step of
+    ``per_step`` micro-batches; ``reduce_last``: the last backward of each step reduces
+    gradients over the processes; ``lane_copies``: each lane has a model copy on its own
+    device (``program/concurrent_replicas.py``), the lanes' gradients summed into
+    replica 0's after each step (``ALL_REDUCE`` of the calling thread, lane -1)."""
     if lane_copies:
         return _copies_schedule(count, training, replicas, per_step, broadcast)
     actions: list[Action] = []

@@ -1,11 +1,8 @@
 """Schedules drawn in time: the plan of a step and the record of what it ran.
 
-:class:`Timeline` lays a schedule's per-lane action lists out in time slots
-(``schedules.layout``: ``F`` one slot, ``B`` two, the others one each) and draws
-them as text (one row per device) or gives the cells to draw them otherwise
-(``scripts/schedule_svg.py``). :class:`ScheduleRecord` is what a step executed, in
-order and timed; ``print`` shows the planned timeline, then the executed actions per
-stage with the bubble fraction.
+:class:`Timeline` lays per-lane action lists out in time slots (``schedules.layout``)
+and draws them as text, or gives the cells to ``scripts/schedule_svg.py``.
+:class:`ScheduleRecord` is what a step executed, in order and timed.
 """
 from __future__ import annotations
 
@@ -71,15 +68,12 @@ class Timeline:
                 continue
             text = ["."] * span
             for t, w, op in lane:
-                text[t] = label(op)
-                for k in range(t + 1, t + w):
-                    text[k] = "-"
+                text[t:t + w] = [label(op)] + ["-"] * (w - 1)
             lines.append(f"{row} {d}: " + " ".join(c.rjust(width) for c in text))
         lines.append(f"bubble fraction: {self.bubble_fraction():.3f}")
         return "\n".join(lines)
 
-    def __str__(self) -> str:
-        return self.render()
+    __str__ = render
 
 
 @dataclass
@@ -116,19 +110,6 @@ class ScheduleRecord:
         topology = self.topology or Topology.chain(self.num_stages)
         return Timeline.of(f"executed ({self.runtime})", lanes, topology)
 
-    def timeline(self) -> list[list[tuple[ActionKind, int] | None]]:
-        """The executed order laid out in time slots: ``grid[stage][slot]`` (an action
-        in its first slot; the slots it continues in and idle ones: None)."""
-        executed = self.executed()
-        span = executed.span()
-        grid: list[list[tuple[ActionKind, int] | None]] = []
-        for lane in executed.cells():
-            row: list[tuple[ActionKind, int] | None] = [None] * span
-            for t, _, op in lane:
-                row[t] = (op.kind, op.microbatch)
-            grid.append(row)
-        return grid
-
     def bubble_fraction(self) -> float:
         """Idle fraction of the stage-time slots of the executed order."""
         return self.executed().bubble_fraction()
@@ -139,5 +120,4 @@ class ScheduleRecord:
         executed = self.executed().render(row="stage", per_stage=True)
         return executed if self.plan is None else self.plan.render() + "\n\n" + executed
 
-    def __str__(self) -> str:
-        return self.render()
+    __str__ = render
