@@ -195,7 +195,7 @@ def _adapters(model, x, y):
     opts = poptorch.Options()
     opts.Training.gradientAccumulation(8)
     captured = capture(model, (x, y), {}, strategy)
-    part = resolve_partition(captured.trace, strategy, RuntimeConfig.of(opts), True, 0)
+    part = resolve_partition(captured.trace, strategy, RuntimeConfig.of(opts), True)
     return _plan_adapters(split_stages(captured, part))
 
 

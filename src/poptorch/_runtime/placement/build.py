@@ -1,36 +1,27 @@
 """Model parallelism: the step runner of the four execution strategies.
 
-:func:`build_runner` is called by the executor at compile time. The returned runner
-captures the model's graph (``capture.py``: at once with an example call, else on the
-first call), resolves the partition and enforces the rules
-(``partition.resolve_partition``), acquires the devices playing the IPUs, places every
-stage's weights on its device and splits the graph into stage modules, which the
-per-device engine (``engine.py``, the interpreter of a schedule's action lists) runs on
-every call, the first included, with the strategy's schedule
-(``_runtime/schedule/schedules.py``):
+The runner :func:`build_runner` returns captures the model's graph (``capture.py``: at
+once with an example call, else on the first call), resolves the partition
+(``partition.resolve_partition``, which enforces the rules), acquires the devices
+playing the IPUs, places every stage's weights and splits the graph into stage
+modules, which the per-device engine (``engine.py``) runs on every call with the
+strategy's schedule (``_runtime/schedule/schedules.py``):
 
-* ``PipelinedExecution``: a real pipeline. One worker per device runs its stages'
-  actions in 1F1B order (training; GPipe, interleaved 1F1B or zero bubble on request:
-  ``setSchedule``) or GPipe order (inference), so stages of different micro-batches
-  run at the same time on different devices.
-* ``ShardedExecution``: stage after stage, one device busy at a time.
+* ``PipelinedExecution``: one worker per device runs its stages' actions (1F1B when
+  training, or what ``setSchedule`` asks; GPipe for inference), so stages of different
+  micro-batches run at once on different devices;
+* ``ShardedExecution``: stage after stage, one device busy at a time;
 * ``SerialPhasedExecution`` / ``ParallelPhasedExecution``: phase after phase (parallel:
-  the even and the odd devices take turns), weights streamed between host memory and
-  the devices by the schedule's ``LOAD`` / ``STORE`` actions
-  (``phased.StreamingMemory``).
+  the even and the odd devices take turns), weights streamed between host and devices
+  by the schedule's ``LOAD`` / ``STORE`` actions (``phased.StreamingMemory``).
 
 What the engine cannot run (a model that cannot be captured, phases of several stages,
 a sharded stage revisited, a call whose non-tensor arguments differ from the captured
 ones) runs the sharded action list in the calling thread with the model's own forward
-(``sequential.py``), with one INFO line per model saying why.
-
-The ``set_overlap_for_input`` / ``set_overlap_for_output`` markers are checked on the
-captured graph (``io_markers.py``) or, for a model that was not captured, on its first
-forward (``FirstForwardCheck``), against the options' ``overlap`` settings.
-
-The schedule a step executed is kept in ``runner.last_schedule`` and in
-``strategy.last_schedule`` (a :class:`~..schedule.timeline.ScheduleRecord`; ``print``
-it; its ``runtime`` names the runtime that ran it, its ``plan`` the planned schedule).
+(``sequential.py``), with one INFO line per model saying why. The overlap markers are
+checked on the captured graph (``io_markers.py``), or on the first forward of a model
+that was not captured (``FirstForwardCheck``). The schedule a step ran is kept in
+``runner.last_schedule`` and ``strategy.last_schedule`` (a ``ScheduleRecord``).
 """
 from __future__ import annotations
 
@@ -42,7 +33,7 @@ import torch
 
 from ..._logging import info_once
 from ..._typing import UserOutput
-from ..config import PlacementConfig, RuntimeConfig
+from ..config import RuntimeConfig
 from ..program.interpreter import EagerCompute, Interpreter
 from ..program.overlapped_io import FirstForwardCheck, OverlapSettings
 from ..program.runner import LossOf
@@ -83,15 +74,12 @@ def build_runner(model: torch.nn.Module, config: RuntimeConfig, training: bool,
                  example: tuple | None = None,
                  overlap: OverlapSettings | None = None
                  ) -> ModelParallelRunner | None:
-    """A runner for the model's execution strategy, or None when the model has no block
-    annotations and no strategy was set (the executor then runs it on one device).
-
-    ``config`` is the compiled model's :class:`~poptorch._runtime.config.RuntimeConfig`
-    (the only configuration the engine reads); ``config.placement.strategy`` is
-    the strategy in force. With ``example`` (``(args, kwargs)`` of a call), the model is
-    captured and split now, so its devices and the placement of its weights are known
-    before the weight sync and the optimizer are built; without it on the first call.
-    ``overlap``: the options the overlap markers' rules read (None: not checked)."""
+    """A runner for the model's execution strategy (``config.placement.strategy``), or
+    None when the model has no block annotations and no strategy was set (it then runs
+    on one device). With ``example`` (``(args, kwargs)`` of a call) the model is
+    captured and split now, so its devices and weights' placement are known before the
+    weight sync and the optimizer are built; else on the first call. ``overlap``: the
+    options the overlap markers' rules read (None: not checked)."""
     if not config.placement.strategy_given and not (
             has_static_annotations(model) or _forward_uses_blocks(model)):
         return None
@@ -100,12 +88,6 @@ def build_runner(model: torch.nn.Module, config: RuntimeConfig, training: bool,
     if example is not None:
         runner.compile_captured(*example)
     return runner
-
-
-def _single_ipu_pipeline(part: Partition) -> bool:
-    """A ``PipelinedExecution`` whose stages all sit on one IPU: not pipelined (as
-    upstream), so it runs as a plain model on that IPU."""
-    return kind_of(part.strategy) == PIPELINED and part.num_ipus == 1
 
 
 def _forward_uses_blocks(model: torch.nn.Module) -> bool:
@@ -159,8 +141,9 @@ class ModelParallelRunner:
         # Thread-local contexts of the program (set by the device loop), entered in
         # every worker thread.
         self.worker_contexts: list = []
-        first = devices[0] if devices else _ipu_device(0, config.placement)
-        self.input_device = first
+        from ... import _devices  # pylint: disable=import-outside-toplevel
+        self.input_device = devices[0] if devices else _devices.ipu_device(
+            0, config.placement.device_options)
 
     # ------------------------------------------------------------------ compile
     def compile_captured(self, args: tuple, kwargs: dict) -> Partition | None:
@@ -174,8 +157,7 @@ class ModelParallelRunner:
         except CaptureUnsupported as exc:
             self._why_sequential = f"it cannot be captured as a graph ({exc})"
             return None
-        part = resolve_partition(captured.trace, self.strategy, self.config,
-                                 self.training, 0)
+        part = resolve_partition(captured.trace, self.strategy, self.config, self.training)
         self.captured = captured
         staged = None
         if is_phased(self.strategy) and part.num_stages != part.num_phases:
@@ -201,13 +183,15 @@ class ModelParallelRunner:
             if part is not None:
                 return part
         trace = trace_blocks(self.model, args, kwargs, self.strategy)
-        part = resolve_partition(trace, self.strategy, self.config, self.training, 0)
+        part = resolve_partition(trace, self.strategy, self.config, self.training)
         self._set_partition(part)
         return part
 
     def _is_plain(self, part: Partition) -> bool:
-        return not is_phased(self.strategy) and (not part.has_blocks
-                                                 or _single_ipu_pipeline(part))
+        """No stage to place: no block, or a ``PipelinedExecution`` on one IPU (not
+        pipelined, as upstream)."""
+        return not is_phased(self.strategy) and (not part.has_blocks or (
+            kind_of(self.strategy) == PIPELINED and part.num_ipus == 1))
 
     def _set_partition(self, part: Partition) -> None:
         """Adopt ``part``: acquire the devices, place the weights on them and make the
@@ -367,8 +351,3 @@ class ModelParallelRunner:
         user made (the options hold a copy of it; see ``strategies._origin``)."""
         self.last_schedule = record
         publish_schedule(self.strategy, record)
-
-
-def _ipu_device(ipu: int, placement: PlacementConfig) -> torch.device:
-    from ... import _devices  # pylint: disable=import-outside-toplevel
-    return _devices.ipu_device(ipu, placement.device_options)

@@ -1,36 +1,23 @@
-"""Graph capture of an annotated model: the model's forward pass as a graph whose nodes
-carry the block they belong to, split into stages by ``stages.py``.
+"""Graph capture of an annotated model: its forward pass as a graph whose nodes carry
+the block they belong to (``BLOCK_META``), split into stages by ``stages.py``.
 
-:func:`capture` tries two tracers, as the compiled backend captures a step:
+:func:`capture` tries ``torch.export`` first (``export_capture.py``: the model runs
+once on fake tensors of the call's shapes, so ordinary shape code captures; the graph
+is checked against every later call's shapes), then ``torch.fx`` symbolic tracing
+(this module: proxies, any shape). A model with forward or backward hooks of its own
+is traced with fx first: an exported graph would run its hooks at capture only.
 
-1. ``torch.export`` (``export_capture.py``; second for a model with forward or
-   backward hooks of its own, which an exported graph runs at capture only): the
-   model's Python runs once on fake tensors of the call's real shapes, so ordinary
-   code such as ``torch.zeros(x.shape[0], 1, x.shape[-1], device=x.device)``
-   captures. The graph is checked against the shapes of every later call
-   (``CapturedModel.inputs_of``).
-2. ``torch.fx`` symbolic tracing (this module), where export fails (an output export
-   cannot return, for one): ``forward`` runs once with proxies, for any shape.
+The block annotations that only show while the model runs report to a listener that
+tags every node made afterwards with the current block (as ``pipe_split`` marks split
+points); for fx, a ``BeginBlock`` on a leaf module (one ``call_module`` node, whose
+hooks do not run) is reported by the tracer itself. The same pass yields the
+:class:`~.partition.BlockTrace` the partition rules need, without running a kernel.
+The overlap markers become nodes, checked and removed by :mod:`.io_markers`.
 
 A ``torch.autograd.Function`` whose backward reaches the outputs is kept by neither
-(both record its forward only): such a model is not captured.
-
-In both, the block annotations that only show while the model runs
-(``poptorch.Block``, ``BlockFunction``, ``IPU`` as a context manager, ``BeginBlock``
-hooks on non-leaf modules) report to a listener that tags every node created
-afterwards with the current block, the way ``torch.distributed.pipelining.pipe_split``
-marks split points. For fx, a ``BeginBlock`` on a leaf module (``torch.nn.Linear``:
-traced as one ``call_module`` node, its hooks do not run) is reported by the tracer
-itself.
-
-The same pass yields the :class:`~.partition.BlockTrace` the partition rules need (the
-blocks in order, their IPUs, which block uses which weight) without running a single
-kernel. The overlap markers (``set_overlap_for_input`` / ``set_overlap_for_output``)
-become nodes too, checked against PopTorch's rules on the graph and then removed
-(:mod:`.io_markers`). When neither tracer captures the model (data-dependent control
-flow, for one), :func:`capture` raises :class:`CaptureUnsupported` saying what
-stopped each and what to change, and the runtime runs the model's stages one after
-another (``sequential.py``).
+tracer (both record its forward only). When no tracer captures the model,
+:class:`CaptureUnsupported` says what stopped each and the runtime runs the stages one
+after another (``sequential.py``).
 """
 from __future__ import annotations
 
@@ -44,23 +31,22 @@ from torch.fx.node import Argument, Target
 
 from .. import context
 from ..program.overlapped_io import OverlapSettings
-from ..torch_internals import call_hooks, forward_pre_hooks, pytree
+from ..torch_internals import call_hooks, forward_pre_hooks
 from . import io_markers, markers, recompute
 from .captured import (
     BLOCK_META,
     CapturedModel,
     CaptureUnsupported,
     CustomBackward,
-    ShapeGuard,
-    is_traced_input,
+    bind_arguments,
     record_weight_users,
+    tracing,
 )
 from .export_capture import export_model
-from .partition import _Tracer
+from .partition import BlockRecorder
 from .strategy import ExecutionStrategy
 
-__all__ = ["BLOCK_META", "CaptureUnsupported", "CapturedModel", "CustomBackward",
-           "ShapeGuard", "capture", "check_markers", "trace_model"]
+__all__ = ["CaptureUnsupported", "CapturedModel", "capture", "check_markers", "trace_model"]
 
 #: what to change, said when neither tracer captures a model
 _ADVICE = ("to pipeline it, make its forward traceable by torch.export: no Python "
@@ -69,26 +55,17 @@ _ADVICE = ("to pipeline it, make its forward traceable by torch.export: no Pytho
            "plain Python values)")
 
 
-class _BlockTracer(torch.fx.Tracer):
-    """fx tracer + block listener: tags nodes with the block they were made in."""
+class _BlockTracer(BlockRecorder, torch.fx.Tracer):
+    """fx tracer + block recorder: tags nodes with the block they were made in."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.blocks = _Tracer(model)  # the block bookkeeping (sequence, IPUs, rules)
-        self.checkpoints = 0
+        super().__init__(model)
         self._making_args = False
         # fx's guards of the non-tensor arguments baked into the graph (checked by
         # CapturedModel.inputs_of instead): removed once traced
         self.guards: list[torch.fx.Node] = []
 
     # block listener ------------------------------------------------------------------
-    def reset_auto_id(self) -> None:
-        self.blocks.reset_auto_id()
-
-    def begin_block(self, user_id: str | int | None, ipu_id: int | None,
-                    layer: torch.nn.Module | None = None) -> None:
-        self.blocks.begin_block(user_id, ipu_id, layer=layer)
-
     def checkpoint(self, tensors: list) -> list:
         """A recomputation checkpoint becomes a node (``recompute.checkpoint_values``)
         that cuts its stage's recording into segments when the stage runs."""
@@ -128,9 +105,7 @@ class _BlockTracer(torch.fx.Tracer):
             return node
         # (overlap markers are no op of a block: removed once checked)
         if kind not in ("placeholder", "get_attr", "output") and not io_markers.is_marker(target):
-            if self.blocks.current is None:
-                self.blocks._enter_implicit()
-            node.meta[BLOCK_META] = self.blocks.current
+            node.meta[BLOCK_META] = self.block_now()
         return node
 
 
@@ -203,27 +178,15 @@ def trace_model(model: torch.nn.Module, args: tuple, kwargs: dict,
     signature = inspect.signature(model.forward)
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values()):
         raise CaptureUnsupported("forward takes *args or **kwargs")
-    bound = signature.bind(*args, **kwargs)
-    bound.apply_defaults()
-    concrete = {name: value for name, value in bound.arguments.items()
-                if not is_traced_input(value)}
-    for name, value in concrete.items():
-        if any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(value)):
-            raise CaptureUnsupported(f"argument {name!r} holds tensors and other values")
+    bound, concrete = bind_arguments(signature, args, kwargs)
     tracer = _BlockTracer(model)
     overlap = io_markers.GraphMarkers(tracer, dict(bound.arguments), model.forward, args,
                                       kwargs)
-    strategy.onStartTracing()
-    previous = markers.set_listener(tracer)
-    previous_checker = context.set_overlap_checker(overlap)
     losses_before = len(context.marked_losses())
     try:
-        with context.running_on_ipu(), recompute.recording(None):
+        with tracing(tracer, overlap, strategy):
             graph = tracer.trace(model, concrete_args=dict(concrete) or None)
     finally:
-        markers.set_listener(previous)
-        context.set_overlap_checker(previous_checker)
-        strategy.onEndTracing()
         marked = context.marked_losses()
         loss_proxies = marked[losses_before:]
         del marked[losses_before:]
@@ -232,7 +195,7 @@ def trace_model(model: torch.nn.Module, args: tuple, kwargs: dict,
         raise CaptureUnsupported("a loss was marked with a value that is not traced")
     _drop_baked_arguments(graph, tracer.guards, set(bound.arguments) - set(concrete))
     gm = torch.fx.GraphModule(model, graph, class_name=type(model).__name__ + "Captured")
-    trace = tracer.blocks.trace
+    trace = tracer.block_trace
     record_weight_users(gm, trace)
     placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"
                     and n.target in bound.arguments and n.target not in concrete]

@@ -1,14 +1,14 @@
 """What a capture yields: the block-tagged graph of a model's forward pass
 (:class:`CapturedModel`), and the checks a later call's arguments pass before the graph
 runs them (the non-tensor values it was captured with; for an exported graph, the
-shapes and dtypes of its tensors: :class:`ShapeGuard`).
-
-Shared by both captures (``capture.py``: ``torch.export``, then ``torch.fx``) and read
-by the stage split (``stages.py``) and the runner (``build.py``).
+shapes and dtypes of its tensors: :class:`ShapeGuard`). Shared by both captures
+(``capture.py``, ``export_capture.py``).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import sympy
@@ -16,9 +16,11 @@ import torch
 import torch.fx
 
 from ..._typing import UserInput
+from .. import context
 from ..torch_internals import pytree
-from . import io_markers
-from .partition import IMPLICIT_BLOCK, BlockTrace
+from . import io_markers, markers, recompute
+from .partition import BlockTrace
+from .strategy import ExecutionStrategy
 
 BLOCK_META = "poptorch_block"
 # export traces a symbolic size as neither 0 nor 1 (a branch on ``size > 1`` is
@@ -119,6 +121,35 @@ def is_traced_input(value: object) -> bool:
     return bool(leaves) and all(isinstance(v, torch.Tensor) for v in leaves)
 
 
+def bind_arguments(signature: inspect.Signature, args: tuple, kwargs: dict
+                   ) -> tuple[inspect.BoundArguments, dict[str, UserInput]]:
+    """A call's arguments bound (defaults applied), and the non-tensor ones among them
+    (baked into the graph); an argument mixing tensors and other values cannot be."""
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    concrete = {n: v for n, v in bound.arguments.items() if not is_traced_input(v)}
+    for name, value in concrete.items():
+        if any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(value)):
+            raise CaptureUnsupported(f"argument {name!r} holds tensors and other values")
+    return bound, concrete
+
+
+@contextlib.contextmanager
+def tracing(listener: markers.BlockListener, overlap: io_markers.GraphMarkers,
+            strategy: ExecutionStrategy) -> Iterator[None]:
+    """While a capture runs the model: ``listener`` hears the block annotations,
+    ``overlap`` the overlap markers, and recomputation checkpoints record nothing."""
+    strategy.onStartTracing()
+    previous_checker = context.set_overlap_checker(overlap)
+    try:
+        with markers.listening(listener), context.running_on_ipu(), \
+                recompute.recording(None):
+            yield
+    finally:
+        context.set_overlap_checker(previous_checker)
+        strategy.onEndTracing()
+
+
 def same_constant(a: object, b: object) -> bool:
     """Whether non-tensor argument ``a`` equals the captured ``b``."""
     try:
@@ -150,8 +181,7 @@ def record_weight_users(gm: torch.fx.GraphModule, trace: BlockTrace) -> None:
                 if block not in blocks:
                     blocks.append(block)
     if not trace.sequence:  # a forward with no operation at all
-        trace.sequence.append(IMPLICIT_BLOCK)
-        trace.ipu_of[IMPLICIT_BLOCK] = 0
+        trace.enter_implicit()
 
 
 def fetch_attr(gm: torch.nn.Module, target: str) -> object:

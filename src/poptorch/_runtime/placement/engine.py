@@ -1,32 +1,29 @@
 """The in-process execution engine: stage modules run by one worker per device.
 
 ``torch.distributed.pipelining`` runs one stage per process and moves activations with
-send / recv. Here all stages live in one process: each device (an IPU played by a GPU,
-or a "virtual IPU" on the CPU) gets one long-lived :class:`DeviceWorker` thread that
-executes its action list (``_runtime/schedule/schedules.py``) in order: the engine is
-the interpreter of a schedule, and activations cross from stage
-to stage through a mailbox (:class:`_Step`), as ``PipelineStage.forward_one_chunk`` /
-``backward_one_chunk`` do:
+send / recv. Here all stages live in one process: each device (an IPU played by a GPU
+or a "virtual IPU" on the CPU) has one long-lived :class:`DeviceWorker` thread that
+runs its action list (``_runtime/schedule/schedules.py``) in order, and activations
+cross stages through a mailbox (:class:`_Step`), as ``PipelineStage.forward_one_chunk``
+/ ``backward_one_chunk`` do:
 
-* forward of stage ``s`` on micro-batch ``m``: its inputs from earlier stages are
-  *detached* copies on its device with ``requires_grad`` (the boundary); the stage
-  module runs; the last stage also rebuilds the model's output and computes the loss;
-* backward: from the loss (last stage) and from the gradients that later stages left
-  on their boundary copies of this stage's outputs, ``torch.autograd.backward`` of the
-  stage's own graph; parameters accumulate their gradients across micro-batches. An
-  input half (``"I"``, :mod:`.split_backward`) hands the gradients of the stage's
-  inputs over first; its weight half (``"W"``) runs later on the same lane;
-* ``LOAD`` / ``STORE`` of a stage (phased execution): its weights moved to its device /
-  back to host memory, by the step's ``memory`` handler (``phased.StreamingMemory``).
+* forward: inputs from earlier stages are *detached* copies on the stage's device with
+  ``requires_grad`` (the boundary); the last stage also rebuilds the model's output and
+  computes the loss;
+* backward: ``torch.autograd.backward`` of the stage's own graph from the loss and from
+  the gradients later stages left on their boundary copies. An input half (``"I"``,
+  :mod:`.split_backward`) hands the input gradients over first; its weight half
+  (``"W"``) runs later on the same lane;
+* ``LOAD`` / ``STORE`` (phased execution): run by the step's ``memory`` handler.
 
 CPU workers each take ``cores / devices`` intra-op threads (``torch.set_num_threads``
-inside a thread sets that thread's OpenMP team size only; measured), so a 2-stage
-pipeline on 2 cores runs its stages on both cores at once: the kernels release the GIL.
-CUDA workers run on one stream per device and order cross-device reads with events
-(written with care, not verified on a GPU here).
+in a thread sets that thread's OpenMP team only; measured), so stages on different
+cores run at once: the kernels release the GIL. CUDA workers run on one stream per
+device and order cross-device reads with events (not verified on a GPU here).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import queue
@@ -44,6 +41,7 @@ from ..schedule.actions import MEMORY, Action, ActionKind
 from ..schedule.timeline import ScheduleEvent, ScheduleRecord
 from ..torch_internals import pytree
 from . import recompute, split_backward
+from .stagerun import cut_copy
 from .stages import StagedModel
 
 _T = TypeVar("_T")
@@ -128,12 +126,10 @@ class Engine:
         self.producers = [s.producers for s in staged.stages]
         self.consumers = [s.consumers for s in staged.stages]
         self.weights = [list(s.module.parameters()) for s in staged.stages]
-        used = sorted(set(stage_device))
-        cpu_lanes = sum(1 for d in used if devices[d].type == "cpu")
-        threads = max(1, cpu_cores() // max(1, cpu_lanes))
+        self._used = sorted(set(stage_device))
+        cpu_lanes = sum(1 for d in self._used if devices[d].type == "cpu")
+        self._threads = max(1, cpu_cores() // max(1, cpu_lanes))
         self.workers: dict[int, DeviceWorker] = {}
-        self._threads = threads
-        self._used = used
         self._finalizer: weakref.finalize | None = None
         self.worker_contexts: list = []
 
@@ -383,13 +379,7 @@ class _Step:
         """A producer's value as the consumer sees it: on its device and, in a cut
         pipeline, detached with ``requires_grad`` (the stage boundary)."""
         def cross(t: torch.Tensor) -> torch.Tensor:
-            if not self.cut:
-                return t.to(device)
-            copy = t.detach().to(device)
-            if t.requires_grad and torch.is_grad_enabled():
-                copy.requires_grad_(True)
-                pairs.append((t, copy))
-            return copy
+            return cut_copy(t, device, pairs) if self.cut else t.to(device)
         return pytree.tree_map_only(torch.Tensor, cross, value)
 
     # ------------------------------------------------------------ CUDA ordering
@@ -417,17 +407,8 @@ def _to(value: _T, device: torch.device) -> _T:
     return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), value)
 
 
-class _on_stream:
+def _on_stream(worker: DeviceWorker) -> contextlib.AbstractContextManager[object]:
     """Make a CUDA worker's stream current while it runs its lane."""
-
-    def __init__(self, worker: DeviceWorker) -> None:
-        self.context = (torch.cuda.stream(worker.stream) if worker.stream is not None
-                        else None)
-
-    def __enter__(self) -> None:
-        if self.context is not None:
-            self.context.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        if self.context is not None:
-            self.context.__exit__(*exc)
+    if worker.stream is None:
+        return contextlib.nullcontext()
+    return torch.cuda.stream(worker.stream)

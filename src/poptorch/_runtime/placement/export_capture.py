@@ -1,31 +1,22 @@
-"""Capture with ``torch.export``: the model's forward pass run once on fake tensors of
-the call's real shapes, so ordinary code captures (``torch.zeros(x.shape[0], 1,
-x.shape[-1], device=x.device)``, loops over sizes, ``len(x)``), as the compiled backend
-captures a step.
+"""Capture with ``torch.export`` (non-strict: the model's Python, hooks included, runs
+once on fake tensors of the call's real shapes), so ordinary code captures
+(``torch.zeros(x.shape[0], 1, device=x.device)``, loops over sizes, ``len(x)``).
 
-``torch.export`` (non-strict: the model's Python runs as it is, hooks included) records
-ATen operators. The block annotations report to :class:`_BlockAnnotator` (the block
-listener of ``markers.py``) while the model runs, which annotates every node recorded
-afterwards with its block (``torch.fx.traceback.annotate``: the node's
-``meta["custom"]``). Recomputation checkpoints and overlap markers are recorded as the
-operators of ``capture_ops.py``; the losses ``identity_loss`` marks become extra
-outputs. :func:`export_model` then rebuilds the exported program as the graph the
-stage split reads (the one the fx capture makes): one placeholder per forward
-parameter, the model's own parameters and buffers as ``get_attr`` nodes (no copy), the
-model's output structure, ``checkpoint_values`` and overlap marker nodes.
+Export records ATen operators only. The block annotations report to
+:class:`_BlockAnnotator`, which annotates every node recorded afterwards with its block
+(``fx_traceback.annotate``: ``meta["custom"]``); checkpoints and overlap markers are
+recorded as the operators of ``capture_ops.py``; the losses ``identity_loss`` marks
+become extra outputs. :func:`export_model` then rebuilds the program as the graph the
+fx capture makes: one placeholder per forward parameter, the model's own weights as
+``get_attr`` nodes (no copy), the model's output structure, ``checkpoint_values`` and
+overlap marker nodes.
 
-Dimension 0 of every input (the batch, which the call splits into micro-batches) is
-captured as a symbolic size where the model allows it (``Dim.AUTO``: from 2 up, as
-export traces sizes other than 0 and 1), so one graph runs the whole call's example
-and its micro-batches; :class:`~.captured.ShapeGuard` checks each micro-batch against
-what was captured (a micro-batch of 1 runs the stages one after another). A device
-baked in from the example (``device=x.device``) stands for the device of the node's
-stage (:func:`_stage_devices`).
-
-A ``torch.autograd.Function`` whose backward would reach the model's gradients cannot
-be kept by a captured graph (export, and fx symbolic tracing too, record its forward's
-operators only): such a model is not captured (:class:`~.captured.CustomBackward`), so
-its stages run eagerly, backward included.
+Dimension 0 of every input (the batch) is symbolic where the model allows it
+(``Dim.AUTO``: from 2 up, as export traces sizes other than 0 and 1), so one graph runs
+the call's example and its micro-batches, each checked by :class:`~.captured.ShapeGuard`.
+A device baked in from the example stands for the device of the node's stage
+(:func:`_stage_devices`). A ``torch.autograd.Function`` whose backward reaches the
+model's gradients cannot be kept (:class:`~.captured.CustomBackward`).
 """
 from __future__ import annotations
 
@@ -33,7 +24,7 @@ import contextlib
 import inspect
 import io
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import cast
 
 import sympy
@@ -48,18 +39,19 @@ from ..._typing import UserInput, UserOutput
 from .. import context
 from ..attributes import attribute_table
 from ..torch_internals import pytree
-from . import capture_ops, io_markers, markers, recompute
+from . import capture_ops, io_markers, recompute
 from .captured import (
     BLOCK_META,
     CapturedModel,
     CaptureUnsupported,
     CustomBackward,
     ShapeGuard,
+    bind_arguments,
     fetch_attr,
-    is_traced_input,
     record_weight_users,
+    tracing,
 )
-from .partition import IMPLICIT_BLOCK, BlockTrace, _Tracer
+from .partition import IMPLICIT_BLOCK, BlockRecorder, BlockTrace
 from .strategy import ExecutionStrategy
 
 _ROOT = "model"  # the model's attribute name in the exported wrapper
@@ -69,26 +61,22 @@ _CUSTOM = "custom"  # the node meta key fx_traceback.annotate fills
 _LIBRARY_BACKWARD = "GeneratedBackwardFor_"
 
 
-class _BlockAnnotator:
-    """Block listener while a model is exported: keeps the block bookkeeping and
-    annotates the nodes recorded from now on with the current block."""
+class _BlockAnnotator(BlockRecorder):
+    """Block listener while a model is exported: annotates the nodes recorded from now
+    on with the current block."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.blocks = _Tracer(model)  # the block bookkeeping (sequence, IPUs, rules)
+        super().__init__(model)
         self.training = model.training
-        self.checkpoints = 0
         self._scope = contextlib.ExitStack()
         # the model's output structure, kept as it runs (here: export restores the
         # exported module's own attributes): its leaves (traced ones: None), its spec
         self.output: list[UserOutput] = []  # [the leaves, their pytree spec]
 
-    def reset_auto_id(self) -> None:
-        self.blocks.reset_auto_id()
-
     def begin_block(self, user_id: str | int | None, ipu_id: int | None,
                     layer: torch.nn.Module | None = None) -> None:
-        self.blocks.begin_block(user_id, ipu_id, layer=layer)
-        self.tag(self.blocks.current)
+        super().begin_block(user_id, ipu_id, layer=layer)
+        self.tag(self.current)
 
     def tag(self, block: str | None) -> None:
         """Annotate the nodes recorded from now on with ``block``."""
@@ -168,13 +156,8 @@ def export_model(model: torch.nn.Module, args: tuple, kwargs: dict,
     overlap markers still nodes of the graph (for ``io_markers.finish``); raises
     whatever stopped the export."""
     signature = inspect.signature(model.forward)
-    bound = signature.bind(*args, **kwargs)
-    bound.apply_defaults()
-    names = [n for n, v in bound.arguments.items() if is_traced_input(v)]
-    concrete = {n: v for n, v in bound.arguments.items() if n not in names}
-    for name, value in concrete.items():
-        if any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(value)):
-            raise CaptureUnsupported(f"argument {name!r} holds tensors and other values")
+    bound, concrete = bind_arguments(signature, args, kwargs)
+    names = [n for n in bound.arguments if n not in concrete]
     values = tuple(bound.arguments[n] for n in names)
     listener = _BlockAnnotator(model)
     wrapper = _Forward(model, signature, names, concrete, listener)
@@ -223,23 +206,14 @@ def _batch_dims(values: tuple) -> tuple[object, ...]:
 def _listening(listener: _BlockAnnotator, overlap: io_markers.ExportMarkers,
                strategy: ExecutionStrategy) -> Iterator[None]:
     """The block listener, the overlap checker and node annotations while exporting."""
-    strategy.onStartTracing()
-    previous = markers.set_listener(listener)
-    previous_checker = context.set_overlap_checker(overlap)
-    try:
-        # (a training model's autograd graph shows the torch.autograd.Functions whose
-        # backward matters, even when it is captured under no_grad; what autograd
-        # saves of the fake tensors reaches no saved-tensors hook of the caller's)
-        with fx_traceback.preserve_node_meta(), context.running_on_ipu(), \
-                recompute.recording(None), torch.set_grad_enabled(
-                    torch.is_grad_enabled() or listener.training), \
-                torch.autograd.graph.saved_tensors_hooks(_same, _same):
-            yield
-    finally:
-        listener.close()
-        markers.set_listener(previous)
-        context.set_overlap_checker(previous_checker)
-        strategy.onEndTracing()
+    # (a training model's autograd graph shows the torch.autograd.Functions whose
+    # backward matters, even when it is captured under no_grad; what autograd saves of
+    # the fake tensors reaches no saved-tensors hook of the caller's)
+    with tracing(listener, overlap, strategy), contextlib.closing(listener), \
+            fx_traceback.preserve_node_meta(), torch.set_grad_enabled(
+                torch.is_grad_enabled() or listener.training), \
+            torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        yield
 
 
 #: PopTorch's name scope operators: names for the profiler only, that open in one
@@ -287,16 +261,18 @@ def _rebuild(program: ExportedProgram, model: torch.nn.Module, wrapper: _Forward
             env[node] = graph.call_function(recompute.checkpoint_values,
                                             tuple(env[a] for a in node.args[0]))
             env[node].meta.update(node.meta)
-        elif io_markers.is_export_marker(node.target):
+        elif capture_ops.is_overlap_marker(node.target):
             env[node] = overlap.adopt(graph, int(node.args[1]), env[node.args[0]])
             env[node].meta.update(node.meta)
         else:
             env[node] = graph.node_copy(node, lambda n: env[n])
     if user_leaves:
         raise CaptureUnsupported("the exported program reads fewer inputs than given")
-    trace = listener.blocks.trace
+    trace = listener.block_trace
     _tag_blocks(graph, trace)
-    _stage_devices(graph, _example_device(values), model)
+    example_device = next((leaf.device for leaf in pytree.tree_leaves(values)
+                           if isinstance(leaf, torch.Tensor)), torch.device("cpu"))
+    _stage_devices(graph, example_device, model)
     gm = torch.fx.GraphModule(attrs, graph, class_name=type(model).__name__ + "Captured")
     record_weight_users(gm, trace)
     return CapturedModel(gm, trace, signature, list(names), concrete, loss_nodes,
@@ -397,6 +373,7 @@ def _tag_blocks(graph: torch.fx.Graph, trace: BlockTrace) -> None:
     """Set every operation's block (``BLOCK_META``) from its annotation; an operation
     recorded outside any annotation (a size read when the inputs were made, the
     ``getitem`` picking an input) takes the block of its first user."""
+    order = {n: i for i, n in enumerate(graph.nodes)}.__getitem__
     for node in reversed(graph.nodes):
         if node.op in ("placeholder", "get_attr", "output") or io_markers.is_marker(
                 node.target):
@@ -404,19 +381,13 @@ def _tag_blocks(graph: torch.fx.Graph, trace: BlockTrace) -> None:
         custom = node.meta.get(_CUSTOM) or {}
         block = custom.get(BLOCK_META)
         if block is None:
-            block = next((u.meta[BLOCK_META] for u in sorted(node.users, key=_order(graph))
+            block = next((u.meta[BLOCK_META] for u in sorted(node.users, key=order)
                           if BLOCK_META in u.meta), None)
         if block is None:
             block = trace.sequence[0] if trace.sequence else IMPLICIT_BLOCK
         node.meta[BLOCK_META] = block
         if block == IMPLICIT_BLOCK and IMPLICIT_BLOCK not in trace.ipu_of:
-            trace.sequence.insert(0, IMPLICIT_BLOCK)  # (code before the first block)
-            trace.ipu_of[IMPLICIT_BLOCK] = 0
-
-
-def _order(graph: torch.fx.Graph) -> Callable[[torch.fx.Node], int]:
-    position = {n: i for i, n in enumerate(graph.nodes)}
-    return position.__getitem__
+            trace.enter_implicit()
 
 
 def _stage_devices(graph: torch.fx.Graph, device: torch.device,
@@ -454,13 +425,6 @@ def _holds_tensor(node: torch.fx.Node, device: torch.device,
             fetch_attr(model, target), torch.Tensor)
     value = node.meta.get("val")
     return isinstance(value, torch.Tensor) and value.device == device
-
-
-def _example_device(values: tuple) -> torch.device:
-    for leaf in pytree.tree_leaves(values):
-        if isinstance(leaf, torch.Tensor):
-            return leaf.device
-    return torch.device("cpu")
 
 
 def _guard(program: ExportedProgram) -> ShapeGuard:

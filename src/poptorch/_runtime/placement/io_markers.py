@@ -1,22 +1,19 @@
 """The overlap markers of a captured model: nodes of its graph, checked on the graph.
 
-While ``capture.py`` traces a model, ``set_overlap_for_input`` /
-``set_overlap_for_output`` (``ops/hints.py``) report to a :class:`GraphMarkers`
-(``context.overlap_checker()``), which adds one marker node per marked value (an
-:class:`ExportMarkers`, while ``torch.export`` captures the model, calls
-``capture_ops.overlap_marker`` instead, whose nodes :meth:`ExportMarkers.adopt` turns
-into the same marker nodes). Once the graph is traced, :meth:`GraphMarkers.record` reads the
-:class:`~..program.overlapped_io.MarkerRecord` of PopTorch's rules off it:
+While a model is captured, ``set_overlap_for_input`` / ``set_overlap_for_output``
+(``ops/hints.py``) report to a :class:`GraphMarkers` (``context.overlap_checker()``),
+which adds one marker node per marked value (:class:`ExportMarkers`, under
+``torch.export``, records ``capture_ops.overlap_marker`` calls and turns them into the
+same nodes). :meth:`GraphMarkers.record` then reads PopTorch's
+:class:`~..program.overlapped_io.MarkerRecord` off the graph:
 
-* the placeholders, and the ``getitem`` nodes that pick values out of a tuple, list or
-  dict placeholder, are the raw inputs (their values in the example call say which
-  input tensors they hold);
-* every other node that reads a raw input uses it (metadata reads such as ``x.shape``
-  or ``x.size()`` excepted), and so does the model's return when it returns one;
+* the placeholders, and the ``getitem`` nodes picking values out of a container
+  placeholder, are the raw inputs (the example call says which tensors they hold);
+* every other node reading a raw input uses it (metadata reads such as ``x.shape``
+  excepted), and so does the model's return when it returns one;
 * the leaves of the output node are what the model returns.
 
-:func:`finish` checks the rules (when the options are known) and removes the marker
-nodes: the stage modules never run them.
+:func:`finish` checks the rules and removes the marker nodes: stages never run them.
 """
 from __future__ import annotations
 
@@ -193,11 +190,6 @@ class ExportMarkers(GraphMarkers):
         node.meta[_MARKER_META] = (kind, order, mode)
         self.nodes.append(node)
         return node
-
-
-def is_export_marker(target: object) -> bool:
-    """Whether ``target`` is that of an exported marker (:class:`ExportMarkers`)."""
-    return capture_ops.is_overlap_marker(target)
 
 
 _NOTHING = object()

@@ -11,9 +11,10 @@ the runtime never imports the public annotations.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
-from typing import Protocol
+from collections.abc import Iterator
 
 import torch
 
@@ -30,16 +31,31 @@ STARTS_BLOCK_ATTR = "_poptorch_starts_block"
 BlockId = str | int | None
 
 
-class BlockListener(Protocol):
-    """What the annotations report to (module docstring): the capture's tracers, the
-    block tracer of ``partition.py``, a :class:`~.stagerun.StageRun`."""
+class BlockListener:
+    """What the annotations report to (module docstring): a ``BlockRecorder`` of
+    ``partition.py`` (the trace, both captures), a :class:`~.stagerun.StageRun`. This
+    base names the blocks (auto ids for None) and lets recomputation checkpoints through."""
 
-    def reset_auto_id(self) -> None: ...
+    _next_auto = 0  # the next automatic id (a class default: no __init__ to chain)
+
+    def reset_auto_id(self) -> None:
+        self._next_auto = 0
+
+    def block_id(self, user_id: BlockId) -> str:
+        """The block id of ``user_id`` (None: the next automatic id)."""
+        if user_id is None:
+            user_id = self._next_auto
+            self._next_auto += 1
+        return str(user_id)
 
     def begin_block(self, user_id: BlockId, ipu_id: int | None,
-                    layer: torch.nn.Module | None = None) -> None: ...
+                    layer: torch.nn.Module | None = None) -> None:
+        """A block starts (``layer``: the annotated module starting it, if any)."""
+        raise NotImplementedError
 
-    def checkpoint(self, tensors: list) -> list: ...
+    def checkpoint(self, tensors: list) -> list:
+        """A recomputation checkpoint of ``tensors``: what the model goes on with."""
+        return tensors
 
 
 def current_listener() -> BlockListener | None:
@@ -49,9 +65,19 @@ def current_listener() -> BlockListener | None:
 
 def set_listener(listener: BlockListener | None) -> BlockListener | None:
     """Install ``listener`` for this thread; returns the previous one (to restore)."""
-    previous = getattr(_listener_state, "listener", None)
+    previous = current_listener()
     _listener_state.listener = listener
     return previous
+
+
+@contextlib.contextmanager
+def listening(listener: BlockListener) -> Iterator[BlockListener]:
+    """Install ``listener`` as this thread's block listener (the previous one after)."""
+    previous = set_listener(listener)
+    try:
+        yield listener
+    finally:
+        set_listener(previous)
 
 
 def begin_block(user_id: BlockId, ipu_id: int | None,

@@ -27,22 +27,6 @@ from .strategy import PARALLEL_PHASED, PIPELINED, ExecutionStrategy, is_phased, 
 IMPLICIT_BLOCK = "<before first block>"
 
 
-class BlockNamer:
-    """Turns the ``user_id`` given to a block into its block id (auto ids for None)."""
-
-    def __init__(self) -> None:
-        self._next_auto = 0
-
-    def reset_auto_id(self) -> None:
-        self._next_auto = 0
-
-    def name(self, user_id: markers.BlockId) -> str:
-        if user_id is None:
-            user_id = self._next_auto
-            self._next_auto += 1
-        return str(user_id)
-
-
 @dataclass
 class BlockTrace:
     """What one traced forward pass showed."""
@@ -52,71 +36,71 @@ class BlockTrace:
     tensor_names: dict[int, str] = field(default_factory=dict)
     begin_block_layers: list[markers.BeginBlockHook] = field(default_factory=list)  # in call order
 
+    def enter_implicit(self) -> str:
+        """Put the implicit block (code before the first block, on IPU 0) first in the
+        sequence; returns its id."""
+        self.sequence.insert(0, IMPLICIT_BLOCK)
+        self.ipu_of[IMPLICIT_BLOCK] = 0
+        return IMPLICIT_BLOCK
 
-class _Tracer(TorchFunctionMode):
-    """Block listener + torch function mode recording blocks and weight usage."""
+
+class BlockRecorder(markers.BlockListener):
+    """Base of the listeners tracing a model (this module's, both captures'): records the
+    blocks entered in ``block_trace`` and enforces the rule on their IPUs. Cooperative
+    (``super().__init__()``), to be mixed with a torch function mode or an fx tracer."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
-        self.trace = BlockTrace()
-        self.namer = BlockNamer()
+        self.block_trace = BlockTrace()
         self.current: str | None = None
-        self._weights = {id(t): n for n, t in model.named_parameters()}
-        self._weights.update({id(t): n for n, t in model.named_buffers()})
-        self.trace.tensor_names = dict(self._weights)
+        self.checkpoints = 0  # recomputation checkpoints recorded (by the captures)
+        names = self.block_trace.tensor_names
+        names.update({id(t): n for n, t in model.named_parameters()})
+        names.update({id(t): n for n, t in model.named_buffers()})
 
-    # block listener
-    def reset_auto_id(self) -> None:
-        self.namer.reset_auto_id()
-
-    def begin_block(self, user_id: str | int | None, ipu_id: int | None,
+    def begin_block(self, user_id: markers.BlockId, ipu_id: int | None,
                     layer: torch.nn.Module | None = None) -> None:
-        block = self.namer.name(user_id)
-        known = self.trace.ipu_of.get(block, ipu_id)
-        if block in self.trace.ipu_of and ipu_id is not None and known != ipu_id:
+        block, trace = self.block_id(user_id), self.block_trace
+        known = trace.ipu_of.get(block, ipu_id)
+        if block in trace.ipu_of and ipu_id is not None and known != ipu_id:
             raise Error(f"Block {block!r} is placed on IPU {known} and on IPU {ipu_id}: "
                         "blocks with the same user_id are one block and run on one IPU.")
-        self.trace.ipu_of[block] = ipu_id if known is None else known
+        trace.ipu_of[block] = ipu_id if known is None else known
         if layer is not None:
             hook = markers.begin_block_of(layer)
-            if hook is not None and hook not in self.trace.begin_block_layers:
-                self.trace.begin_block_layers.append(hook)
-        if not self.trace.sequence or self.trace.sequence[-1] != block:
-            self.trace.sequence.append(block)
+            if hook is not None and hook not in trace.begin_block_layers:
+                trace.begin_block_layers.append(hook)
+        if not trace.sequence or trace.sequence[-1] != block:
+            trace.sequence.append(block)
         self.current = block
 
-    def checkpoint(self, tensors: list) -> list:
-        return tensors
+    def block_now(self) -> str:
+        """The current block; before the first one, the implicit block (entered now)."""
+        if self.current is None:
+            self.current = self.block_trace.enter_implicit()
+        return self.current
 
-    # torch function mode
+
+class _Tracer(BlockRecorder, TorchFunctionMode):
+    """Block recorder + torch function mode recording which block uses which weight."""
+
     def __torch_function__(self, func: Callable[..., object], types: Collection[type],
                            args: tuple[object, ...] = (),
                            kwargs: dict[str, object] | None = None) -> object:
         kwargs = kwargs or {}
+        block = self.block_now()
         for t in pytree.tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and id(t) in self._weights:
-                block = self.current if self.current is not None else self._enter_implicit()
-                users = self.trace.users.setdefault(id(t), [])
+            if isinstance(t, torch.Tensor) and id(t) in self.block_trace.tensor_names:
+                users = self.block_trace.users.setdefault(id(t), [])
                 if block not in users:
                     users.append(block)
-        if self.current is None:
-            self._enter_implicit()
         return func(*args, **kwargs)
-
-    def _enter_implicit(self) -> str:
-        """Enter the implicit block (code before the first block); returns its id."""
-        self.current = IMPLICIT_BLOCK
-        self.trace.sequence.append(IMPLICIT_BLOCK)
-        self.trace.ipu_of[IMPLICIT_BLOCK] = 0
-        return IMPLICIT_BLOCK
 
 
 def has_static_annotations(model: torch.nn.Module) -> bool:
     """True when BeginBlock / LegacyBeginBlockFn / IPU annotations are visible in the
     module tree (Block and BlockFunction only show when forward runs)."""
-    return any(
-        markers.starts_block(m)
-        for m in model.modules())
+    return any(markers.starts_block(m) for m in model.modules())
 
 
 def trace_blocks(model: torch.nn.Module, args: tuple, kwargs: dict,
@@ -126,19 +110,17 @@ def trace_blocks(model: torch.nn.Module, args: tuple, kwargs: dict,
     saved_buffers = [(b, b.detach().clone()) for b in model.buffers()]
     cuda = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
     strategy.onStartTracing()
-    previous = markers.set_listener(tracer)
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda), \
-                context.running_on_ipu(), tracer:
+        with markers.listening(tracer), torch.no_grad(), \
+                torch.random.fork_rng(devices=cuda), context.running_on_ipu(), tracer:
             model(*args, **kwargs)
     finally:
-        markers.set_listener(previous)
         strategy.onEndTracing()
         context.take_marked_losses()
         with torch.no_grad():
             for buffer, value in saved_buffers:
                 buffer.copy_(value)
-    return tracer.trace
+    return tracer.block_trace
 
 
 @dataclass
@@ -169,20 +151,14 @@ class Partition:
         return any(b != IMPLICIT_BLOCK for b in self.sequence)
 
 
-def _kind(strategy: ExecutionStrategy) -> str:
-    return type(strategy).__name__
-
-
 def resolve_partition(trace: BlockTrace, strategy: ExecutionStrategy, config: RuntimeConfig,
-                      training: bool, num_microbatches: int) -> Partition:
+                      training: bool) -> Partition:
     """Apply ``strategy`` to the traced blocks and enforce the rules (module docstring);
     ``config``: the compiled model's options (pipeline depth against g / d)."""
     _check_begin_block_order(trace)
-    if is_phased(strategy):
-        stages, block_stage, num_phases = _phased_stages(trace, strategy)
-    else:
-        stages, block_stage = _pipeline_stages(trace, strategy)
-        num_phases = 0
+    stages_of = _phased_stages if is_phased(strategy) else _pipeline_stages
+    stages, block_stage, num_phases = stages_of(trace, strategy, type(strategy).__name__,
+                                                list(dict.fromkeys(trace.sequence)))
     weight_stage = _check_weights(trace, stages, block_stage)
     num_ipus = max(s.ipu for s in stages) + 1
     part = Partition(strategy, stages, block_stage, list(trace.sequence), num_ipus,
@@ -208,10 +184,10 @@ def _label(user_id: str | int | None, ipu_id: int | None) -> str:
     return f"user_id={user_id!r}, ipu_id={ipu_id!r}"
 
 
-def _pipeline_stages(trace: BlockTrace, strategy: ExecutionStrategy
-                     ) -> tuple[list[StagePlan], dict[str, int]]:
-    name = _kind(strategy)
-    blocks = list(dict.fromkeys(trace.sequence))
+def _pipeline_stages(trace: BlockTrace, strategy: ExecutionStrategy, name: str,
+                     blocks: list[str]) -> tuple[list[StagePlan], dict[str, int], int]:
+    """The stages of a pipelined or sharded ``strategy`` (``name``) over the ``blocks``
+    entered (no phases)."""
     stage_key: dict[str, int] = {}
     ipu_of_key: dict[int, int] = {}
     if strategy.auto_stage is not None:
@@ -232,59 +208,74 @@ def _pipeline_stages(trace: BlockTrace, strategy: ExecutionStrategy
                 ipu_of_key[next_stage] = next_stage if ipu is None else ipu
                 next_stage += 1
     else:
-        explicit = strategy._explicit_stages()
-        implicit = IMPLICIT_BLOCK in blocks
-        for i, stage in enumerate(explicit):
+        for i, stage in enumerate(strategy._explicit_stages()):
             ipus: set = {trace.ipu_of.get(b) for b in stage.blocks} - {None}
             if stage._ipu is None and len(ipus) > 1:
                 raise Error(f"{stage!r} of {name} has blocks on different IPUs {sorted(ipus)}: "
                             "a stage runs on one IPU. Set it with Stage(...).ipu(n).")
             ipu_of_key[i] = (stage._ipu if stage._ipu is not None else
                              (ipus.pop() if ipus else i))
-            for block in stage.blocks:
-                if block not in blocks:
-                    raise Error(f"{stage!r} of {name} names block {block!r}, which the model "
-                                f"never entered (blocks entered: {_user_blocks(blocks)}). "
-                                "Remove it or fix its user_id.")
-                stage_key[block] = i
-        for block in blocks:
-            if block not in stage_key and block != IMPLICIT_BLOCK:
-                raise Error(f"Block {block!r} is not in any Stage of {name}: add it to one, "
-                            f"e.g. poptorch.Stage({block!r}).")
-        if implicit:  # code before the first block joins the first block's stage
-            first = next((b for b in trace.sequence if b != IMPLICIT_BLOCK), None)
-            stage_key[IMPLICIT_BLOCK] = stage_key[first] if first is not None else 0
+            _check_entered(f"{stage!r} of {name}", stage.blocks, blocks,
+                           " Remove it or fix its user_id.")
+            stage_key.update(dict.fromkeys(stage.blocks, i))
+        if (missing := _unplaced(blocks, stage_key)) is not None:
+            raise Error(f"Block {missing!r} is not in any Stage of {name}: add it to one, "
+                        f"e.g. poptorch.Stage({missing!r}).")
+        if _place_implicit(trace.sequence, stage_key):
             ipu_of_key.setdefault(0, 0)
-    if kind_of(strategy) == PIPELINED:
-        _check_ascending(trace.sequence, stage_key, name)
+    if kind_of(strategy) == PIPELINED and (
+            pair := _descent(trace.sequence, stage_key.__getitem__)) is not None:
+        before, after = pair
+        raise Error(
+            f"Block {after!r} (stage {stage_key[after]}) runs after block {before!r} "
+            f"(stage {stage_key[before]}): in {name} stage ids must ascend in the order "
+            "the blocks run. Use poptorch.AutoStage.AutoIncrement, or assign the stages "
+            "explicitly with poptorch.Stage.")
     keys = sorted(set(stage_key.values()))
     index_of = {k: i for i, k in enumerate(keys)}
     stages = [StagePlan(i, ipu_of_key[k], [b for b in blocks if stage_key[b] == k])
               for i, k in enumerate(keys)]
-    return stages, {b: index_of[k] for b, k in stage_key.items()}
+    return stages, {b: index_of[k] for b, k in stage_key.items()}, 0
 
 
-def _user_blocks(blocks: list[str]) -> list[str]:
-    return [b for b in blocks if b != IMPLICIT_BLOCK]
+def _check_entered(stage: str, named: list[str], blocks: list[str], advice: str = "") -> None:
+    """Refuse a block that ``stage`` (as the message names it) lists, ``named``, but
+    that is not among the ``blocks`` the model entered."""
+    for block in named:
+        if block not in blocks:
+            user_blocks = [b for b in blocks if b != IMPLICIT_BLOCK]
+            raise Error(f"{stage} names block {block!r}, which the model never "
+                        f"entered (blocks entered: {user_blocks}).{advice}")
 
 
-def _check_ascending(sequence: list[str], stage_key: dict[str, int], name: str) -> None:
-    for before, after in itertools.pairwise(sequence):
-        if stage_key[after] < stage_key[before]:
-            raise Error(
-                f"Block {after!r} (stage {stage_key[after]}) runs after block {before!r} "
-                f"(stage {stage_key[before]}): in {name} stage ids must ascend in the order "
-                "the blocks run. Use poptorch.AutoStage.AutoIncrement, or assign the stages "
-                "explicitly with poptorch.Stage.")
+def _unplaced(blocks: list[str], placed: dict[str, int]) -> str | None:
+    """The first user block of ``blocks`` that no stage holds (None: all placed)."""
+    return next((b for b in blocks if b not in placed and b != IMPLICIT_BLOCK), None)
 
 
-def _phased_stages(trace: BlockTrace, strategy: ExecutionStrategy
-                   ) -> tuple[list[StagePlan], dict[str, int], int]:
-    name = _kind(strategy)
+def _place_implicit(sequence: list[str], stage_of: dict[str, int]) -> bool:
+    """Put the implicit block, if entered, in the first block's stage (stage 0 when it is
+    the only block); whether it was entered."""
+    if IMPLICIT_BLOCK not in sequence:
+        return False
+    first = next((b for b in sequence if b != IMPLICIT_BLOCK), None)
+    stage_of[IMPLICIT_BLOCK] = stage_of[first] if first is not None else 0
+    return True
+
+
+def _descent(sequence: list[str], key: Callable[[str], int]) -> tuple[str, str] | None:
+    """The first two consecutive blocks of ``sequence`` whose ``key`` goes down."""
+    return next(((before, after) for before, after in itertools.pairwise(sequence)
+                 if key(after) < key(before)), None)
+
+
+def _phased_stages(trace: BlockTrace, strategy: ExecutionStrategy, name: str,
+                   blocks: list[str]) -> tuple[list[StagePlan], dict[str, int], int]:
+    """The stages of a phased ``strategy`` (``name``) over the ``blocks`` entered, and
+    the number of phases."""
     phases = strategy.phases
     if not phases:
         raise Error(f"{name} needs at least one poptorch.Phase.")
-    blocks = list(dict.fromkeys(trace.sequence))
     stages: list[StagePlan] = []
     block_stage: dict[str, int] = {}
     group = len(phases[0].stages)
@@ -313,25 +304,20 @@ def _phased_stages(trace: BlockTrace, strategy: ExecutionStrategy
             used[ipu] = stage
             index = len(stages)
             stages.append(StagePlan(index, ipu, list(stage.blocks), phase=p))
-            for block in stage.blocks:
-                if block not in blocks:
-                    raise Error(f"{stage!r} of phase {p} names block {block!r}, which the "
-                                f"model never entered (blocks entered: {_user_blocks(blocks)}).")
-                block_stage[block] = index
-    for block in blocks:
-        if block not in block_stage and block != IMPLICIT_BLOCK:
-            raise Error(f"Block {block!r} is not in any Phase of {name}: add a "
-                        f"poptorch.Stage({block!r}) to one of its phases.")
-    if IMPLICIT_BLOCK in blocks:
-        first = next((b for b in trace.sequence if b != IMPLICIT_BLOCK), None)
-        block_stage[IMPLICIT_BLOCK] = block_stage[first] if first is not None else 0
-    for before, after in zip(trace.sequence, trace.sequence[1:], strict=False):
-        # (phased partitions give every stage its phase)
-        pb, pa = stages[block_stage[before]].phase or 0, stages[block_stage[after]].phase or 0
-        if pa < pb:
-            raise Error(f"Block {after!r} (phase {pa}) runs after block {before!r} (phase "
-                        f"{pb}): in {name} phases run one after another, so the blocks of a "
-                        "phase must run after those of every earlier phase.")
+            _check_entered(f"{stage!r} of phase {p}", stage.blocks, blocks)
+            block_stage.update(dict.fromkeys(stage.blocks, index))
+    if (missing := _unplaced(blocks, block_stage)) is not None:
+        raise Error(f"Block {missing!r} is not in any Phase of {name}: add a "
+                    f"poptorch.Stage({missing!r}) to one of its phases.")
+    _place_implicit(trace.sequence, block_stage)
+
+    def phase_of(block: str) -> int:  # (phased partitions give every stage its phase)
+        return stages[block_stage[block]].phase or 0
+    if (pair := _descent(trace.sequence, phase_of)) is not None:
+        before, after = pair
+        raise Error(f"Block {after!r} (phase {phase_of(after)}) runs after block {before!r} "
+                    f"(phase {phase_of(before)}): in {name} phases run one after another, so "
+                    "the blocks of a phase must run after those of every earlier phase.")
     return stages, block_stage, len(phases)
 
 
@@ -378,14 +364,5 @@ def _check_pipeline_depth(part: Partition, config: RuntimeConfig, training: bool
                 "poptorch.ShardedExecution.")
 
 
-__all__ = [
-    "IMPLICIT_BLOCK",
-    "BlockNamer",
-    "BlockTrace",
-    "Partition",
-    "StagePlan",
-    "has_static_annotations",
-    "is_pipelined",
-    "resolve_partition",
-    "trace_blocks",
-]
+__all__ = ["IMPLICIT_BLOCK", "BlockRecorder", "BlockTrace", "Partition", "StagePlan",
+           "has_static_annotations", "is_pipelined", "resolve_partition", "trace_blocks"]

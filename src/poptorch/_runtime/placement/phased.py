@@ -1,20 +1,14 @@
-"""Phased execution: streaming memory (the phased schedules are in
+"""Phased execution's streaming memory (the phased schedules are in
 ``_runtime/schedule/schedules.py``).
 
-Phases run one after another (serial), or alternate between the even and the odd IPUs
-(parallel: two lanes, so phase ``p + 1`` of one micro-batch can overlap phase ``p`` of
-the next). All micro-batches go through a phase before the next phase starts, so a
-phase's weights are loaded once per step.
-
-*Streaming memory* is host memory. A phase's weights are *streamed* when the strategy's
-:py:class:`~poptorch.Liveness` is not ``AlwaysLive`` or when
-``opts.TensorLocations`` puts weights off chip (``onChip: False``, tensors of at least
-``minElementsForOffChip`` elements): they are on their IPU's device only while their
-phase runs, and in host memory (where the optimizer then updates them) otherwise.
-Activations saved for the backward pass are kept in host memory between the forward
-and backward passes when the liveness is ``OffChipAfterFwd``,
-``OffChipAfterFwdNoOverlap`` or ``OffChipAfterEachPhase`` or when activations are put
-off chip.
+All micro-batches go through a phase before the next one starts, so a phase's weights
+are loaded once per step. *Streaming memory* is host memory. A phase's weights are
+streamed (on their IPU's device only while their phase runs, in host memory, where the
+optimizer updates them, otherwise) when the strategy's :py:class:`~poptorch.Liveness`
+is not ``AlwaysLive`` or ``opts.TensorLocations`` puts weights off chip (``onChip:
+False``, at least ``minElementsForOffChip`` elements). Activations saved for the
+backward pass wait in host memory when the liveness is not ``AlwaysLive`` or
+activations are put off chip.
 """
 from __future__ import annotations
 
@@ -40,7 +34,7 @@ def _location_off_chip(settings: object, numel: int) -> bool:
 
 class StreamingMemory:
     """Moves each phase's weights between host memory and the phase's devices, and
-    accounts for what is resident (``peak_resident_bytes``, ``streamed_bytes``): the
+    accounts for what is resident (``resident_bytes``, ``peak_resident_bytes``): the
     ``LOAD`` / ``STORE`` actions of the phased schedules (:py:meth:`load`,
     :py:meth:`store`; thread-safe: parallel phases run two lanes at once)."""
 
@@ -71,7 +65,6 @@ class StreamingMemory:
         self.resident: dict[int, bool] = dict.fromkeys(self._phase_weights, False)
         self.resident_bytes = 0
         self.peak_resident_bytes = 0
-        self.streamed_bytes = 0
         self.loads: list[int] = []  # phases loaded, in order
         self._lock = threading.Lock()
         for t in self._pinned:
@@ -88,7 +81,6 @@ class StreamingMemory:
                 return
             for t in self._phase_weights[phase]:
                 self._move(t, self._device_of[id(t)])
-                self.streamed_bytes += _nbytes(t)
             self.resident[phase] = True
             self.resident_bytes += sum(_nbytes(t) for t in self._phase_weights[phase])
             self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
@@ -117,8 +109,6 @@ class StreamingMemory:
             return
         for t in self._phase_weights[phase]:
             self._move(t, HOST)
-            if count:
-                self.streamed_bytes += _nbytes(t)
         if count:
             self.resident_bytes -= sum(_nbytes(t) for t in self._phase_weights[phase])
         self.resident[phase] = False

@@ -1,21 +1,17 @@
 """A pipelined model whose stages run in separate processes (``torchrun``).
 
 With ``Options.Distributed.stagesOnProcesses()`` the model is captured and split into
-stage modules once, at compile time, exactly as for the in-process engine
-(:mod:`.capture`, :mod:`.stages`); then process ``p`` keeps stage ``p % stages`` of
-pipeline replica ``p // stages`` (:mod:`..distributed.stage_processes`) and runs it with
-``torch.distributed.pipelining``: a ``PipelineStage`` and a ``ScheduleGPipe`` /
-``Schedule1F1B`` over the step's micro-batches. Activations and their gradients travel
-between neighbouring processes (gloo on the CPU, NCCL between GPUs), so a pipeline
-can span machines and, on the CPU, each stage has a Python interpreter of its own.
+stage modules as for the in-process engine; process ``p`` keeps stage ``p % stages`` of
+pipeline replica ``p // stages`` (:mod:`..distributed.stage_processes`) and runs it
+with ``torch.distributed.pipelining`` (a ``PipelineStage`` and ``ScheduleGPipe`` /
+``Schedule1F1B``); activations and gradients travel between neighbouring processes.
 
-``torch.distributed.pipelining`` only links neighbouring stages, so each stage module
-is wrapped (:class:`_StageAdapter`) to forward the values a later stage reads from an
-earlier one; model inputs are not sent: every process of a pipeline is called with the
-same batch and each stage reads the inputs it needs as keyword arguments (which the
-schedule hands to every stage). The last stage assembles the model's output, computes
-the loss (PopTorch's, through the program's ``loss_of``) and broadcasts the outputs to
-the other processes of its pipeline, so every process returns what PopTorch returns.
+torch only links neighbouring stages, so each stage module is wrapped
+(:class:`_StageAdapter`) to pass on the values a later stage reads from an earlier one.
+Model inputs are not sent: every process of a pipeline is called with the same batch
+and each stage reads the inputs it needs as keyword arguments. The last stage rebuilds
+the model's output, computes PopTorch's loss and broadcasts the outputs to the other
+processes of its pipeline, so every process returns what PopTorch returns.
 """
 from __future__ import annotations
 
@@ -42,7 +38,7 @@ from ..schedule.timeline import PROCESSES, ScheduleEvent, ScheduleRecord
 from ..torch_internals import pytree
 from . import recompute
 from .capture import CapturedModel, check_markers, trace_model
-from .partition import Partition, resolve_partition
+from .partition import resolve_partition
 from .stages import StagedModel, StageModule, split_stages
 from .strategy import (
     PIPELINED,
@@ -181,7 +177,7 @@ class StageProcessRunner:
         self.input_device = self.device
         self.last_schedule: ScheduleRecord | None = None
         captured = _capture_or_explain(model, example, strategy, overlap)
-        part = resolve_partition(captured.trace, strategy, config, training, 0)
+        part = resolve_partition(captured.trace, strategy, config, training)
         world = world_module.join(config.distributed.process_id,
                                   config.distributed.num_processes, self.device)
         stage_processes.check_world(world, part.num_stages)
@@ -197,12 +193,11 @@ class StageProcessRunner:
             "schedule": schedule_name(strategy)})
         self.layout = stage_processes.make_layout(world, part.num_stages)
         self.captured: CapturedModel = captured
-        self.partition: Partition = part
         self.staged = staged
-        self.adapters = _plan_adapters(staged)
-        self.adapter = self.adapters[self.layout.stage]
+        adapters = _plan_adapters(staged)
+        self.adapter = adapters[self.layout.stage]
         self._needs = [sorted({x for kind, x in a.in_plan if kind == "input"})
-                       for a in self.adapters]
+                       for a in adapters]
         self._schedules: dict = {}
         self._inputs_checked = False
         self._final_only = config.output_mode == OutputMode.Final.value

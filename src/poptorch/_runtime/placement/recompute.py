@@ -6,27 +6,27 @@ operation of the forward pass (a *tape*, holding only the tensors that come from
 the segment: weights, inputs, earlier checkpoints), and a saved-tensors hook decides
 what autograd keeps for the backward pass:
 
-* tensors made inside the segment are dropped when the segment closes (at the next
-  checkpoint, or when the model's forward returns); the first backward node that needs
-  one replays the segment's tape from its inputs (no grad, same random numbers) and
-  the recomputed values are handed out, each freed once used;
-* the checkpointed tensors, and tensors from outside the segment, are kept as usual
-  (through any enclosing saved-tensors hooks, e.g. ``save_on_cpu``).
+* tensors made inside the segment are dropped when the segment closes; the first
+  backward node that needs one replays the segment's tape (no grad, same random
+  numbers) and hands the recomputed values out, each freed once used;
+* checkpointed tensors and tensors from outside the segment are kept as usual (through
+  any enclosing saved-tensors hooks, e.g. ``save_on_cpu``).
 
-A forward pass that calls no checkpoint keeps everything. The recording starts and
-stops with the model's forward: forward hooks on the outermost module, installed the
-first time the model calls a checkpoint inside an executor (that first forward pass is
-therefore not recomputed; every later one is).
+The recording starts and stops with the model's forward: hooks on the outermost
+module, installed the first time it calls a checkpoint inside an executor (so that
+first forward pass is not recomputed; every later one is). A stage of the engine is
+recorded by :func:`recording` instead.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import sys
 import threading
 import weakref
-from collections.abc import Collection, Hashable
+from collections.abc import Collection, Hashable, Iterator
 from types import FrameType
-from typing import Protocol, cast
+from typing import NamedTuple, Protocol, cast
 
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -51,7 +51,6 @@ Ref = tuple[int, int]  # (index of the op in the tape, index of the output tenso
 _state = threading.local()
 _hooked_models: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 _hook_lock = threading.Lock()
-_CALL_IMPL = MODULE_CALL_CODE
 
 
 class _Operator(Protocol):
@@ -92,28 +91,22 @@ def checkpoint_values(*tensors: torch.Tensor) -> tuple:
     return tensors
 
 
-class recording:
+@contextlib.contextmanager
+def recording(owner: torch.nn.Module | None) -> Iterator[None]:
     """Record the forward pass of ``owner`` (one stage of the engine) in this thread,
     cut into segments by :func:`checkpoint_values`. ``owner=None``: swallow checkpoint
     calls (while a model is captured, no hooks are installed)."""
-
-    def __init__(self, owner: torch.nn.Module | None) -> None:
-        self.owner = owner
-        self.rec: ForwardRecording | _Swallow | None = None
-        self.previous: ForwardRecording | _Swallow | None = None
-
-    def __enter__(self) -> recording:
-        self.previous = getattr(_state, "recording", None)
-        self.rec = _Swallow() if self.owner is None else ForwardRecording(self.owner)
-        _state.recording = self.rec
-        if isinstance(self.rec, ForwardRecording):  # (self.owner is not None)
-            self.rec.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        _state.recording = self.previous
-        if isinstance(self.rec, ForwardRecording):  # (self.owner is not None)
-            self.rec.finish()
+    previous = getattr(_state, "recording", None)
+    rec = _Swallow() if owner is None else ForwardRecording(owner)
+    _state.recording = rec
+    if isinstance(rec, ForwardRecording):
+        rec.start()
+    try:
+        yield
+    finally:
+        _state.recording = previous
+        if isinstance(rec, ForwardRecording):
+            rec.finish()
 
 
 class _Swallow:
@@ -127,7 +120,7 @@ def _hook_outermost_module() -> None:
     frame: FrameType | None = sys._getframe(2)
     model = None
     while frame is not None:
-        if frame.f_code is _CALL_IMPL:
+        if frame.f_code is MODULE_CALL_CODE:
             candidate = frame.f_locals.get("self")
             if isinstance(candidate, torch.nn.Module):
                 model = candidate
@@ -142,11 +135,12 @@ def hook_model(model: torch.nn.Module) -> None:
         if model in _hooked_models:
             return
         _hooked_models.add(model)
-    model.register_forward_pre_hook(_start_forward)
-    model.register_forward_hook(_end_forward, always_call=True)
+    model.register_forward_pre_hook(start_forward_hook)
+    model.register_forward_hook(end_forward_hook, always_call=True)
 
 
-def _start_forward(module: torch.nn.Module, args: tuple) -> None:
+def start_forward_hook(module: torch.nn.Module, args: tuple) -> None:
+    """Forward pre-hook of a hooked model (told from a user's hooks by ``capture.py``)."""
     recording = getattr(_state, "recording", None)
     if recording is not None:
         if recording.owner is module:
@@ -157,7 +151,7 @@ def _start_forward(module: torch.nn.Module, args: tuple) -> None:
         _state.recording.start()
 
 
-def _end_forward(module: torch.nn.Module, args: tuple, output: object) -> None:
+def end_forward_hook(module: torch.nn.Module, args: tuple, output: object) -> None:
     recording = getattr(_state, "recording", None)
     if recording is None or recording.owner is not module:
         return
@@ -166,11 +160,6 @@ def _end_forward(module: torch.nn.Module, args: tuple, output: object) -> None:
         return
     _state.recording = None
     recording.finish()
-
-
-# The recording's hooks, as the capture tells them from a user's hooks (capture.py).
-start_forward_hook = _start_forward
-end_forward_hook = _end_forward
 
 
 # ---------------------------------------------------------------- one forward pass
@@ -425,7 +414,7 @@ class _Segment:
             for i, (func, refs, spec) in enumerate(self.ops):
                 rng.before(i)
                 leaves = [values[r.ref] if isinstance(r, _Internal) else
-                          externals[r.index] if isinstance(r, _External) else r
+                          externals[r.slot] if isinstance(r, _External) else r
                           for r in refs]
                 args, kwargs = pytree.tree_unflatten(leaves, spec)
                 out = func(*args, **kwargs)
@@ -437,38 +426,17 @@ class _Segment:
         return {ref: values[ref] for ref in self.wanted}
 
 
-class _Internal:
-    __slots__ = ("ref", )
-
-    def __init__(self, ref: Ref) -> None:
-        self.ref = ref
+class _Internal(NamedTuple):  # a tape argument made earlier in the segment
+    ref: Ref
 
 
-class _External:
-    __slots__ = ("index", )
-
-    def __init__(self, index: int) -> None:
-        self.index = index
+class _External(NamedTuple):  # a tape argument from outside the segment
+    slot: int  # in the segment's externals
 
 
-_no_trace_cache: dict[_Operator, bool] = {}
-
-
-def _leaves_no_tensor_trace(func: _Operator) -> bool:
-    """True for an operator that returns no tensor and writes to none of its arguments
-    (by its schema): nothing a replay computes can depend on it."""
-    cached = _no_trace_cache.get(func)
-    if cached is None:
-        schema = func._schema
-        returns_tensor = any("Tensor" in str(r.type) for r in schema.returns)
-        writes = any(a.alias_info is not None and a.alias_info.is_write
-                     for a in schema.arguments)
-        cached = _no_trace_cache[func] = not returns_tensor and not writes \
-            and func.overloadpacket not in _UNANNOTATED_WRITES
-    return cached
-
-
-_write_cache: dict[_Operator, tuple[frozenset, frozenset]] = {}
+#: per operator: whether it returns a tensor, the positions and names of the arguments
+#: it writes to (its schema's, and those of _UNANNOTATED_WRITES)
+_schema_cache: dict[_Operator, tuple[bool, frozenset, frozenset]] = {}
 # Ops that update their running statistics without saying so in their schema.
 _UNANNOTATED_WRITES: dict[Hashable, tuple[str, ...]] = {
     torch.ops.aten.native_batch_norm: ("running_mean", "running_var"),
@@ -477,19 +445,31 @@ _UNANNOTATED_WRITES: dict[Hashable, tuple[str, ...]] = {
 }
 
 
-def _written_leaves(func: _Operator, args: tuple, kwargs: dict) -> set:
-    """Leaf positions (in the flattened ``(args, kwargs)``) of the arguments that
-    ``func`` writes to (from its schema, e.g. ``self`` of ``add_``, ``out=``)."""
-    cached = _write_cache.get(func)
+def _schema_facts(func: _Operator) -> tuple[bool, frozenset, frozenset]:
+    cached = _schema_cache.get(func)
     if cached is None:
         arguments = func._schema.arguments
         extra = _UNANNOTATED_WRITES.get(func.overloadpacket, ())
         positions = frozenset(n for n, a in enumerate(arguments)
                               if (a.alias_info is not None and a.alias_info.is_write)
                               or a.name in extra)
-        cached = _write_cache[func] = (positions,
-                                       frozenset(arguments[n].name for n in positions))
-    positions, names = cached
+        cached = _schema_cache[func] = (
+            any("Tensor" in str(r.type) for r in func._schema.returns), positions,
+            frozenset(arguments[n].name for n in positions))
+    return cached
+
+
+def _leaves_no_tensor_trace(func: _Operator) -> bool:
+    """True for an operator that returns no tensor and writes to none of its arguments
+    (by its schema): nothing a replay computes can depend on it."""
+    returns_tensor, writes, _ = _schema_facts(func)
+    return not returns_tensor and not writes
+
+
+def _written_leaves(func: _Operator, args: tuple, kwargs: dict) -> set:
+    """Leaf positions (in the flattened ``(args, kwargs)``) of the arguments that
+    ``func`` writes to (from its schema, e.g. ``self`` of ``add_``, ``out=``)."""
+    _, positions, names = _schema_facts(func)
     if not positions:
         return set()
     written: set = set()

@@ -1,20 +1,14 @@
-"""A schedule run in the calling thread by a model that was not captured.
+"""A schedule run in the calling thread by a model that has no stage modules.
 
-The engine (``engine.py``) runs stage modules split from the captured graph. A model
-that cannot be captured (data-dependent control flow, ``*args`` signatures), phased
-execution whose phases hold several stages, sharded stages that revisit an earlier
-stage, and a call whose non-tensor arguments differ from the captured ones have no
-stage modules: :func:`run_in_calling_thread` interprets the same kind of action list
-(``schedules.sharded``: each micro-batch forward through the units, then back) with
-the model's own ``forward``, under a :class:`~.stagerun.StageRun` that moves every
-tensor to the device of the stage the forward pass is in. The forward of a micro-batch
-cannot be cut into calls per unit, so it runs whole at the micro-batch's first ``F``
-action (the later ``F`` actions are the units it crossed); a ``B`` action runs its
-unit's backward (phased: cut at phase boundaries, each phase's backward with its
-weights in place) or, uncut, the loss's one backward at the micro-batch's first ``B``.
-
-Phased execution streams a phase's weights in as the forward pass reaches the phase,
-and every streamed weight goes back to the host at the end of the step.
+What the engine (``engine.py``) cannot run (``build.py`` lists the cases) runs here:
+:func:`run_in_calling_thread` interprets a ``schedules.sharded`` action list with the
+model's own ``forward``, under a :class:`~.stagerun.StageRun` that moves every tensor to
+the device of the stage the forward pass is in. A micro-batch's forward cannot be cut
+into calls per unit, so it runs whole at its first ``F`` action (the later ones are the
+units it crossed); a ``B`` action runs its unit's backward (phased: cut at phase
+boundaries, each phase's backward with its weights in place) or, uncut, the loss's one
+backward at the micro-batch's first ``B``. Phased execution streams a phase's weights
+in as the forward pass reaches it, and all back to the host at the end of the step.
 """
 from __future__ import annotations
 
@@ -27,9 +21,10 @@ import torch
 from ..._typing import UserOutput
 from ..schedule.actions import Action, ActionKind
 from ..schedule.timeline import ScheduleEvent, ScheduleRecord
+from .markers import listening
 from .partition import Partition
 from .phased import StreamingMemory
-from .stagerun import StageRun, listening
+from .stagerun import StageRun
 
 LossOf = Callable[[UserOutput], torch.Tensor]
 Forward = Callable[[tuple, dict], UserOutput]  # the model's forward on (args, kwargs)

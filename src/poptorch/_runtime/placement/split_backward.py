@@ -1,29 +1,24 @@
 """A stage's backward in two halves: the gradients of its inputs first, its weights' later.
 
-In a pipeline an earlier stage waits for the gradients of the values it handed on; the
-gradients of a stage's own weights are needed by nobody until the optimizer step. When
-the last micro-batches drain out of a pipeline, a stage can therefore hand its input
-gradients over first (the *input half*: earlier stages start their backward at once) and
-compute its weight gradients afterwards (the *weight half*), while the earlier stages
-run. This is the backward split of the zero-bubble schedules
-(``torch.distributed.pipelining``'s ``backward_one_chunk(full_backward=False)`` /
-``backward_weight_one_chunk``), done here with public autograd machinery only:
+An earlier stage waits for the gradients of the values it handed on; nobody needs a
+stage's weight gradients until the optimizer step. So a stage can hand its input
+gradients over first (the *input half*) and compute its weight gradients later (the
+*weight half*): the zero-bubble schedules' split (``backward_one_chunk(full_backward=
+False)`` / ``backward_weight_one_chunk`` in ``torch.distributed.pipelining``), done
+with public autograd machinery only:
 
-* the autograd graph from the roots is walked once; a *join* is a node of the input
-  path (the nodes between the stage's inputs and its roots) into which a weight's path
-  flows (for ``Linear``: its ``AddmmBackward``). A pre-hook on every join keeps the
-  gradient it receives during the input half, ``torch.autograd.grad(roots, inputs)``,
-  which computes no weight gradient (autograd skips the outputs no input needs);
-* the weight half runs ``torch.autograd.backward`` from those joins (``GradientEdge``)
+* a *join* is a node of the input path (between the stage's inputs and its roots) into
+  which a weight's path flows (``Linear``: its ``AddmmBackward``). A pre-hook on every
+  join keeps the gradient it receives during the input half,
+  ``torch.autograd.grad(roots, inputs)``, which computes no weight gradient;
+* the weight half runs ``torch.autograd.backward`` from the joins (``GradientEdge``)
   with the kept gradients down to the weights (``inputs=``), one call per group of
-  weights sharing joins; only the nodes between a join and its weights run (no node of
-  the input path depends on a weight alone). The weights' accumulators run as in a full
-  backward (``.grad``, tensor hooks and post-accumulate hooks; same kernels, same order
-  of micro-batches).
+  weights sharing joins; the weights' accumulators run as in a full backward (same
+  kernels, hooks and order of micro-batches).
 
 :func:`plan` returns None where a split cannot be exact (a weight whose path never
-meets the input path, weights with accumulation hooks, no input needing a gradient): the
-engine then runs the full backward.
+meets the input path, weights with accumulation hooks, no input needing a gradient):
+the engine then runs the full backward.
 """
 from __future__ import annotations
 
@@ -158,24 +153,18 @@ def plan(roots: list[torch.Tensor], inputs: list[torch.Tensor],
                     stack.append(user)
         if not joins:
             return None  # a weight's gradient not passing through the input path
-        merged = sorted({group_of[j] for j in joins if j in group_of})
-        if not merged:
-            group_of.update((j, len(groups)) for j in joins)
-            groups.append((joins, [w]))
-            continue
-        target = groups[merged[0]]
-        for j in joins:
-            if j not in target[0]:
-                target[0].append(j)
-            group_of[j] = merged[0]
-        target[1].append(w)
-        for other in merged[1:]:  # groups joined by this weight
-            o_joins, o_weights = groups[other]
-            for j in o_joins:
-                if j not in target[0]:
-                    target[0].append(j)
-                group_of[j] = merged[0]
-            target[1].extend(o_weights)
+        # the groups sharing a join with this weight merge into the first (or a new one)
+        merged = sorted({group_of[j] for j in joins if j in group_of}) or [len(groups)]
+        if merged[0] == len(groups):
+            groups.append(([], []))
+        keep, (kept_joins, kept_weights) = merged[0], groups[merged[0]]
+        kept_weights.append(w)
+        for j in joins + [j for other in merged[1:] for j in groups[other][0]]:
+            if j not in kept_joins:
+                kept_joins.append(j)
+            group_of[j] = keep
+        for other in merged[1:]:
+            kept_weights.extend(groups[other][1])
             groups[other] = ([], [])
     groups = [g for g in groups if g[1]]
     for joins, _ in groups:

@@ -22,14 +22,27 @@ from collections.abc import Callable, Collection
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ...errors import Error
 from ..torch_internals import pytree
 from . import markers
-from .partition import BlockNamer, Partition
+from .partition import Partition
 
 _ORIGIN = "_poptorch_origin"
 
 
-class StageRun(TorchFunctionMode):
+def cut_copy(t: torch.Tensor, device: torch.device,
+             pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """``t`` cut off its autograd graph at a stage boundary, on ``device``: when ``t``
+    needs a gradient, the copy requires one too and ``(t, copy)`` joins ``pairs`` (the
+    copy's gradient goes on through ``t`` in the producer's backward pass)."""
+    copy = t.detach().to(device)
+    if t.requires_grad and torch.is_grad_enabled():
+        copy.requires_grad_(True)
+        pairs.append((t, copy))
+    return copy
+
+
+class StageRun(TorchFunctionMode, markers.BlockListener):
     """One micro-batch going through the stages (module docstring)."""
 
     def __init__(self, partition: Partition, devices: list[torch.device],
@@ -41,7 +54,6 @@ class StageRun(TorchFunctionMode):
         self.unit_of_stage = unit_of_stage
         self.on_unit = on_unit
         self.cut = cut
-        self.namer = BlockNamer()
         self.stage: int | None = None
         self.unit = -1
         self.device = devices[partition.stages[0].ipu]
@@ -51,19 +63,16 @@ class StageRun(TorchFunctionMode):
         self.loss: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- block listener
-    def reset_auto_id(self) -> None:
-        self.namer.reset_auto_id()
-
-    def begin_block(self, user_id: str | int | None, ipu_id: int | None,
+    def begin_block(self, user_id: markers.BlockId, ipu_id: int | None,
                     layer: torch.nn.Module | None = None) -> None:
-        block = self.namer.name(user_id)
+        block = self.block_id(user_id)
         stage = self.partition.block_stage.get(block)
         if stage is None:
-            raise _unknown_block(block, self.partition)
+            raise Error(f"Block {block!r} was not entered when PopTorch traced the model at "
+                        f"compile time (blocks then: {self.partition.sequence}): every call "
+                        "must run the same blocks. Recompile (a new poptorch model) if the "
+                        "structure changed.")
         self._enter_stage(stage)
-
-    def checkpoint(self, tensors: list) -> list:
-        return tensors
 
     # ---------------------------------------------------------------- stage switching
     def _enter_stage(self, stage: int) -> None:
@@ -71,14 +80,11 @@ class StageRun(TorchFunctionMode):
             return
         unit = self.unit_of_stage[stage]
         if unit != self.unit:
-            self._advance_to_unit(unit)
+            if self.on_unit is not None:
+                self.on_unit(unit)
+            self.unit = unit
         self.stage = stage
         self.device = self.devices[self.partition.stages[stage].ipu]
-
-    def _advance_to_unit(self, unit: int) -> None:
-        if self.on_unit is not None:
-            self.on_unit(unit)
-        self.unit = unit
 
     def start(self) -> None:
         """Enter the stage where the model's forward pass begins."""
@@ -112,10 +118,7 @@ class StageRun(TorchFunctionMode):
         cached = self._copies.get(key)
         if cached is not None and cached[0] is t:
             return cached[1]
-        copy = t.detach().to(self.device)
-        if t.requires_grad and torch.is_grad_enabled():
-            copy.requires_grad_(True)
-            self._sends.setdefault(source_unit, []).append((t, copy))
+        copy = cut_copy(t, self.device, self._sends.setdefault(source_unit, []))
         setattr(copy, _ORIGIN, (self._token, self.unit))
         self._copies[key] = (t, copy)
         return copy
@@ -138,25 +141,3 @@ class StageRun(TorchFunctionMode):
             torch.autograd.backward(roots, grads)
         if unit == self.unit:
             self.loss = None
-
-
-def _unknown_block(block: str, partition: Partition) -> Exception:
-    from ...errors import Error  # pylint: disable=import-outside-toplevel
-    return Error(f"Block {block!r} was not entered when PopTorch traced the model at compile "
-                 f"time (blocks then: {partition.sequence}): every call must run the same "
-                 "blocks. Recompile (a new poptorch model) if the structure changed.")
-
-
-class listening:
-    """Context manager installing a block listener on this thread."""
-
-    def __init__(self, listener: markers.BlockListener) -> None:
-        self.listener = listener
-        self.previous: markers.BlockListener | None = None
-
-    def __enter__(self) -> markers.BlockListener:
-        self.previous = markers.set_listener(self.listener)
-        return self.listener
-
-    def __exit__(self, *exc: object) -> None:
-        markers.set_listener(self.previous)

@@ -19,7 +19,7 @@ import torch
 import torch.fx
 
 from ..torch_internals import pytree
-from .capture import BLOCK_META, CapturedModel
+from .captured import BLOCK_META, CapturedModel, fetch_attr
 from .partition import Partition
 from .recompute import checkpoint_values
 
@@ -97,7 +97,7 @@ def split_stages(captured: CapturedModel, part: Partition) -> StagedModel:
         # the last stage exposes the values it needs for the output as its own inputs
         # (imported) or outputs (made there)
         if node.op == "get_attr":
-            return ("const", _fetch(gm, str(node.target)))  # (get_attr: a name)
+            return ("const", fetch_attr(gm, str(node.target)))  # (get_attr: a name)
         if node.op == "placeholder" or stage_of[node] != last:
             return ("import", imports[last].index(node))
         return ("stage", last, exports[last][node])
@@ -145,10 +145,3 @@ def _stage_module(gm: torch.fx.GraphModule, s: int, stage_of: dict[torch.fx.Node
     graph.output(tuple(env[n] for n in ordered))
     module = torch.fx.GraphModule(gm, graph, class_name=f"Stage{s}")
     return module, sources
-
-
-def _fetch(gm: torch.nn.Module, target: str) -> object:
-    value: object = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value

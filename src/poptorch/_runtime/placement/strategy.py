@@ -19,7 +19,6 @@ PIPELINED = "pipelined"
 SHARDED = "sharded"
 SERIAL_PHASED = "serial_phased"
 PARALLEL_PHASED = "parallel_phased"
-PHASED_KINDS = (SERIAL_PHASED, PARALLEL_PHASED)
 
 
 class StageView(Protocol):
@@ -68,7 +67,7 @@ def kind_of(strategy: ExecutionStrategy) -> str:
 
 def is_phased(strategy: ExecutionStrategy) -> bool:
     """True for the serial and parallel phased strategies."""
-    return strategy.schedule_kind in PHASED_KINDS
+    return strategy.schedule_kind in (SERIAL_PHASED, PARALLEL_PHASED)
 
 
 def schedule_name(strategy: ExecutionStrategy) -> str:

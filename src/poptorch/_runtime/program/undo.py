@@ -69,12 +69,6 @@ class StateUndo:
             for prefix, module in modules.named_modules()]
         self._rng = rng
 
-    @property
-    def empty(self) -> bool:
-        """Whether there is nothing to put back."""
-        return not self._tensors and self._optimizer is None and self._scaler is None \
-            and self._modules is None and self._rng is None
-
     def buffer_changes(self) -> list[tuple[str, str]]:
         """``(qualified name, "removed" | "reassigned")`` of every buffer registration
         of ``modules`` that changed since this object was made."""
