@@ -11,6 +11,7 @@ the runtime never imports the public annotations.
 """
 from __future__ import annotations
 
+import abc
 import contextlib
 import itertools
 import threading
@@ -31,7 +32,7 @@ STARTS_BLOCK_ATTR = "_poptorch_starts_block"
 BlockId = str | int | None
 
 
-class BlockListener:
+class BlockListener(abc.ABC):
     """What the annotations report to (module docstring): a ``BlockRecorder`` of
     ``partition.py`` (the trace, both captures), a :class:`~.stagerun.StageRun`. This
     base names the blocks (auto ids for None) and lets recomputation checkpoints through."""
@@ -48,10 +49,10 @@ class BlockListener:
             self._next_auto += 1
         return str(user_id)
 
+    @abc.abstractmethod
     def begin_block(self, user_id: BlockId, ipu_id: int | None,
                     layer: torch.nn.Module | None = None) -> None:
         """A block starts (``layer``: the annotated module starting it, if any)."""
-        raise NotImplementedError
 
     def checkpoint(self, tensors: list) -> list:
         """A recomputation checkpoint of ``tensors``: what the model goes on with."""
