@@ -28,7 +28,7 @@ import torch
 
 from .._logging import info_once, logger
 from .environment import ENGINE_OPTIONS, PVTI_OPTIONS, json_options
-from .schedule.timeline import ScheduleRecord as ExecutedSchedule
+from .schedule.timeline import ScheduleRecord
 
 _TRUE = ("true", "1", "yes", "on")
 
@@ -93,7 +93,7 @@ class RunProfiler:
         self.path: str | None = None
         self.summary: str | None = None
 
-    def add_stage_events(self, name: str, record: ExecutedSchedule,
+    def add_stage_events(self, name: str, record: ScheduleRecord,
                          stats: ModelStats) -> None:
         """Record the ops of one pipeline / sharded / phased step (``ScheduleRecord``)."""
         events = record.events
@@ -255,7 +255,7 @@ class StepTrace:
     the schedule a model-parallel step executed (``executed()``, when given)."""
 
     def __init__(self, per_step: int, replicas: int,
-                 executed: Callable[[], ExecutedSchedule | None] | None = None) -> None:
+                 executed: Callable[[], ScheduleRecord | None] | None = None) -> None:
         self.per_step = per_step
         self.replicas = replicas
         self.executed = executed

@@ -43,7 +43,7 @@ from .._runtime.program.replica_groups import GroupedParameter
 from .._runtime.program.rng import RngScope
 from .._runtime.program.runner import StepRunner
 from .._runtime.program.spec import ProgramSpec
-from .._runtime.tracing import ExecutedSchedule
+from .._runtime.schedule.timeline import ScheduleRecord
 from .._runtime.weights.constants import TensorConstants
 from .._runtime.weights.sync import WeightSync
 from ..enums import CommGroupType
@@ -210,7 +210,7 @@ class StepRunners:
         is the compiled backend's own)."""
         return self.plain is not None and self.concurrent is None and not self.plain.states
 
-    def executed(self) -> ExecutedSchedule | None:
+    def executed(self) -> ScheduleRecord | None:
         """The schedule the last model-parallel step executed (profiling), or None."""
         parallel = self.stage_processes or self.placed
         return None if parallel is None else parallel.last_schedule

@@ -19,7 +19,8 @@ from .._runtime.executable.signature import InputSignature
 from .._runtime.executable.source import ProgramSource
 from .._runtime.placement.strategy import PIPELINED, kind_of
 from .._runtime.program.overlapped_io import OverlapSettings
-from .._runtime.tracing import CallProfiler, ExecutedSchedule, StepTrace, profile_directory
+from .._runtime.schedule.timeline import ScheduleRecord
+from .._runtime.tracing import CallProfiler, StepTrace, profile_directory
 from .._typing import OptionsView, UserOutput
 from ..enums import OutputMode
 
@@ -102,7 +103,7 @@ def program_extras(plan: BatchPlan, *, model: torch.nn.Module, user_model: torch
                    optimizer: Callable[[], torch.optim.Optimizer | None],
                    cross: DataParallelGroup | StageReplicaGroup | None, groupings: dict | None,
                    name: str, popart_options: dict, unsplit: bool,
-                   executed: Callable[[], ExecutedSchedule | None]) -> ProgramExtras:
+                   executed: Callable[[], ScheduleRecord | None]) -> ProgramExtras:
     """Precision policy, casting, strided group norm, tensor locations and profiling,
     as the options ask. ``optimizer()`` is the device optimizer in force (None for
     inference). The casting's wrapped forwards are removed again if this fails."""
