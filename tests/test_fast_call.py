@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import poptorch
-from poptorch.executor.program_call import FastCall
+from poptorch.executor.program_call import ProgramCall
 from _backend_trial import settle_trial  # noqa: E402
 
 
@@ -155,7 +155,7 @@ def test_training_fast_path_matches_plain_pytorch_loop():
             pop.setOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
             for group in ref_opt.param_groups:
                 group["lr"] = 0.05
-    assert isinstance(pop._compiled.calls.fast, FastCall)
+    assert isinstance(pop._compiled.calls.fast, ProgramCall)
     for p, r in zip(model.parameters(), ref.parameters(), strict=False):
         assert torch.equal(p, r)
 
@@ -265,7 +265,7 @@ def test_fastest_backend_chooses_once_and_matches_plain_pytorch(_aot_eager, capl
     assert pop.backendInUse == ("compiled" if kept else "eager")
     assert pop._program.selector.trial is None
     if d == 1:  # either backend's calls take the fast path once it is decided
-        assert isinstance(pop._compiled.calls.fast, FastCall)
+        assert isinstance(pop._compiled.calls.fast, ProgramCall)
 
 
 @pytest.mark.parametrize("compiled_faster", [True, False])

@@ -191,10 +191,13 @@ class _Broken(_Counting):
 
 
 @pytest.fixture
-def registry(monkeypatch):
-    monkeypatch.setattr(_OverwriteContextManager, "_subsitution_manager_types", [])
+def registry():
+    types = _OverwriteContextManager._subsitution_manager_types  # (one list, kept)
+    saved = list(types)
+    types.clear()
     _Counting.log = []
-    return _OverwriteContextManager._subsitution_manager_types
+    yield types
+    types[:] = saved
 
 
 def test_upstream_module_path_is_the_registry():

@@ -21,12 +21,12 @@ from typing import Any, ClassVar, Protocol
 from .errors import Error
 
 __all__ = [
+    "SUBSTITUTION_TYPES",
     "SubstitutionManager",
     "_OverwriteContextManager",
     "register_substitution_manager",
     "substitutions",
     "substitutions_active",
-    "substitutions_registered",
 ]
 
 
@@ -145,20 +145,18 @@ class _Substitutions:
                 active.__exit__(exc_type, value, traceback)
 
 
+SUBSTITUTION_TYPES = _OverwriteContextManager._subsitution_manager_types
+"""The registered manager types: the registry's one list, changed in place (a hot path's
+check that any is registered)."""
 _NOTHING_REGISTERED = contextlib.nullcontext()
 _ACTIVE = _Substitutions()
 
 
 def substitutions() -> contextlib.AbstractContextManager:
     """The context the executor enters around a model call (cheap with no managers)."""
-    if not _OverwriteContextManager._subsitution_manager_types:
+    if not SUBSTITUTION_TYPES:
         return _NOTHING_REGISTERED
     return _ACTIVE
-
-
-def substitutions_registered() -> bool:
-    """Whether any substitution manager is registered (a cheap check for hot paths)."""
-    return bool(_OverwriteContextManager._subsitution_manager_types)
 
 
 def substitutions_active() -> bool:

@@ -41,6 +41,10 @@ class _ThreadState(threading.local):
 
 
 _state = _ThreadState()
+STATE = _state
+"""The per-thread state itself, for a caller's hot path: ``depth`` counts the executor
+calls running in this thread, ``training`` those of a training model, ``losses`` is the
+list of marked losses."""
 
 
 def is_running_on_ipu() -> bool:
@@ -83,13 +87,6 @@ def worker_scope(factories: list[ContextFactory]) -> contextlib.ExitStack:
     for factory in factories:
         stack.enter_context(factory())
     return stack
-
-
-def thread_state() -> threading.local:
-    """The per-thread state object itself, for a caller's hot path: ``depth`` counts
-    the executor calls running in this thread, ``losses`` is the list of marked
-    losses."""
-    return _state
 
 
 def _marked() -> list:

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from .._logging import logger
-from .._overrides import substitutions, substitutions_registered
+from .._overrides import SUBSTITUTION_TYPES, substitutions
 from .._runtime import context
 from .._runtime.batching.plan import split_inputs
 from .._runtime.batching.signature import detach_inputs
@@ -213,7 +213,15 @@ class PoplarExecutor(ExecutorInspection):
 
     # ------------------------------------------------------------------ run
     def __call__(self, *args: UserInput, **kwargs: UserInput) -> UserOutput:
-        if self._offline or (self._compiled is None and self._options.connection_type
+        compiled = self._compiled
+        if compiled is not None and not SUBSTITUTION_TYPES \
+                and (not self._training or torch.is_grad_enabled()):
+            fast = compiled.calls.fast  # program_call.ProgramCall, settled
+            if fast:
+                result = fast(args, kwargs)
+                if result is not MISS:
+                    return result
+        if self._offline or (compiled is None and self._options.connection_type
                              == ConnectionType.Never.value):
             # upstream: an assert (so AssertionError)
             raise PoptorchAssertionError(
@@ -226,20 +234,21 @@ class PoplarExecutor(ExecutorInspection):
     def _call_any(self, args: tuple, kwargs: dict) -> UserOutput:
         """A call, whatever the connection type (``compileAndExport`` runs an offline
         model's first calls to compile it)."""
-        if substitutions_registered():  # poptorch_geometric's ops in place of PyG's
+        if SUBSTITUTION_TYPES:  # poptorch_geometric's ops in place of PyG's
             with substitutions():
-                return self._call(args, kwargs)
+                return self._call(args, kwargs, fast=True)
         return self._call(args, kwargs)
 
-    def _call(self, args: tuple, kwargs: dict) -> UserOutput:
-        """A call: the fast path, the first call, or checked inputs run under one undo
-        guard; the fast path is decided after the first later call."""
+    def _call(self, args: tuple, kwargs: dict, fast: bool = False) -> UserOutput:
+        """A call: the fast path (``fast``: when ``__call__`` did not try it), the first
+        call, or checked inputs run under one undo guard; the fast path is decided
+        after the first later call."""
         if self._training and not torch.is_grad_enabled():
             return self._call_with_grad(args, kwargs)
         compiled = self._compiled
-        fast = None if compiled is None else compiled.calls.fast  # program_call.FastCall
-        if fast:
-            result = fast(args, kwargs)
+        settled = None if compiled is None else compiled.calls.fast
+        if fast and settled:
+            result = settled(args, kwargs)
             if result is not MISS:
                 return result
         args, kwargs = detach_inputs(args, kwargs, self._once_key)
@@ -248,7 +257,7 @@ class PoplarExecutor(ExecutorInspection):
         self._check_signature(compiled, args, kwargs)  # before anything runs
         with undone_on_failure(None):  # (device faults moving the inputs, too)
             result = self._run(compiled, args, kwargs)
-        if fast is None:
+        if settled is None:
             compiled.calls.fast = make_fast_call(compiled, self._mode, args, kwargs)
         return result
 
@@ -282,7 +291,7 @@ class PoplarExecutor(ExecutorInspection):
         source = compiled.source
         compiled.casting.observe(args, kwargs)
         with source.first_call() if source.fresh else _NO_CONTEXT:
-            result = ProgramCall(compiled, self._mode)(compiled.program.run, args, kwargs,
+            result = ProgramCall(compiled, self._mode)(args, kwargs, compiled.program.run,
                                                        undo=undo)
         compiled.weights.mark_device_newer()
         return result

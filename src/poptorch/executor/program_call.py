@@ -9,19 +9,19 @@ entered, the program run; then the contexts left and the optimizer synced back. 
 failed call leaves the contexts, puts back what the undo copied and raises a device
 fault as PopTorch's error.
 
-:py:class:`FastCall`: after its warm-up calls a model is usually called again and
-again with inputs like those it was compiled for, and what the general path of
+The fast path: after its warm-up calls a model is usually called again and again with
+inputs like those it was compiled for, and what the general path of
 ``PoplarExecutor.__call__`` works out per call (parsing and checking the arguments,
 detaching inputs, which contexts to enter) has the same answer every time.
 :py:func:`make_fast_call` works it out once, when the model qualifies (on the CPU, in
 one process, without synthetic data, its float16 rules known to cast nothing for these
-inputs); each later call only checks the inputs' fingerprint (positional tensors of the
-compiled dtypes and shapes, none requiring grad) and runs the same
-:py:class:`ProgramCall` with the program's ``run`` (``run_single`` for one
+inputs), and settles a :py:class:`ProgramCall` on it: each later call only checks the
+inputs' fingerprint (positional tensors of the compiled dtypes and shapes, none requiring
+grad) and runs the same sequence with the program's ``run`` (``run_single`` for one
 micro-batch). A call that does not fit gets :py:data:`MISS` before anything runs and
 takes the general path, which gives the same results and raises the same errors. The
-decision is cached in the compilation (``Compilation.calls.fast``) and dropped when the
-model is compiled again, destroyed or detached, or gets another optimizer.
+settled call is cached in the compilation (``Compilation.calls.fast``) and dropped when
+the model is compiled again, destroyed or detached, or gets another optimizer.
 """
 from __future__ import annotations
 
@@ -41,10 +41,12 @@ RunProgram = Callable[[tuple, dict], UserOutput]
 
 
 class ProgramCall:
-    """The call sequence of one compiled program (module docstring), bound once."""
+    """The call sequence of one compiled program (module docstring), bound once; bound
+    to the inputs of settled calls too (:py:meth:`settle`) when it is a fast path."""
 
     def __init__(self, compiled: Compilation, mode: TrainingMode) -> None:
-        self._undo_for_call = compiled.program.undo_for_call
+        program = compiled.program
+        self._undo_for_call = program.undo_for_call if program.may_undo else None
         constants = compiled.tensor_constants
         self._constants = constants if constants else None
         self._mode = mode
@@ -52,12 +54,31 @@ class ProgramCall:
         self._casting = compiled.casting
         self._optimizer_sync = None if compiled.optimizer is None \
             else compiled.optimizer.sync
+        # the fast path's (settle): the program's run, the inputs' count and check
+        self._run: RunProgram | None = None
+        self._count = -1
+        self._check: Callable[..., bool] = _no_check
 
-    def __call__(self, run: RunProgram, args: tuple, kwargs: dict, *,
+    def settle(self, run: RunProgram, args: tuple) -> ProgramCall:
+        """Make this the fast path of calls like ``args``: ``call(args, kwargs)``
+        (without ``run``) runs ``run`` settled, or answers :py:data:`MISS`."""
+        self._run, self._count, self._check = run, len(args), _input_check(args)
+        return self
+
+    def __call__(self, args: tuple, kwargs: dict, run: RunProgram | None = None, *,
                  settled: bool = False, undo: bool = True) -> UserOutput:
         """``run(args, kwargs)`` in the sequence. ``settled``: the float16 rules are known
         to cast nothing for these inputs (only the run context is entered); ``undo``:
-        take the call's undo copies (the first call has an undo of its own)."""
+        take the call's undo copies (the first call has an undo of its own). Without
+        ``run``, a fast call: inputs unlike the settled ones get :py:data:`MISS` before
+        anything runs."""
+        if run is None:
+            if kwargs or len(args) != self._count or not self._check(*args):
+                return MISS
+            # (the float16 rules are settled: nothing to cast; the CPU shares the
+            # weights with the host: nothing to mark as newer)
+            run, settled = self._run, True
+            assert run is not None
         if self._constants is not None:
             self._constants.restore()
         if self._released:  # weights of a sharded strategy, dropped after a step
@@ -65,7 +86,8 @@ class ProgramCall:
         opt_sync = self._optimizer_sync
         if opt_sync is not None:
             opt_sync.before_run()
-        restore = self._undo_for_call() if undo else None  # (None: nothing to undo)
+        undo_for_call = self._undo_for_call if undo else None
+        restore = None if undo_for_call is None else undo_for_call()  # (None: nothing)
         mode, casting = self._mode, self._casting
         mode.__enter__()
         try:
@@ -90,9 +112,13 @@ class ProgramCall:
         return result
 
 
-MISS = object()  # FastCall's answer when the call must take the general path
+MISS = object()  # a fast call's answer when the call must take the general path
 
 _Tensor = torch.Tensor
+
+
+def _no_check(*_inputs: object) -> bool:
+    return False
 
 
 def _inputs_match(args: tuple, dtypes: tuple, shapes: tuple) -> bool:
@@ -120,30 +146,11 @@ def _input_check(args: tuple) -> Callable[..., bool]:
     return lambda *inputs: _inputs_match(inputs, dtypes, shapes)
 
 
-class FastCall:
-    """One compiled model's fast path (module docstring)."""
-
-    def __init__(self, state: Compilation, mode: TrainingMode, args: tuple) -> None:
-        program = state.program
-        # one micro-batch per call: the driver's single-micro-batch entry
-        self._run = program.run_single if program.single_ready() else program.run
-        self._call = ProgramCall(state, mode)
-        self._count = len(args)
-        self._check = _input_check(args)
-
-    def __call__(self, args: tuple, kwargs: dict) -> UserOutput:
-        if kwargs or len(args) != self._count or not self._check(*args):
-            return MISS
-        # (the float16 rules are settled: nothing to cast; the CPU shares the weights
-        # with the host: nothing to mark as newer)
-        return self._call(self._run, args, kwargs, settled=True)
-
-
 def make_fast_call(state: Compilation, mode: TrainingMode, args: tuple, kwargs: dict
-                   ) -> Callable[[tuple, dict], UserOutput] | Literal[False] | None:
+                   ) -> ProgramCall | Literal[False] | None:
     """The fast path of a compiled model (``state``, run in the wrapper's training
-    ``mode``) for calls like this one (just run on the general path): a
-    :py:class:`FastCall`; None when it may qualify later (warm-up calls, casting rules
+    ``mode``) for calls like this one (just run on the general path): a settled
+    :py:class:`ProgramCall`; None when it may qualify later (warm-up calls, casting rules
     still learning); False when it never will."""
     program = state.program
     if program is None or not program.fast_path_ready() \
@@ -163,4 +170,6 @@ def make_fast_call(state: Compilation, mode: TrainingMode, args: tuple, kwargs: 
     default = getattr(casting, "default_casting", None)
     if default is not None and not default.settled(args, kwargs):
         return None
-    return FastCall(state, mode, args)
+    # one micro-batch per call: the driver's single-micro-batch entry
+    run = program.run_single if program.single_ready() else program.run
+    return ProgramCall(state, mode).settle(run, args)

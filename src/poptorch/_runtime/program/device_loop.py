@@ -107,6 +107,9 @@ class DeviceProgram:
         self._loss_rule = None if binding is None else LossRule(list(spec.params), binding)
         self._scaling: tuple[int, GradientScaling] | None = None
         self._graphs = cuda_graph_call(spec, binding)  # GPUs: calls as CUDA graphs
+        # whether a call can have anything to undo (:py:meth:`undo_for_call`)
+        self.may_undo = spec.training or bool(spec.buffers) or (
+            binding is not None and binding.scaler is not None)
 
     # ------------------------------------------------------------------ read-only views
     @property
@@ -340,25 +343,34 @@ class DeviceProgram:
     def run_single(self, args: tuple, kwargs: dict) -> UserOutput:
         """:py:meth:`run` for a program where :py:meth:`single_ready` holds: the same
         results, perf counters and errors, without the batching and output machinery
-        that one micro-batch does not need."""
-        state = context.thread_state()
+        that one micro-batch does not need: a training step, or the forward pass
+        without gradients."""
+        state = context.STATE
         marked = state.losses
         if marked:
             marked.clear()  # drop marks left by runs outside the executor
-        rng: RngScope | None = self.spec.rng
+        spec = self.spec
+        rng: RngScope | None = spec.rng
         selector = self.selector
-        backend = selector.for_call()
-        training = 1 if self.spec.training else 0
+        backend = selector.steady or selector.for_call()  # (steady: decided, no trial)
+        training = spec.training
+        grad = not training and torch.is_grad_enabled()
         state.depth += 1
         state.training += training
         t_start = time.perf_counter()
         try:
-            if rng is None or not rng.enabled:
-                output = self._single_step(backend, args, kwargs, marked)
-            else:
+            if grad:
+                set_grad_enabled(False)
+            if rng is not None and rng.enabled:
                 with rng:  # (a failed call keeps the stream it started from)
-                    output = self._single_step(backend, args, kwargs, marked)
+                    output = self._single_step(backend, args, kwargs)
+            elif training:
+                output = self._train_step(backend, [(args, kwargs)])[0]
+            else:
+                output = backend.runner([(args, kwargs)], None)[0]
         finally:
+            if grad:
+                set_grad_enabled(True)
             state.depth -= 1
             state.training -= training
         t_end = time.perf_counter()
@@ -366,22 +378,14 @@ class DeviceProgram:
         stats.perf.record_single(t_start, t_end)
         stats.last_compute_seconds = t_end - t_start
         selector.record(backend, t_end - t_start, 1)
-        return refuse_backward(output, args)
-
-    def _single_step(self, backend: Backend, args: tuple, kwargs: dict,
-                     marked: list) -> UserOutput:
-        """The step of :py:meth:`run_single`: a training step, or the forward pass
-        without gradients (``_infer`` for one micro-batch, switching grad mode itself)."""
-        if self.spec.training:
-            return detach(self._train_step(backend, [(args, kwargs)])[0])
-        grad = torch.is_grad_enabled()
-        if grad:
-            set_grad_enabled(False)
-        try:
-            output = backend.runner([(args, kwargs)], None)[0]
-        finally:
-            if grad:
-                set_grad_enabled(True)
+        if training:
+            return refuse_backward(detach(output), args)
         if marked:
             marked.clear()
-        return detach_needed(output)
+        return refuse_backward(detach_needed(output), args)
+
+    def _single_step(self, backend: Backend, args: tuple, kwargs: dict) -> UserOutput:
+        """The step of :py:meth:`run_single` (in its grad mode)."""
+        if self.spec.training:
+            return self._train_step(backend, [(args, kwargs)])[0]
+        return backend.runner([(args, kwargs)], None)[0]

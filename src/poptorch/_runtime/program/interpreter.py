@@ -143,18 +143,22 @@ class Interpreter:
                 self.sync is not None, lane_copies=copies is not None)
         return actions
 
-    @property
-    def simple(self) -> bool:
-        """Whether a step is just forward (and backward) of each micro-batch, one
-        after another: nothing per replica, no reduction inside the backward pass."""
-        return (not self.states and self.sync is None and self.observer is None
-                and self.copies is None)
-
-    # ------------------------------------------------------------------ running it
     def __call__(self, microbatches: list[Microbatch],
                  loss_of: LossOf | None) -> list[UserOutput]:
-        if self.simple:
-            return self._run_plain(microbatches, loss_of)
+        if not self.states and self.sync is None and self.observer is None \
+                and self.copies is None:
+            # nothing per replica, no reduction inside the backward pass: the schedule
+            # is F (then B) of each micro-batch in turn, run without the dispatch
+            compute, buffers = self.compute, self.buffers
+            plain = []
+            for args, kwargs in microbatches:
+                if loss_of is not None and buffers:
+                    drop_history(buffers)
+                out = compute.forward(args, kwargs, loss_of)
+                if loss_of is not None:
+                    compute.backward(out, loss_of)
+                plain.append(out)
+            return plain
         if self.copies is not None:
             return self._run_copies(self.copies, microbatches, loss_of)
         outputs: list[UserOutput] = []
@@ -172,21 +176,6 @@ class Interpreter:
         place, the grouped weights' gradients gathered."""
         for state in self.states:
             state.restore(training)
-
-    def _run_plain(self, microbatches: list[Microbatch],
-                   loss_of: LossOf | None) -> list[UserOutput]:
-        """The schedule of :py:attr:`simple` steps, without the dispatch: ``F`` then
-        ``B`` of each micro-batch in turn."""
-        compute, buffers = self.compute, self.buffers
-        outputs = []
-        for args, kwargs in microbatches:
-            if loss_of is not None and buffers:
-                drop_history(buffers)
-            out = compute.forward(args, kwargs, loss_of)
-            if loss_of is not None:
-                compute.backward(out, loss_of)
-            outputs.append(out)
-        return outputs
 
     def _run_copies(self, copies: ReplicaCopies, microbatches: list[Microbatch],
                     loss_of: LossOf | None) -> list[UserOutput]:
