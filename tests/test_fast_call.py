@@ -160,6 +160,32 @@ def test_training_fast_path_matches_plain_pytorch_loop():
         assert torch.equal(p, r)
 
 
+def test_training_calls_under_no_grad_after_the_fast_path_still_train():
+    """``__call__`` tries the fast path first; a training call made under
+    ``torch.no_grad()`` / ``torch.inference_mode()`` must still take the general path's
+    grad re-entry and train as the plain loop does."""
+    torch.manual_seed(2)
+    model = Net()
+    ref = copy.deepcopy(model)
+    pop = poptorch.trainingModel(model, _opts(), torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    scopes = [torch.enable_grad, torch.enable_grad, torch.enable_grad, torch.no_grad,
+              torch.inference_mode, torch.enable_grad]
+    for call, scope in enumerate(scopes):
+        x, y = _data(seed=call)
+        with scope():
+            out, loss = pop(x, y)
+        if call == 2:
+            assert isinstance(pop._compiled.calls.fast, ProgramCall)
+        ref_opt.zero_grad()
+        ref_out, ref_loss = ref(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        assert torch.equal(out, ref_out.detach()) and torch.equal(loss, ref_loss.detach())
+    for p, r in zip(model.parameters(), ref.parameters(), strict=False):
+        assert torch.equal(p, r)
+
+
 def test_fast_path_follows_destroy_and_detach():
     model = Net().eval()
     pop = poptorch.inferenceModel(model, _opts())
