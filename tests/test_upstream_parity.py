@@ -177,6 +177,35 @@ def test_a_model_for_an_offline_ipu_compiles_but_does_not_run(tmp_path):
     assert torch.equal(loaded(x, y), x + y)
 
 
+class AddLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 2)
+
+    def forward(self, x, y):
+        return self.fc(x) + y
+
+
+def test_an_offline_model_does_not_run_after_compile_and_export(tmp_path, monkeypatch):
+    """``compileAndExport`` runs a compiling model's first calls to compile it (a
+    compiled program is what the file holds); what those calls leave behind (the
+    per-call fast path among it) does not make an offline model runnable."""
+    monkeypatch.setenv("POPTORCH_TORCH_COMPILE_BACKEND", "aot_eager")  # (quick to compile)
+    torch.manual_seed(0)
+    opts = poptorch.Options().useOfflineIpuTarget()
+    opts.Jit.backend("inductor")
+    model = poptorch.inferenceModel(AddLinear(), opts)
+    x, y = torch.ones(2, 2), torch.arange(4.0).reshape(2, 2)
+    model.compileAndExport(str(tmp_path / "lin.poptorch"), x, y)
+    for _ in range(2):
+        with pytest.raises(AssertionError, match="Trying to run a model on an offline"):
+            model(x, y)
+    loaded = poptorch.load(str(tmp_path / "lin.poptorch"))
+    reference = AddLinear()
+    reference.load_state_dict(model.model.state_dict())
+    assert torch.equal(loaded(x, y), reference(x, y))
+
+
 # ---------------------------------------------------------------- dynamic_slice
 def test_dynamic_slice_size_must_divide_the_dimension_in_a_model():
     t = torch.arange(8.0)

@@ -214,7 +214,7 @@ class PoplarExecutor(ExecutorInspection):
     # ------------------------------------------------------------------ run
     def __call__(self, *args: UserInput, **kwargs: UserInput) -> UserOutput:
         compiled = self._compiled
-        if compiled is not None and not SUBSTITUTION_TYPES \
+        if compiled is not None and not SUBSTITUTION_TYPES and not self._offline \
                 and (not self._training or torch.is_grad_enabled()):
             fast = compiled.calls.fast  # program_call.ProgramCall, settled
             if fast:
