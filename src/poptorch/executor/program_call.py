@@ -45,8 +45,7 @@ class ProgramCall:
     to the inputs of settled calls too (:py:meth:`settle`) when it is a fast path."""
 
     def __init__(self, compiled: Compilation, mode: TrainingMode) -> None:
-        program = compiled.program
-        self._undo_for_call = program.undo_for_call if program.may_undo else None
+        self._undo_for_call = compiled.program.undo_for_call
         constants = compiled.tensor_constants
         self._constants = constants if constants else None
         self._mode = mode
@@ -86,8 +85,7 @@ class ProgramCall:
         opt_sync = self._optimizer_sync
         if opt_sync is not None:
             opt_sync.before_run()
-        undo_for_call = self._undo_for_call if undo else None
-        restore = None if undo_for_call is None else undo_for_call()  # (None: nothing)
+        restore = self._undo_for_call() if undo else None  # (None: nothing to undo)
         mode, casting = self._mode, self._casting
         mode.__enter__()
         try:

@@ -107,9 +107,6 @@ class DeviceProgram:
         self._loss_rule = None if binding is None else LossRule(list(spec.params), binding)
         self._scaling: tuple[int, GradientScaling] | None = None
         self._graphs = cuda_graph_call(spec, binding)  # GPUs: calls as CUDA graphs
-        # whether a call can have anything to undo (:py:meth:`undo_for_call`)
-        self.may_undo = spec.training or bool(spec.buffers) or (
-            binding is not None and binding.scaler is not None)
 
     # ------------------------------------------------------------------ read-only views
     @property
@@ -352,7 +349,7 @@ class DeviceProgram:
         spec = self.spec
         rng: RngScope | None = spec.rng
         selector = self.selector
-        backend = selector.steady or selector.for_call()  # (steady: decided, no trial)
+        backend = selector.for_call()
         training = spec.training
         grad = not training and torch.is_grad_enabled()
         state.depth += 1
@@ -361,13 +358,11 @@ class DeviceProgram:
         try:
             if grad:
                 set_grad_enabled(False)
-            if rng is not None and rng.enabled:
+            if rng is None or not rng.enabled:
+                output = self._single_step(backend, args, kwargs)
+            else:
                 with rng:  # (a failed call keeps the stream it started from)
                     output = self._single_step(backend, args, kwargs)
-            elif training:
-                output = self._train_step(backend, [(args, kwargs)])[0]
-            else:
-                output = backend.runner([(args, kwargs)], None)[0]
         finally:
             if grad:
                 set_grad_enabled(True)
