@@ -109,10 +109,13 @@ def test_training_through_the_fixed_size_loader_matches_the_pyg_loop(device_iter
                                torch.stack(expected[device_iterations - 1::device_iterations]))
 
 
-def test_the_compiled_backend_compiles_once_for_the_epoch(monkeypatch):
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_the_compiled_backend_compiles_once_for_the_epoch(monkeypatch, compiler):
     """Fixed-size batches of graphs of different sizes: after the first calls no call
-    compiles again (torch's own compile counters), and training matches eager."""
-    monkeypatch.setenv("POPTORCH_TORCH_COMPILE_BACKEND", "aot_eager")
+    compiles again (torch's own compile counters), and training matches eager.
+    ``inductor``: the code generator's own kernels, with the settings of the fused
+    micro-batch's graph (``compiled_step.FUSED_GRAPH_OPTIONS``)."""
+    monkeypatch.setenv("POPTORCH_TORCH_COMPILE_BACKEND", compiler)
     torch.manual_seed(0)
     model = GCN()
     reference = copy.deepcopy(model)
