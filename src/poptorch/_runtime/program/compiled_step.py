@@ -90,7 +90,7 @@ def _own_code(fn: Callable[..., T], label: str) -> Callable[..., T]:
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
-FUSED_GRAPH_OPTIONS: dict[str, object] = {"realize_reads_threshold": 2}
+FUSED_GRAPH_OPTIONS: dict[str, int] = {"realize_reads_threshold": 2}
 """Inductor settings of the fused micro-batch's graph. Forward and backward are one
 graph there, with no partitioner between them (AOTAutograd's decides what the backward
 of a split graph saves or recomputes), so at inductor's default (a value computed once is
@@ -100,7 +100,7 @@ twice once made a GCN's training step 3x faster here (bench_geometric)."""
 
 
 def _compile(fn: Callable[..., T], fullgraph: bool = False,
-             options: dict[str, object] | None = None) -> Callable[..., T]:
+             options: dict[str, int] | None = None) -> Callable[..., T]:
     backend = torch_compile_backend()
     if backend != "inductor":  # e.g. aot_eager: the same capture, eager kernels
         compiled = torch.compile(fn, backend=backend, fullgraph=fullgraph)
