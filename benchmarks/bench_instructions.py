@@ -18,9 +18,10 @@ For each workload, mode and ``deviceIterations`` (1 and 16), the report gives th
 instructions per micro-batch, the ratio ``eager / pop-eager`` (1.0: no overhead; read
 it like a throughput ratio) and the overhead per call in instructions. Warm-up and
 imports run with instrumentation off (``--instr-atstart=no``); each contender is counted
-over one pass of its micro-batches between ``callgrind_control`` toggles, less an empty
-window's count (the toggling itself). Counts ignore caches and memory stalls: they bound
-what the Python-level work costs, not what a timed run shows.
+over passes of its micro-batches (8 for the tiny MLP, else 1) between ``callgrind_control``
+toggles, less an empty window's count (the toggling itself). One thread, a fixed hash
+seed: two runs agree to the third decimal of the ratio. Counts ignore caches and memory
+stalls: they bound what the Python-level work costs, not what a timed run shows.
 
 Needs valgrind (``apt install valgrind``); prints why and exits when it is missing.
 Run: ``python benchmarks/bench_instructions.py [--quick] [--default]
@@ -67,7 +68,7 @@ def _count_window(run) -> None:
 
 
 def child(workload: str, training: bool, d: int, default: bool, names_file: str) -> None:
-    """Under callgrind: warm up each contender, then count one pass of each."""
+    """Under callgrind: warm up each contender, then count its passes in a window."""
     from bench_compiled import Loop, PopLoop  # (benchmarks/bench_compiled.py)
     torch.set_num_threads(1)
     kind, batch, make_x, make_y = WORKLOADS[workload]
