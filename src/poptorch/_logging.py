@@ -30,6 +30,7 @@ __all__ = [
     "TRACE",
     "TRACE_ALL",
     "apply_options",
+    "describe_error",
     "info_once",
     "log_once",
     "logger",
@@ -198,6 +199,12 @@ def log_once(level: int, key: Hashable, msg: str, *args: object) -> bool:
 def info_once(key: Hashable, msg: str, *args: object) -> bool:
     """Log ``msg`` at INFO only the first time ``key`` is seen in this process."""
     return log_once(logging.INFO, key, msg, *args)
+
+
+def describe_error(error: BaseException) -> str:
+    """``Type: first line of its message``: how a log line names an exception."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 def set_max_repeat_logs(max_lines: int | None) -> None:

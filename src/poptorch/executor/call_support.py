@@ -62,8 +62,7 @@ def count_tensors(structure: object) -> int:
 
 def to_cpu(structure: UserOutput) -> UserOutput:
     """Every tensor of ``structure`` on the CPU."""
-    return pytree.tree_map(
-        lambda t: t.to("cpu") if isinstance(t, torch.Tensor) else t, structure)
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to("cpu"), structure)
 
 
 @contextlib.contextmanager

@@ -303,9 +303,8 @@ class PoplarExecutor(ExecutorInspection):
         anywhere else. Inference tensors become ordinary tensors first (autograd
         cannot save them for the backward pass)."""
         with torch.inference_mode(False), torch.enable_grad():
-            args, kwargs = pytree.tree_map(
-                lambda t: t.clone() if isinstance(t, torch.Tensor) and t.is_inference()
-                else t, (args, kwargs))
+            args, kwargs = pytree.tree_map_only(
+                torch.Tensor, lambda t: t.clone() if t.is_inference() else t, (args, kwargs))
             return self(*args, **kwargs)
 
     def _check_signature(self, compiled: Compilation, args: tuple, kwargs: dict) -> None:

@@ -17,7 +17,7 @@ from .._runtime.config import RuntimeConfig
 from .._runtime.context import ContextFactory
 from .._runtime.executable.signature import InputSignature
 from .._runtime.executable.source import ProgramSource
-from .._runtime.placement.strategy import PIPELINED, kind_of
+from .._runtime.placement.strategy import PIPELINED
 from .._runtime.program.overlapped_io import OverlapSettings
 from .._runtime.schedule.timeline import ScheduleRecord
 from .._runtime.tracing import CallProfiler, StepTrace, profile_directory
@@ -94,7 +94,7 @@ def overlap_settings(options: OptionsView, output_mode: OutputMode) -> OverlapSe
     ``set_overlap_for_output`` markers read (``_runtime/program/overlapped_io.py``),
     checked on the captured graph or on the first forward."""
     return OverlapSettings(
-        pipelined=kind_of(options._execution_strategy) == PIPELINED,
+        pipelined=options._execution_strategy.schedule_kind == PIPELINED,
         io_tiles=options.TensorLocations.num_io_tiles, output_mode=output_mode)
 
 

@@ -25,7 +25,7 @@ def buckets(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
     open_buckets: dict = {}  # (device, dtype) -> [indices, bytes] of the filling bucket
     result: list[list[int]] = []
     for i, t in enumerate(tensors):
-        size = t.numel() * t.element_size()
+        size = t.nbytes
         bucket = open_buckets.get((t.device, t.dtype))
         if bucket is None or (bucket[0] and bucket[1] + size > BUCKET_BYTES):
             bucket = open_buckets[(t.device, t.dtype)] = [[], 0]

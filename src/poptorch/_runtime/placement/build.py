@@ -59,7 +59,6 @@ from .strategy import (
     SHARDED,
     ExecutionStrategy,
     is_phased,
-    kind_of,
     publish_schedule,
     schedule_name,
 )
@@ -191,7 +190,7 @@ class ModelParallelRunner:
         """No stage to place: no block, or a ``PipelinedExecution`` on one IPU (not
         pipelined, as upstream)."""
         return not is_phased(self.strategy) and (not part.has_blocks or (
-            kind_of(self.strategy) == PIPELINED and part.num_ipus == 1))
+            self.strategy.schedule_kind == PIPELINED and part.num_ipus == 1))
 
     def _set_partition(self, part: Partition) -> None:
         """Adopt ``part``: acquire the devices, place the weights on them and make the
@@ -284,7 +283,7 @@ class ModelParallelRunner:
         part, engine = self.partition, self.engine
         assert part is not None and engine is not None  # (compiled before any run)
         assert self.devices is not None
-        n, kind = part.num_stages, kind_of(self.strategy)
+        n, kind = part.num_stages, self.strategy.schedule_kind
         topo = schedules.Topology(tuple(map(tuple, engine.producers)),
                                   tuple(map(tuple, engine.consumers)))
         if kind == PARALLEL_PHASED:
@@ -338,7 +337,7 @@ class ModelParallelRunner:
 
         scope = lambda: streaming.activation_scope(devices)  # noqa: E731
         try:
-            if kind_of(self.strategy) == PARALLEL_PHASED:
+            if self.strategy.schedule_kind == PARALLEL_PHASED:
                 return engine.run_lanes(lanes, inputs, loss_of, record, memory, (scope, ))
             with scope():
                 return engine.run_in_order(lanes[0], inputs, loss_of, record, cut=True,

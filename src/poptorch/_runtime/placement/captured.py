@@ -10,6 +10,7 @@ import contextlib
 import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import sympy
 import torch
@@ -172,7 +173,7 @@ def record_weight_users(gm: torch.fx.GraphModule, trace: BlockTrace) -> None:
             tensors += list(sub.parameters()) + list(sub.buffers())
         for arg in node.all_input_nodes:
             if arg.op == "get_attr":
-                value = fetch_attr(gm, str(arg.target))
+                value = attrgetter(str(arg.target))(gm)
                 if isinstance(value, torch.Tensor):
                     tensors.append(value)
         for t in tensors:
@@ -182,11 +183,3 @@ def record_weight_users(gm: torch.fx.GraphModule, trace: BlockTrace) -> None:
                     blocks.append(block)
     if not trace.sequence:  # a forward with no operation at all
         trace.enter_implicit()
-
-
-def fetch_attr(gm: torch.nn.Module, target: str) -> object:
-    """The attribute at dotted path ``target`` of ``gm``."""
-    value: object = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value

@@ -37,7 +37,9 @@ import torch
 
 from ..._typing import UserInput, UserOutput
 from .. import context
+from ..program.runner import LossOf
 from ..schedule.actions import MEMORY, Action, ActionKind
+from ..schedule.schedules import handed_over
 from ..schedule.timeline import ScheduleEvent, ScheduleRecord
 from ..torch_internals import pytree
 from . import recompute, split_backward
@@ -148,7 +150,7 @@ class Engine:
 
     # ---------------------------------------------------------------- pipelined
     def run_lanes(self, lanes: list[list[Action]], inputs: list[dict[str, UserInput]],
-                  loss_of: Callable[[UserOutput], torch.Tensor] | None,
+                  loss_of: LossOf | None,
                   record: ScheduleRecord, memory: MemoryHandler | None = None,
                   contexts: tuple = ()) -> list[UserOutput]:
         """Run ``lanes`` (one action list per device, ``lanes[d]`` on device ``d``),
@@ -169,7 +171,7 @@ class Engine:
 
     # ---------------------------------------------------------------- sharded
     def run_in_order(self, ops: list[Action], inputs: list[dict[str, UserInput]],
-                     loss_of: Callable[[UserOutput], torch.Tensor] | None,
+                     loss_of: LossOf | None,
                      record: ScheduleRecord, cut: bool = False,
                      memory: MemoryHandler | None = None) -> list[UserOutput]:
         """Run ``ops`` in this thread, one device busy at a time. Uncut (sharded), the
@@ -186,7 +188,7 @@ class _Step:
     """The mailbox and the bookkeeping of one runner call."""
 
     def __init__(self, engine: Engine, inputs: list[dict[str, UserInput]],
-                 loss_of: Callable[[UserOutput], torch.Tensor] | None, cut: bool,
+                 loss_of: LossOf | None, cut: bool,
                  record: ScheduleRecord) -> None:
         self.engine = engine
         self.staged = engine.staged
@@ -223,7 +225,7 @@ class _Step:
                     self.run_op(d, op)
                     if op.kind not in _NOT_HANDED_OVER:
                         with self.cond:
-                            self.done.add(_handed_over(op))
+                            self.done.add(handed_over(op))
                             self.cond.notify_all()
                 if worker.stream is not None:
                     worker.stream.synchronize()
@@ -394,13 +396,6 @@ class _Step:
         event = self.events.get(op)
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
-
-
-def _handed_over(op: Action) -> Action:
-    """What finishing ``op`` gives the stages waiting on it (an input half: the
-    stage's backward, as far as they are concerned)."""
-    kind = BACKWARD if op.kind == INPUT_HALF else op.kind
-    return Action(kind, op.stage, op.microbatch)  # (without its lane: a dependency key)
 
 
 def _to(value: _T, device: torch.device) -> _T:

@@ -38,6 +38,7 @@ from ..._logging import quiet_logger
 from ..._typing import UserInput, UserOutput
 from .. import context
 from ..attributes import attribute_table
+from ..program.loss import autograd_nodes
 from ..torch_internals import pytree
 from . import capture_ops, io_markers, recompute
 from .captured import (
@@ -47,7 +48,6 @@ from .captured import (
     CustomBackward,
     ShapeGuard,
     bind_arguments,
-    fetch_attr,
     record_weight_users,
     tracing,
 )
@@ -133,13 +133,7 @@ class _Forward(torch.nn.Module):
 def _refuse_custom_backward(tensors: tuple) -> None:
     """Raise when the autograd graph of ``tensors`` holds the backward of a
     ``torch.autograd.Function`` (an exported graph records its forward only)."""
-    seen: set = set()
-    todo = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor)]
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
+    for fn in autograd_nodes(t.grad_fn for t in tensors if isinstance(t, torch.Tensor)):
         if isinstance(fn, torch.autograd.function.BackwardCFunction) and not type(
                 fn).__name__.startswith(_LIBRARY_BACKWARD):
             raise CustomBackward(
@@ -147,7 +141,6 @@ def _refuse_custom_backward(tensors: tuple) -> None:
                 "backward a captured graph cannot keep (torch.export and torch.fx record "
                 "its forward only); to pipeline it, register the operation with "
                 "torch.library.custom_op and register_autograd instead")
-        todo.extend(next_fn for next_fn, _ in fn.next_functions)
 
 
 def export_model(model: torch.nn.Module, args: tuple, kwargs: dict,
@@ -312,7 +305,7 @@ def _input_node(graph: torch.fx.Graph, spec: InputSpec, program: ExportedProgram
         return user_leaves.pop(0)
     if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER) and target.startswith(prefix):
         name = target[len(prefix):]
-        attrs[name] = fetch_attr(model, name)
+        attrs[name] = operator.attrgetter(name)(model)
         return graph.get_attr(name)
     if spec.kind == InputKind.CONSTANT_TENSOR:
         name = f"_poptorch_constant_{len(attrs)}"
@@ -422,7 +415,7 @@ def _holds_tensor(node: torch.fx.Node, device: torch.device,
     if node.op == "get_attr":  # the model's own weights (placed with their stage)
         target = str(node.target)
         return not target.startswith("_poptorch_") and isinstance(
-            fetch_attr(model, target), torch.Tensor)
+            operator.attrgetter(target)(model), torch.Tensor)
     value = node.meta.get("val")
     return isinstance(value, torch.Tensor) and value.device == device
 

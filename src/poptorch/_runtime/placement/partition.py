@@ -22,7 +22,7 @@ from .. import context
 from ..config import RuntimeConfig
 from ..torch_internals import pytree
 from . import markers
-from .strategy import PARALLEL_PHASED, PIPELINED, ExecutionStrategy, is_phased, kind_of
+from .strategy import PARALLEL_PHASED, PIPELINED, ExecutionStrategy, is_phased
 
 IMPLICIT_BLOCK = "<before first block>"
 
@@ -223,7 +223,7 @@ def _pipeline_stages(trace: BlockTrace, strategy: ExecutionStrategy, name: str,
                         f"e.g. poptorch.Stage({missing!r}).")
         if _place_implicit(trace.sequence, stage_key):
             ipu_of_key.setdefault(0, 0)
-    if kind_of(strategy) == PIPELINED and (
+    if strategy.schedule_kind == PIPELINED and (
             pair := _descent(trace.sequence, stage_key.__getitem__)) is not None:
         before, after = pair
         raise Error(
@@ -291,11 +291,11 @@ def _phased_stages(trace: BlockTrace, strategy: ExecutionStrategy, name: str,
         for j, stage in enumerate(phase.stages):
             if stage._ipu is not None:
                 ipu = stage._ipu
-            elif kind_of(strategy) == PARALLEL_PHASED:
+            elif strategy.schedule_kind == PARALLEL_PHASED:
                 ipu = 2 * j + p % 2
             else:
                 ipu = j
-            if kind_of(strategy) == PARALLEL_PHASED and ipu % 2 != p % 2:
+            if strategy.schedule_kind == PARALLEL_PHASED and ipu % 2 != p % 2:
                 raise Error(f"{stage!r} of phase {p} is on IPU {ipu}: in {name} even phases "
                             "must run on even IPUs and odd phases on odd IPUs.")
             if ipu in used:
@@ -339,7 +339,7 @@ def is_pipelined(part: Partition) -> bool:
     """Whether ``part`` runs as a pipeline. As upstream, ``PipelinedExecution`` pipelines
     only a model that spans more than one IPU; stages that all sit on one IPU run one after
     the other within each micro-batch (no pipeline depth to fill)."""
-    return kind_of(part.strategy) == PIPELINED and part.num_stages > 1 and part.num_ipus > 1
+    return part.strategy.schedule_kind == PIPELINED and part.num_stages > 1 and part.num_ipus > 1
 
 
 def _check_pipeline_depth(part: Partition, config: RuntimeConfig, training: bool) -> None:

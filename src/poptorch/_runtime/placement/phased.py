@@ -69,7 +69,7 @@ class StreamingMemory:
         self._lock = threading.Lock()
         for t in self._pinned:
             self._move(t, self._device_of[id(t)])
-        self.resident_bytes = sum(_nbytes(t) for t in self._pinned)
+        self.resident_bytes = sum(t.nbytes for t in self._pinned)
         self.peak_resident_bytes = self.resident_bytes
         for phase in self._phase_weights:
             self._offload_phase(phase, count=False)
@@ -82,7 +82,7 @@ class StreamingMemory:
             for t in self._phase_weights[phase]:
                 self._move(t, self._device_of[id(t)])
             self.resident[phase] = True
-            self.resident_bytes += sum(_nbytes(t) for t in self._phase_weights[phase])
+            self.resident_bytes += sum(t.nbytes for t in self._phase_weights[phase])
             self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
             self.loads.append(phase)
 
@@ -110,7 +110,7 @@ class StreamingMemory:
         for t in self._phase_weights[phase]:
             self._move(t, HOST)
         if count:
-            self.resident_bytes -= sum(_nbytes(t) for t in self._phase_weights[phase])
+            self.resident_bytes -= sum(t.nbytes for t in self._phase_weights[phase])
         self.resident[phase] = False
 
     @staticmethod
@@ -126,7 +126,3 @@ class StreamingMemory:
         if self.stream_activations and any(d.type != "cpu" for d in devices):
             return torch.autograd.graph.save_on_cpu(pin_memory=False)
         return contextlib.nullcontext()
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()

@@ -16,7 +16,6 @@ processes of its pipeline, so every process returns what PopTorch returns.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +32,7 @@ from ..distributed.collectives import failures_as_errors
 from ..distributed.consistency import check_same_everywhere
 from ..distributed.output_broadcast import OutputBroadcast
 from ..program.overlapped_io import OverlapSettings
+from ..program.runner import LossOf
 from ..schedule import schedules
 from ..schedule.timeline import PROCESSES, ScheduleEvent, ScheduleRecord
 from ..torch_internals import pytree
@@ -43,7 +43,6 @@ from .stages import StagedModel, StageModule, split_stages
 from .strategy import (
     PIPELINED,
     ExecutionStrategy,
-    kind_of,
     publish_schedule,
     schedule_name,
 )
@@ -51,7 +50,6 @@ from .strategy import (
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
 
-LossOf = Callable[[UserOutput], torch.Tensor]
 
 
 class _StageAdapter(torch.nn.Module):
@@ -140,7 +138,7 @@ class StageProcessRunner:
     def __init__(self, model: torch.nn.Module, config: RuntimeConfig, training: bool,
                  example: tuple | None, overlap: OverlapSettings | None = None) -> None:
         strategy = config.placement.strategy
-        if kind_of(strategy) != PIPELINED:
+        if strategy.schedule_kind != PIPELINED:
             raise Error(
                 f"Distributed.stagesOnProcesses needs a pipelined model, but the execution "
                 f"strategy is {type(strategy).__name__}: use poptorch.PipelinedExecution "

@@ -409,10 +409,17 @@ class _Segment:
         externals = [self.snapshots[i].clone() if i in self.snapshots else t
                      for i, t in enumerate(self.externals)]
         values: dict[Ref, torch.Tensor] = {}
+        # the generators take the recorded state before the tape's first random op
+        # (the ops before it draw nothing) and get theirs back after the replay
+        rng = self.rng
+        cuda = [] if rng is None or rng[2] is None else list(range(len(rng[2])))
         with torch.no_grad(), disable_current_modes(), DisableTorchFunction(), \
-                DisableAutocast(), _ReplayRng(self.rng) as rng:
+                DisableAutocast(), torch.random.fork_rng(cuda, enabled=rng is not None):
             for i, (func, refs, spec) in enumerate(self.ops):
-                rng.before(i)
+                if rng is not None and rng[0] == i:
+                    torch.set_rng_state(rng[1])
+                    if rng[2] is not None:
+                        torch.cuda.set_rng_state_all(rng[2])
                 leaves = [values[r.ref] if isinstance(r, _Internal) else
                           externals[r.slot] if isinstance(r, _External) else r
                           for r in refs]
@@ -481,30 +488,3 @@ def _written_leaves(func: _Operator, args: tuple, kwargs: dict) -> set:
         leaf += count
     return written
 
-
-class _ReplayRng:
-    """Puts the random generators in the recorded state before the first random op of
-    the tape, and restores them after the replay."""
-
-    def __init__(self, rng: tuple | None) -> None:
-        self.rng = rng
-        self.saved: tuple | None = None
-
-    def __enter__(self) -> _ReplayRng:
-        return self
-
-    def before(self, i: int) -> None:
-        if self.rng is None or self.rng[0] != i:
-            return
-        cuda = self.rng[2]
-        self.saved = (torch.get_rng_state(),
-                      torch.cuda.get_rng_state_all() if cuda is not None else None)
-        torch.set_rng_state(self.rng[1])
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.saved is not None:
-            torch.set_rng_state(self.saved[0])
-            if self.saved[1] is not None:
-                torch.cuda.set_rng_state_all(self.saved[1])

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 from ..._typing import UserOutput
+from ..program.runner import LossOf
 from ..schedule.actions import Action, ActionKind
 from ..schedule.timeline import ScheduleEvent, ScheduleRecord
 from .markers import listening
@@ -26,7 +27,6 @@ from .partition import Partition
 from .phased import StreamingMemory
 from .stagerun import StageRun
 
-LossOf = Callable[[UserOutput], torch.Tensor]
 Forward = Callable[[tuple, dict], UserOutput]  # the model's forward on (args, kwargs)
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD

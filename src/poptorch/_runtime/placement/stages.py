@@ -14,12 +14,13 @@ last stage: values of other stages that it needs cross into it like any boundary
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import torch
 import torch.fx
 
 from ..torch_internals import pytree
-from .captured import BLOCK_META, CapturedModel, fetch_attr
+from .captured import BLOCK_META, CapturedModel
 from .partition import Partition
 from .recompute import checkpoint_values
 
@@ -97,7 +98,7 @@ def split_stages(captured: CapturedModel, part: Partition) -> StagedModel:
         # the last stage exposes the values it needs for the output as its own inputs
         # (imported) or outputs (made there)
         if node.op == "get_attr":
-            return ("const", fetch_attr(gm, str(node.target)))  # (get_attr: a name)
+            return ("const", attrgetter(str(node.target))(gm))  # (get_attr: a name)
         if node.op == "placeholder" or stage_of[node] != last:
             return ("import", imports[last].index(node))
         return ("stage", last, exports[last][node])

@@ -60,11 +60,6 @@ class ExecutionStrategy(Protocol):
     def _explicit_stages(self) -> Sequence[StageView]: ...
 
 
-def kind_of(strategy: ExecutionStrategy) -> str:
-    """The schedule of ``strategy``: one of the ``*_KIND`` constants of this module."""
-    return strategy.schedule_kind
-
-
 def is_phased(strategy: ExecutionStrategy) -> bool:
     """True for the serial and parallel phased strategies."""
     return strategy.schedule_kind in (SERIAL_PHASED, PARALLEL_PHASED)

@@ -23,7 +23,6 @@ backend, with one INFO line saying so, instead of failing at its first call.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
@@ -33,15 +32,10 @@ from ..executable.decisions import Decision, DecisionStore
 from ..torch_internals import inductor_cpp_compiler
 from .backend_trial import RECHECK_WITHIN, BackendSelector
 from .backends import EagerBackend, compile_blocker
-from .compiled_step import CompiledBackend, update_blocker
+from .compiled_step import CompiledBackend, torch_compile_backend, update_blocker
 from .optimizer import OptimizerBinding
 
 __all__ = ["automatic_backend", "make_selector", "missing_compiler"]
-
-
-def _torch_compile_backend() -> str:
-    """The ``torch.compile`` backend the compiled program uses (``compiled_step``)."""
-    return os.environ.get("POPTORCH_TORCH_COMPILE_BACKEND", "inductor")
 
 
 @functools.cache
@@ -60,7 +54,7 @@ def automatic_backend(device: torch.device) -> str:
     """The backend of a model with no backend chosen: ``fastest`` (compile, keep the
     faster of the compiled program and the eager loop, measured over the first calls),
     or ``eager`` where code cannot be generated (logged once at INFO)."""
-    if _torch_compile_backend() == "inductor":
+    if torch_compile_backend() == "inductor":
         reason = missing_compiler()
         if reason is not None:
             info_once(("automatic-backend", reason),

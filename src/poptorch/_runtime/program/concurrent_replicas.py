@@ -28,11 +28,11 @@ from typing import TypeVar, cast
 
 import torch
 
+from ..._typing import UserOutput
 from .. import context
 from ..attributes import own_attribute
 from ..batching.plan import Microbatch
 from ..torch_internals import foreach_copy_, pytree
-from .runner import UserOutput
 
 Tree = TypeVar("Tree")
 Result = TypeVar("Result")
@@ -41,9 +41,8 @@ Result = TypeVar("Result")
 def _moved(tree: Tree, device: torch.device) -> Tree:
     """``tree``'s tensors on ``device``, detached (inputs arrive detached; outputs are
     only read)."""
-    return pytree.tree_map(
-        lambda t: t.detach().to(device, non_blocking=True)
-        if isinstance(t, torch.Tensor) else t, tree)
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: t.detach().to(device, non_blocking=True), tree)
 
 
 def _rebind(value: object, memo: dict[int, object]) -> object:

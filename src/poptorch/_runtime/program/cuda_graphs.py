@@ -29,13 +29,13 @@ capture off.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from ..._logging import info_once, logger
+from ..._devices import env_setting
+from ..._logging import describe_error, info_once, logger
 from ..._typing import UserOutput
 from ..torch_internals import optimizer_hooks_registered, pytree, torch_function_stack_depth
 
@@ -56,11 +56,6 @@ class CaptureFailed(Exception):
     """The call cannot replay (or record) the graph: it runs without it."""
 
 
-def _disabled_by_env() -> bool:
-    value = os.environ.get("POPTORCH_CUDA_GRAPHS", "").strip().lower()
-    return value in ("0", "false", "no", "off")
-
-
 def capture_blocker(spec: ProgramSpec, binding: OptimizerBinding | None) -> str | None:
     """Why the calls of a program (its ``ProgramSpec`` and ``OptimizerBinding``) cannot
     be one CUDA graph, or None if they can. Needs no GPU: every reason is read from the
@@ -68,7 +63,7 @@ def capture_blocker(spec: ProgramSpec, binding: OptimizerBinding | None) -> str 
     device = spec.device
     if device.type != "cuda":
         return f"the device is {device.type}, not a CUDA GPU"
-    if _disabled_by_env():
+    if env_setting("POPTORCH_CUDA_GRAPHS") is False:
         return "turned off by POPTORCH_CUDA_GRAPHS=0"
     if not spec.plain:
         return "model parallelism or per-replica buffers run stages from host threads"
@@ -209,10 +204,8 @@ class CudaGraphCall:
         except Exception as error:  # host ops in the model, unsupported kernels, ...
             self._drop()
             self.failed = True
-            first = str(error).strip().splitlines()
-            logger.info("%s: the call cannot be captured as a CUDA graph (%s: %s); its "
-                        "kernels are launched from the host.", self.label,
-                        type(error).__name__, first[0] if first else "")
+            logger.info("%s: the call cannot be captured as a CUDA graph (%s); its kernels "
+                        "are launched from the host.", self.label, describe_error(error))
             raise CaptureFailed(str(error)) from error
         return self._replay(args, kwargs)
 
@@ -250,8 +243,7 @@ class CudaGraphCall:
         self._graph.replay()
         self.replays += 1
         # The next replay overwrites the static outputs: the caller gets copies.
-        return pytree.tree_map(
-            lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self._static_output)
+        return pytree.tree_map_only(torch.Tensor, lambda t: t.clone(), self._static_output)
 
     def _drop(self) -> None:
         self._graph = self._key = self._static_output = None

@@ -42,8 +42,7 @@ def detach(output: UserOutput) -> UserOutput:
     if type(output) is tuple and all(isinstance(t, torch.Tensor) for t in output):
         return tuple(t.detach() for t in output)  # (a namedtuple goes through pytree)
     register_mapping_outputs(output)  # dict-like outputs: gathered key by key
-    return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t,
-                           output)
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), output)
 
 
 def detach_needed(output: UserOutput) -> UserOutput:

@@ -32,17 +32,19 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
-from ..._logging import logger
+from ..._logging import describe_error, logger
 from ..._typing import UserOutput
 from ...errors import Error
 from ..torch_internals import dynamo, pytree
 from .compiled_step import CompiledBackend, Uncapturable
 from .runner import LossOf
 from .undo import RandomState, StateUndo
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from .backends import Backend
@@ -165,7 +167,8 @@ class Probation:
             stage = stage_of(failure)  # without the compiled one as its context)
             reason = _reason(failure)
             failure = None
-            return self._redo(undo, microbatches, loss_of, stage, reason)
+            return self._redo(undo, lambda: self.eager.runner(microbatches, loss_of),
+                              stage, reason)
         took = time.perf_counter() - t0
         self.compile_seconds += max(
             0.0, took - self.eager_microbatch_seconds * len(microbatches))
@@ -176,9 +179,10 @@ class Probation:
                         "of %d micro-batch%s took %.1f s.", self.compiled.label, count,
                         "" if count == 1 else "es", took)
         if self.compile_seconds > self.budget:
-            return self._redo(undo, microbatches, loss_of, "compile budget",
-                              f"the compiles took {self.compile_seconds:.1f} s, over the "
-                              f"budget of {self.budget:.0f} s")
+            return self._redo(undo, lambda: self.eager.runner(microbatches, loss_of),
+                              "compile budget", f"the compiles took "
+                              f"{self.compile_seconds:.1f} s, over the budget of "
+                              f"{self.budget:.0f} s")
         produced = _tensors(outputs) + (recording.losses if recording else [])
         produced += [p.grad for p in self.params if p.grad is not None]
         if not _finite(produced):
@@ -198,17 +202,21 @@ class Probation:
         return tqdm(total=1, desc=f"Compiling the device program ({self.compiled.label})",
                     leave=False, unit="program", disable=not self._progress)
 
-    def _redo(self, undo: StateUndo, microbatches: list, loss_of: LossOf | None,
-              stage: str, reason: str) -> list:
-        """The micro-batches again, eagerly: the compiled backend is left when they
-        run; an exception they raise as well is the user's, raised as it is."""
-        undo.restore()
-        self._clear_grads()
-        try:
-            again = self.eager.runner(microbatches, loss_of)
-        except BaseException:
+    def _redo(self, undo: StateUndo, eager: Callable[[], T], stage: str, reason: str,
+              clear_grads: bool = True) -> T:
+        """``eager()``: the failed piece again, eagerly, from its undone state. The
+        compiled backend is left when it runs; an exception it raises as well is the
+        user's, raised as it is (the piece undone again)."""
+        def undone() -> None:
             undo.restore()
-            self._clear_grads()
+            if clear_grads:
+                self._clear_grads()
+
+        undone()
+        try:
+            again = eager()
+        except BaseException:
+            undone()
             raise
         self._leave(stage, reason)
         return again
@@ -233,13 +241,7 @@ class Probation:
         if failure is not None:
             stage, reason = f"update {stage_of(failure)}", _reason(failure)
             failure = None
-            undo.restore()
-            try:
-                self.eager.update()
-            except BaseException:  # the user's (an optimizer hook's) error
-                undo.restore()
-                raise
-            self._leave(stage, reason)
+            self._redo(undo, self.eager.update, stage, reason, clear_grads=False)
             return
         if not _finite(list(self.params)):
             undo.restore()
@@ -256,8 +258,7 @@ def _reason(error: BaseException | str) -> str:
     inner = getattr(error, "inner_exception", None)
     if isinstance(inner, BaseException):
         return f"{type(error).__name__}: {_reason(inner)}"
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}".strip()
+    return describe_error(error).strip()
 
 
 def warn_fallback(label: str, stage: str, reason: str) -> None:

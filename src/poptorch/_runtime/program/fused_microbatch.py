@@ -25,23 +25,19 @@ from collections.abc import Callable
 
 import torch
 
-from ..._logging import info_once
+from ..._logging import describe_error, info_once
+from ..._typing import UserOutput
 from .. import context
 from ..torch_internals import dynamo, dynamo_config_patch, dynamo_eager_numerics, pytree
 from .loss import LossNeedsEager, find_loss
 from .optimizer import OptimizerBinding
-from .runner import LossOf, UserOutput
+from .runner import LossOf
 
 __all__ = ["FusedCompute", "Uncapturable"]
 
 
 class Uncapturable(Exception):
     """Raised while a piece is traced when its graph would differ from the eager step."""
-
-
-def _detached(output: UserOutput) -> UserOutput:
-    return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t,
-                           output)
 
 
 def fused_function(model: torch.nn.Module) -> Callable[..., tuple[UserOutput, tuple]]:
@@ -61,7 +57,7 @@ def fused_function(model: torch.nn.Module) -> Callable[..., tuple[UserOutput, tu
         if scale is not None:
             loss = loss * scale.to(loss.dtype)
         grads = torch.autograd.grad(loss, params, allow_unused=True)
-        return _detached(out), grads
+        return pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), out), grads
     return fused_microbatch
 
 
@@ -153,8 +149,7 @@ class FusedCompute:
         return self._scale
 
     def _use_split(self, error: BaseException) -> None:
-        lines = str(error).strip().splitlines()
-        self.split_reason = f"{type(error).__name__}: {lines[0] if lines else ''}"
+        self.split_reason = describe_error(error)
         info_once(("split-microbatch", self._label), "%s: a micro-batch's forward and "
                   "backward passes cannot be one graph (%s): its forward pass and loss "
                   "are compiled, autograd runs the backward pass.", self._label,

@@ -31,12 +31,13 @@ from typing import Protocol
 
 import torch
 
+from ..._typing import UserOutput
 from ..batching.plan import Microbatch
 from ..schedule.actions import Action, ActionKind
 from ..schedule.schedules import one_stage_schedule
 from .concurrent_replicas import ReplicaCopies
 from .overlapped_io import FirstForwardCheck
-from .runner import LossOf, ReplicaState, UserOutput, drop_history
+from .runner import LossOf, ReplicaState, drop_history
 
 __all__ = ["Compute", "EagerCompute", "GradientSync", "Interpreter", "MicrobatchObserver"]
 

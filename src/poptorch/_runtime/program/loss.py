@@ -32,7 +32,7 @@ fix PopTorch asks for.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TypeGuard
 
 import torch
@@ -72,18 +72,9 @@ def check_single_loss(output: UserOutput) -> None:
     """As PopTorch, for a model that marks no loss with ``identity_loss``: its torch.nn
     losses (``_LOSS_NODES``) must form one final loss; two that are not computed one
     from the other (``loss_a + loss_b``, or both returned) raise ``poptorch.Error``."""
-    stack: list = [t.grad_fn for t in pytree.tree_leaves(output)
-                   if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen: set = set()
-    losses = []
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ in _LOSS_NODES:
-            losses.append(node)
-        stack.extend(fn for fn, _ in node.next_functions)
+    losses = [node for node in autograd_nodes(
+        t.grad_fn for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor))
+        if type(node).__name__ in _LOSS_NODES]
     if len(losses) < 2:
         return
     below = _nodes_below(losses)  # nodes some loss is computed from
@@ -140,15 +131,21 @@ def _final_losses(losses: list) -> list:
 
 def _nodes_below(nodes: list) -> set:
     """The autograd nodes strictly below ``nodes`` (what they are computed from)."""
-    below: set = set()
-    stack = [fn for node in nodes for fn, _ in node.next_functions]  # (None: no grad)
+    return set(autograd_nodes(fn for node in nodes for fn, _ in node.next_functions))
+
+
+def autograd_nodes(roots: Iterable) -> Iterator:
+    """Every autograd node reachable from ``roots`` (``grad_fn`` values; None, the
+    ``grad_fn`` of a tensor without history, is skipped), each once."""
+    seen: set = set()
+    stack = list(roots)
     while stack:
         node = stack.pop()
-        if node is None or node in below:
+        if node is None or node in seen:
             continue
-        below.add(node)
+        seen.add(node)
+        yield node
         stack.extend(fn for fn, _ in node.next_functions)
-    return below
 
 
 def _is_scalar(value: object) -> TypeGuard[torch.Tensor]:

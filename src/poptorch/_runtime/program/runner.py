@@ -9,15 +9,13 @@ This module holds the protocols they share and the per-replica state they switch
 """
 from __future__ import annotations
 
-from typing import Any, Protocol, TypeAlias
+from typing import Protocol
 
 import torch
 
+from ..._typing import UserOutput
 from ..batching.plan import Microbatch
 from ..torch_internals import foreach_copy_
-
-UserOutput: TypeAlias = Any
-"""A user model's output: any structure of tensors and other values (truly anything)."""
 
 
 class LossOf(Protocol):

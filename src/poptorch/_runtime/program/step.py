@@ -32,12 +32,12 @@ from ...enums import MeanReductionStrategy, ReductionType
 from ...errors import Error
 from .. import context
 from ..config import TrainingConfig
-from ..torch_internals import foreach_div_, foreach_mul_, set_grad_enabled
+from ..torch_internals import foreach_div_, foreach_mul_
 from .loss import find_loss
 from .optimizer import OptimizerBinding
 from .runner import drop_history
 
-__all__ = ["GradientScaling", "LossRule", "infer_step", "scale_gradients", "train_step"]
+__all__ = ["GradientScaling", "LossRule", "scale_gradients", "train_step"]
 
 Backward = Callable[[list, "LossRule"], list]
 
@@ -193,14 +193,3 @@ def train_step(program: StepProgram, microbatches: list, backward: Backward,
         cross.sync_buffers()
     return outputs
 
-
-def infer_step(forward: Callable[..., UserOutput], args: tuple, kwargs: dict
-               ) -> UserOutput:
-    """The forward of one inference micro-batch, without gradients whatever the host's
-    grad mode."""
-    grad = torch.is_grad_enabled()
-    set_grad_enabled(False)
-    try:
-        return forward(*args, **kwargs)
-    finally:
-        set_grad_enabled(grad)

@@ -28,6 +28,7 @@ __all__ = [
     "dependencies",
     "device_lanes",
     "gpipe",
+    "handed_over",
     "interleaved_one_f_one_b",
     "layout",
     "one_f_one_b",
@@ -114,7 +115,7 @@ def dependencies(op: Action, topo: Topology) -> list[Action]:
     return [Action(F, stage, m)] + [Action(B, c, m) for c in topo.consumers[stage]]
 
 
-def _key(op: Action) -> Action:
+def handed_over(op: Action) -> Action:
     """What finishing ``op`` hands over, without its lane (an input half: its stage's
     backward, as far as the readers are concerned)."""
     return Action(B if op.kind == IH else op.kind, op.stage, op.microbatch)
@@ -141,7 +142,7 @@ def layout(lanes: Sequence[Sequence[Action]], topo: Topology) -> list[list[int]]
                 starts[d].append(t)
                 free[d] = t + COST.get(op.kind, 1)
                 if op.kind not in MEMORY:  # (nothing waits for a memory action)
-                    end[plain] = end[_key(plain)] = free[d]
+                    end[plain] = end[handed_over(plain)] = free[d]
                 remaining -= 1
                 progress = True
         if not progress:
@@ -184,9 +185,10 @@ def check_dependencies(lanes: Sequence[Sequence[Action]], topo: Topology) -> Non
     done: set[Action] = set()  # (an input half and its backward both read as the backward)
     for a in order:
         for need in dependencies(a, topo):
-            if _key(need) not in done:
-                raise ValueError(f"schedule runs {_key(a)} before {_key(need)}, which it reads")
-        done.add(_key(a))
+            if handed_over(need) not in done:
+                raise ValueError(f"schedule runs {handed_over(a)} before "
+                                 f"{handed_over(need)}, which it reads")
+        done.add(handed_over(a))
 
 
 def _check_memory(lane: Sequence[Action]) -> None:
@@ -289,7 +291,7 @@ def zero_bubble(topo: Topology, num_microbatches: int) -> Lanes:
                 continue
             lanes[s].append(choice)
             finish = t + COST[choice.kind]
-            end[choice] = end[_key(choice)] = free[s] = finish
+            end[choice] = end[handed_over(choice)] = free[s] = finish
             done += 1
             if choice.kind == F:
                 next_f[s] += 1
