@@ -51,7 +51,6 @@ if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
 
 
-
 class _StageAdapter(torch.nn.Module):
     """One stage as ``torch.distributed.pipelining`` runs it: positional inputs are the
     values carried from the previous stage, keyword inputs the model inputs it reads;
