@@ -28,34 +28,47 @@ class OverlapChecker(Protocol):
     def mark_output(self, structure: UserOutput, mode: OverlapMode) -> UserOutput: ...
 
 
-class _ThreadState(threading.local):
-    """Initialised in every thread that reads it (``threading.local`` calls
-    ``__init__`` per thread), so hot paths read plain attributes."""
+class ThreadState:
+    """What one thread is running: ``depth`` counts the executor calls running in it,
+    ``training`` those of a training model, ``losses`` are the losses marked by
+    ``identity_loss`` in the current forward, ``overlap`` the marker checker of a
+    capture or a first forward (if one runs)."""
+
+    __slots__ = ("depth", "losses", "overlap", "training")
 
     def __init__(self) -> None:
-        self.depth = 0      # executor calls running in this thread
-        self.training = 0   # those of them that run a training model
-        self.losses: list = []  # losses marked by identity_loss in the current forward
-        # the marker checker of a capture or a first forward, if one runs
+        self.depth = 0
+        self.training = 0
+        self.losses: list = []
         self.overlap: OverlapChecker | None = None
 
 
-_state = _ThreadState()
-STATE = _state
-"""The per-thread state itself, for a caller's hot path: ``depth`` counts the executor
-calls running in this thread, ``training`` those of a training model, ``losses`` is the
-list of marked losses."""
+class _PerThread(threading.local):
+    """One :py:class:`ThreadState` per thread (``threading.local`` calls ``__init__``
+    in every thread that reads it). Reading a thread-local attribute costs several
+    times a plain one, so a hot path reads ``state`` once and then plain slots."""
+
+    def __init__(self) -> None:
+        self.state = ThreadState()
+
+
+_per_thread = _PerThread()
+
+
+def thread_state() -> ThreadState:
+    """This thread's :py:class:`ThreadState`."""
+    return _per_thread.state
 
 
 def is_running_on_ipu() -> bool:
     """True only while an executor runs the wrapped model."""
-    return _state.depth > 0
+    return _per_thread.state.depth > 0
 
 
 def is_running_training() -> bool:
     """True only while an executor runs the wrapped model of a ``trainingModel`` (in
     the thread that runs its forward and backward passes)."""
-    return _state.training > 0
+    return _per_thread.state.training > 0
 
 
 class running_on_ipu:
@@ -66,13 +79,15 @@ class running_on_ipu:
         self._training = 1 if training else 0
 
     def __enter__(self) -> running_on_ipu:
-        _state.depth += 1
-        _state.training += self._training
+        state = _per_thread.state
+        state.depth += 1
+        state.training += self._training
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _state.depth -= 1
-        _state.training -= self._training
+        state = _per_thread.state
+        state.depth -= 1
+        state.training -= self._training
 
 
 ContextFactory = Callable[[], AbstractContextManager[Any]]
@@ -89,23 +104,19 @@ def worker_scope(factories: list[ContextFactory]) -> contextlib.ExitStack:
     return stack
 
 
-def _marked() -> list:
-    return _state.losses
-
-
 def mark_loss(tensor: torch.Tensor) -> None:
     """Record ``tensor`` as a loss produced by ``identity_loss`` in this forward."""
-    _state.losses.append(tensor)
+    _per_thread.state.losses.append(tensor)
 
 
 def marked_losses() -> list:
     """This thread's list of marked losses itself (hot paths clear it in place)."""
-    return _marked()
+    return _per_thread.state.losses
 
 
 def take_marked_losses() -> list:
     """Return and clear the losses marked since the last call (this thread only)."""
-    marked = _marked()
+    marked = _per_thread.state.losses
     out = list(marked)
     marked.clear()
     return out
@@ -114,10 +125,11 @@ def take_marked_losses() -> list:
 def overlap_checker() -> OverlapChecker | None:
     """The checker of overlap markers active in this thread (None: markers only record
     their hint)."""
-    return _state.overlap
+    return _per_thread.state.overlap
 
 
 def set_overlap_checker(checker: OverlapChecker | None) -> OverlapChecker | None:
     """Make ``checker`` this thread's overlap-marker checker; returns the previous one."""
-    previous, _state.overlap = _state.overlap, checker
+    state = _per_thread.state
+    previous, state.overlap = state.overlap, checker
     return previous

@@ -139,28 +139,40 @@ def _low_dtype(tensors: list) -> torch.dtype:
 # Per-thread region stack and run configuration
 
 _REGION, _SCOPE = 0, 1
-class _ThreadState(threading.local):
-    stack: list | None = None   # open regions, innermost last
-    mode: AutocastMode | None = None  # the AutocastMode pushed in this thread, if any
-    owner: int | AutocastRun | None = None  # who pushed it: a stack depth or an AutocastRun
-    run: AutocastRun | None = None  # the AutocastRun of the call running in this thread
 
 
-_tls = _ThreadState()
+class _ThreadState:
+    """One thread's regions, pushed mode and running call."""
+
+    __slots__ = ("mode", "owner", "run", "stack")
+
+    def __init__(self) -> None:
+        self.stack: list = []  # open regions, innermost last
+        self.mode: AutocastMode | None = None  # the AutocastMode pushed in this thread
+        self.owner: int | AutocastRun | None = None  # who pushed it: a depth or a run
+        self.run: AutocastRun | None = None  # the AutocastRun of this thread's call
+
+
+class _PerThread(threading.local):
+    """One :py:class:`_ThreadState` per thread, read once per call (a thread-local
+    attribute costs several plain ones)."""
+
+    def __init__(self) -> None:
+        self.state = _ThreadState()
+
+
+_per_thread = _PerThread()
 _global_run = None  # the run entered last in any thread (worker threads fall back to it)
 
 
 def region_stack() -> list:
     """This thread's open regions, innermost last: ``(REGION, enabled)`` or
     ``(SCOPE, dtype or None)`` entries."""
-    stack = _tls.stack
-    if stack is None:
-        stack = _tls.stack = []
-    return stack
+    return _per_thread.state.stack
 
 
 def _current_run() -> AutocastRun | None:
-    run = _tls.run
+    run = _per_thread.state.run
     return run if run is not None else _global_run
 
 
@@ -172,8 +184,9 @@ def _region_open() -> bool:
 
 
 def _push(entry: tuple) -> None:
-    stack = region_stack()
-    if _tls.mode is None:
+    tls = _per_thread.state
+    stack = tls.stack
+    if tls.mode is None:
         run = _current_run()
         if run is not None and run.enabled:
             _start_mode(run, owner=len(stack))
@@ -186,21 +199,24 @@ def _push(entry: tuple) -> None:
 
 
 def _pop() -> None:
-    stack = region_stack()
+    tls = _per_thread.state
+    stack = tls.stack
     stack.pop()
-    if _tls.mode is not None and _tls.owner == len(stack):
+    if tls.mode is not None and tls.owner == len(stack):
         _stop_mode()
 
 
 def _start_mode(run: AutocastRun, owner: int | AutocastRun) -> None:
     mode = AutocastMode(run.rules)
     mode.__enter__()
-    _tls.mode, _tls.owner = mode, owner
+    tls = _per_thread.state
+    tls.mode, tls.owner = mode, owner
 
 
 def _stop_mode() -> None:
-    mode = cast(AutocastMode, _tls.mode)  # (called while a mode is pushed)
-    _tls.mode, _tls.owner = None, None
+    tls = _per_thread.state
+    mode = cast(AutocastMode, tls.mode)  # (called while a mode is pushed)
+    tls.mode, tls.owner = None, None
     mode.__exit__(None, None, None)
 
 
@@ -251,7 +267,7 @@ class AutocastRun:
         """:py:meth:`__enter__` without the float16 rules (for calls known to need no
         casting, see ``DefaultCasting.settled``); paired with :py:meth:`exit_run`."""
         global _global_run
-        tls = _tls
+        tls = _per_thread.state
         self._saved.append((tls.run, _global_run))
         tls.run = _global_run = self
         if tls.stack and tls.mode is None and self.enabled:
@@ -260,11 +276,12 @@ class AutocastRun:
     def exit_run(self) -> None:
         """Undo :py:meth:`enter_run`."""
         global _global_run
+        tls = _per_thread.state
         try:
-            if _tls.mode is not None and _tls.owner is self:
+            if tls.mode is not None and tls.owner is self:
                 _stop_mode()
         finally:
-            _tls.run, _global_run = self._saved.pop()
+            tls.run, _global_run = self._saved.pop()
 
 
 class AutocastMode(TorchFunctionMode):

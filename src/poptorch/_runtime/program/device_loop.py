@@ -35,27 +35,40 @@ from .undo import StateUndo
 __all__ = ["DeviceProgram", "detach", "detach_needed"]
 
 
+_Tensor = torch.Tensor
+# (the common shapes are tested as ``type(output) is tuple`` first: ``isinstance`` of a
+# non-tensor against ``torch.Tensor`` takes its metaclass's slow path)
+
+
+def _all_tensors(items: tuple) -> bool:
+    for t in items:  # (a loop: a generator costs more than the test)
+        if not isinstance(t, _Tensor):
+            return False
+    return True
+
+
 def detach(output: UserOutput) -> UserOutput:
     """Detach every tensor of an output structure (fast paths for common shapes)."""
-    if isinstance(output, torch.Tensor):
+    if type(output) is tuple:  # (a namedtuple goes through pytree)
+        if _all_tensors(output):
+            return tuple([t.detach() for t in output])
+    elif isinstance(output, _Tensor):
         return output.detach()
-    if type(output) is tuple and all(isinstance(t, torch.Tensor) for t in output):
-        return tuple(t.detach() for t in output)  # (a namedtuple goes through pytree)
     register_mapping_outputs(output)  # dict-like outputs: gathered key by key
-    return pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), output)
+    return pytree.tree_map_only(_Tensor, lambda t: t.detach(), output)
 
 
 def detach_needed(output: UserOutput) -> UserOutput:
     """:py:func:`detach` for an inference output: tensors computed without gradients
     are returned as they are (the common single tensor / tuple of tensors without a
     copy of the tuple)."""
-    if isinstance(output, torch.Tensor):
-        return output.detach() if output.requires_grad else output
     if type(output) is tuple:
         for t in output:
-            if not isinstance(t, torch.Tensor) or t.requires_grad:
+            if not isinstance(t, _Tensor) or t.requires_grad:
                 return detach(output)
         return output
+    if isinstance(output, _Tensor):
+        return output.detach() if output.requires_grad else output
     return detach(output)
 
 
@@ -71,10 +84,10 @@ def refuse_backward(output: UserOutput, args: tuple) -> UserOutput:
     """As PopTorch: ``output.backward()`` on a tensor a model returned raises (the
     model's own backward pass has already run, or it is an inference model). A tensor
     the caller passed in and got back is left alone."""
-    leaves = (output,) if isinstance(output, torch.Tensor) else \
-        output if type(output) is tuple else pytree.tree_leaves(output)
+    leaves = output if type(output) is tuple else \
+        (output,) if isinstance(output, _Tensor) else pytree.tree_leaves(output)
     for t in leaves:  # (plain loops: a generator per tensor costs more than the rest)
-        if isinstance(t, torch.Tensor):
+        if isinstance(t, _Tensor):
             for a in args:
                 if t is a:
                     break
@@ -341,7 +354,7 @@ class DeviceProgram:
         results, perf counters and errors, without the batching and output machinery
         that one micro-batch does not need: a training step, or the forward pass
         without gradients."""
-        state = context.STATE
+        state = context.thread_state()
         marked = state.losses
         if marked:
             marked.clear()  # drop marks left by runs outside the executor
