@@ -40,17 +40,13 @@ _Tensor = torch.Tensor
 # non-tensor against ``torch.Tensor`` takes its metaclass's slow path)
 
 
-def _all_tensors(items: tuple) -> bool:
-    for t in items:  # (a loop: a generator costs more than the test)
-        if not isinstance(t, _Tensor):
-            return False
-    return True
-
-
 def detach(output: UserOutput) -> UserOutput:
     """Detach every tensor of an output structure (fast paths for common shapes)."""
     if type(output) is tuple:  # (a namedtuple goes through pytree)
-        if _all_tensors(output):
+        for t in output:  # (a loop: a generator costs more than the test)
+            if not isinstance(t, _Tensor):
+                break
+        else:
             return tuple([t.detach() for t in output])
     elif isinstance(output, _Tensor):
         return output.detach()
