@@ -230,19 +230,37 @@ class OutputCollector:
         if len(parts) == 1:
             return parts[0]
         first = parts[0]
-        if isinstance(first, torch.Tensor):
-            if all(isinstance(p, torch.Tensor) for p in parts):
+        if type(first) is tuple:  # (tested first: see _tensor_columns)
+            columns = _tensor_columns(parts, len(first))
+            if columns is not None:
+                return tuple([_combine(column) for column in columns])
+        elif isinstance(first, torch.Tensor):
+            for part in parts:
+                if not isinstance(part, torch.Tensor):
+                    break
+            else:
                 return _combine(parts)
-        elif type(first) is tuple and all(type(p) is tuple and len(p) == len(first)
-                                          for p in parts):
-            columns = list(zip(*parts, strict=True))
-            if all(isinstance(t, torch.Tensor) for column in columns for t in column):
-                return tuple(_combine(list(column)) for column in columns)
         register_mapping_outputs(first)  # dict-like outputs: combined key by key
         flat = [pytree.tree_flatten(p) for p in parts]
         spec = flat[0][1]
         combined = [_combine([f[0][k] for f in flat]) for k in range(len(flat[0][0]))]
         return pytree.tree_unflatten(combined, spec)
+
+
+def _tensor_columns(parts: list, width: int) -> list[list[torch.Tensor]] | None:
+    """The columns of ``parts`` when each is a plain tuple of ``width`` tensors (the
+    common outputs), else None. Plain loops: a generator per test costs more than the
+    test, and ``isinstance`` of a non-tensor against ``torch.Tensor`` takes its
+    metaclass's slow path, so the tuple's type is tested first."""
+    for part in parts:
+        if type(part) is not tuple or len(part) != width:
+            return None
+    columns = [list(column) for column in zip(*parts, strict=True)]
+    for column in columns:
+        for t in column:
+            if not isinstance(t, torch.Tensor):
+                return None
+    return columns
 
 
 def _add_leaf(a: UserOutput, b: UserOutput) -> UserOutput:
