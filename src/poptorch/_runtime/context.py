@@ -11,7 +11,7 @@ import contextlib
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
@@ -26,6 +26,9 @@ class OverlapChecker(Protocol):
     def mark_input(self, structure: UserInput, mode: OverlapMode) -> UserInput: ...
 
     def mark_output(self, structure: UserOutput, mode: OverlapMode) -> UserOutput: ...
+
+
+_S = TypeVar("_S")
 
 
 class ThreadState:
@@ -43,16 +46,17 @@ class ThreadState:
         self.overlap: OverlapChecker | None = None
 
 
-class _PerThread(threading.local):
-    """One :py:class:`ThreadState` per thread (``threading.local`` calls ``__init__``
-    in every thread that reads it). Reading a thread-local attribute costs several
-    times a plain one, so a hot path reads ``state`` once and then plain slots."""
+class PerThread(threading.local, Generic[_S]):
+    """One ``make()`` per thread, as ``state`` (``threading.local`` calls ``__init__``
+    with the same arguments in every thread that reads it). Reading a thread-local
+    attribute costs several times a plain one, so a hot path reads ``state`` once and
+    then plain attributes."""
 
-    def __init__(self) -> None:
-        self.state = ThreadState()
+    def __init__(self, make: Callable[[], _S]) -> None:
+        self.state = make()
 
 
-_per_thread = _PerThread()
+_per_thread = PerThread(ThreadState)
 
 
 def thread_state() -> ThreadState:

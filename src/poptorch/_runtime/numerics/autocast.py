@@ -22,7 +22,6 @@ and imports nothing from the public layer.
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from types import TracebackType
@@ -34,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 from ... import _logging
 from ..._typing import UserInput, UserOutput
 from ..attributes import own_attribute
+from ..context import PerThread
 from .casting import LOW_PRECISION, DefaultCasting, cast_floating, floating_args
 from .precision import _NEVER_CAST, _writes_in_place
 
@@ -153,15 +153,7 @@ class _ThreadState:
         self.run: AutocastRun | None = None  # the AutocastRun of this thread's call
 
 
-class _PerThread(threading.local):
-    """One :py:class:`_ThreadState` per thread, read once per call (a thread-local
-    attribute costs several plain ones)."""
-
-    def __init__(self) -> None:
-        self.state = _ThreadState()
-
-
-_per_thread = _PerThread()
+_per_thread = PerThread(_ThreadState)  # (read once per call)
 _global_run = None  # the run entered last in any thread (worker threads fall back to it)
 
 
