@@ -49,6 +49,12 @@ def _refused(*_args, **_kwargs):
                        "model")
 
 
+def microbatches(x, y, d):
+    """The ``d`` micro-batches of one call's inputs (views along dimension 0)."""
+    n = x.shape[0] // d
+    return zip(x.split(n), y.split(n), strict=True)
+
+
 class Bare:
     """Gradients off, the model on each micro-batch, gradients on: nothing else."""
 
@@ -61,8 +67,7 @@ class Bare:
         try:
             if self.d == 1:
                 return model(x, y)
-            n = x.shape[0] // self.d
-            return [model(a, b) for a, b in zip(x.split(n), y.split(n), strict=True)]
+            return [model(a, b) for a, b in microbatches(x, y, self.d)]
         finally:
             _set_grad(True)
 
@@ -90,9 +95,7 @@ class Floor:
             if d == 1:
                 outputs = model(x, y)
             else:
-                parts = [model(a, b) for a, b in zip(x.split(x.shape[0] // d),
-                                                     y.split(y.shape[0] // d),
-                                                     strict=True)]
+                parts = [model(a, b) for a, b in microbatches(x, y, d)]
                 outs, losses = zip(*parts, strict=True)
                 outputs = (torch.cat(outs), torch.stack(losses))
         finally:
@@ -121,7 +124,7 @@ def check_outputs(base, wrappers, x, y, d):
     """The floor's and poptorch's outputs of one call equal the eager model's on the
     same micro-batches (outputs concatenated, losses stacked: ``OutputMode.All``)."""
     with torch.no_grad():
-        parts = [base(a, b) for a, b in zip(x.chunk(d), y.chunk(d), strict=True)]
+        parts = [base(a, b) for a, b in microbatches(x, y, d)]
     expected = (torch.cat([p[0] for p in parts]), torch.stack([p[1] for p in parts])) \
         if d > 1 else parts[0]
     for name in ("floor", "pop"):
